@@ -1,0 +1,3 @@
+"""cachecraft: a chunk-cache manager for retrieval-augmented generation."""
+
+__version__ = "0.1.0"

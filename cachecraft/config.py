@@ -1,0 +1,166 @@
+"""One validated configuration object.
+
+Values come, later ones overriding earlier ones, from: the defaults below, a TOML
+file (``--config`` or ``CACHECRAFT_CONFIG``), ``CACHECRAFT_<FIELD>`` environment
+variables, and explicit overrides (CLI flags). Unknown keys are an error that lists
+the known ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+import platformdirs
+
+ENV_PREFIX = "CACHECRAFT_"
+CONFIG_ENV = "CACHECRAFT_CONFIG"
+
+DEFAULT_SYSTEM_PROMPT = (
+    "You are a helpful assistant. Answer the question using the passages below. "
+    "Answer briefly, in a few words."
+)
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+_KV_DTYPES = ("float32", "bfloat16", "float16")
+_DEVICES = ("auto", "cpu", "cuda")
+_EVICTION = ("cachecraft", "lru", "lfu", "pgdsf")
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class ConfigError(ValueError):
+    """A configuration value or file is invalid; the message says which and why."""
+
+
+def parse_bytes(value: int | str) -> int:
+    """Parse a byte size such as ``1048576``, ``"512MiB"`` or ``"2GB"``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"not a byte size: {value!r}")
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(f"not a byte size: {value!r} (use e.g. 1048576, 512MiB, 2GB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def default_cache_dir() -> Path:
+    """The cache directory: ``$CACHECRAFT_CACHE_DIR`` or the user cache directory."""
+    env = os.environ.get(ENV_PREFIX + "CACHE_DIR")
+    return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("cachecraft"))
+
+
+@dataclass(frozen=True)
+class Config:
+    """Every setting cachecraft reads; build with :meth:`load`, never mutate."""
+
+    cache_dir: Path = field(default_factory=default_cache_dir)
+    model: str = "smollm2"
+    device: str = "auto"
+    dtype: str = "auto"
+    kv_dtype: str = "float16"
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    max_new_tokens: int = 32
+    cacheblend_ratio: float = 0.15
+    check_layer: int = 1
+    gpu_budget_bytes: int = 2 * 2**30
+    cpu_budget_bytes: int = 4 * 2**30
+    disk_budget_bytes: int = 50 * 2**30
+    eviction: str = "cachecraft"
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ConfigError(message)
+
+        check(self.device in _DEVICES, f"device must be one of {_DEVICES}, got {self.device!r}")
+        check(self.dtype in _DTYPES, f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        check(self.kv_dtype in _KV_DTYPES, f"kv_dtype must be one of {_KV_DTYPES}, got {self.kv_dtype!r}")
+        check(self.eviction in _EVICTION, f"eviction must be one of {_EVICTION}, got {self.eviction!r}")
+        check(bool(str(self.model).strip()), "model must not be empty")
+        check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        check(0.0 <= self.cacheblend_ratio <= 1.0,
+              f"cacheblend_ratio must be within [0, 1], got {self.cacheblend_ratio}")
+        check(self.check_layer >= 1, f"check_layer must be >= 1, got {self.check_layer}")
+        for name in ("gpu_budget_bytes", "cpu_budget_bytes", "disk_budget_bytes"):
+            check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def models_dir(self) -> Path:
+        """Where converted models live (a subfolder of the cache directory)."""
+        return self.cache_dir / "models"
+
+    def to_dict(self) -> dict[str, Any]:
+        """The effective values, JSON-friendly."""
+        return {f.name: str(v) if isinstance(v, Path) else v
+                for f in fields(self) for v in [getattr(self, f.name)]}
+
+    @classmethod
+    def known_keys(cls) -> list[str]:
+        """Names accepted in a config file, as env suffixes and as overrides."""
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
+             environ: Mapping[str, str] | None = None) -> "Config":
+        """Build the effective config: defaults < TOML file < environment < overrides."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        path = path or environ.get(CONFIG_ENV)
+        if path:
+            values.update(_read_toml(Path(path)))
+        for key in cls.known_keys():
+            env_value = environ.get(ENV_PREFIX + key.upper())
+            if env_value is not None:
+                values[key] = env_value
+        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+        return cls.from_mapping(values)
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "Config":
+        """Validate and coerce a flat mapping of settings."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {unknown}; known keys: {sorted(known)}")
+        coerced = {name: _coerce(known[name], value) for name, value in values.items()}
+        return cls(**coerced)
+
+    def replace(self, **changes: Any) -> "Config":
+        """A copy with some values changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    # Accept either a flat file or one with a [cachecraft] table.
+    return dict(data.get("cachecraft", data))
+
+
+def _coerce(f: dataclasses.Field, value: Any) -> Any:
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if f.name.endswith("_bytes"):
+            return parse_bytes(value)
+        if kind == "Path":
+            return Path(str(value)).expanduser()
+        if kind == "int":
+            if isinstance(value, float) or isinstance(value, bool):
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{f.name}: cannot read {value!r} as {kind}") from None

@@ -1,0 +1,1 @@
+"""cachecraft model."""

