@@ -317,3 +317,13 @@ def _stats_from_rows(rows: list[torch.Tensor] | None, index: int, bound: tuple[i
     mass = torch.stack(rows).float().cpu()  # [L, T, S]
     return AttentionStats(outside=mass[:, :, :index].sum(dim=-1), inter=mass[:, :, :index].sum(dim=1),
                           intra=mass[:, :, index].sum(dim=1))
+
+
+def create_chunk_cache(adapter: ArchAdapter, before: Sequence[Segment], chunk_ids: Sequence[int], *,
+                       fingerprint: str, key: str = "", collect_stats: bool = True) -> ChunkKV:
+    """The KV of ``chunk_ids`` computed after the segments ``before`` (system prefix,
+    perhaps earlier chunks, cached or not), with those rows dropped, plus its
+    attention statistics."""
+    chunk = Segment(chunk_ids, "chunk", save=True, collect_stats=collect_stats, key=key)
+    result = blended_prefill(adapter, [*before, chunk], fingerprint=fingerprint)
+    return result.saved[len(before)]

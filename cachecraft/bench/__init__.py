@@ -1,0 +1,1 @@
+"""Benchmark commands: each writes a JSON result and prints a table."""

@@ -1,0 +1,129 @@
+"""``cachecraft bench quality``: every method on the same MuSiQue-format requests.
+
+Prompt = system prefix + the item's passages as chunks + question. Chunk-caches are
+made after the system prefix alone and kept in the stored KV dtype, so each
+method's time to first token includes turning them back into compute tensors.
+Quality is measured against ``full`` on the same request (first-token KL, answer
+agreement, exact match) and against the gold answers (token F1).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from cachecraft.bench.common import PeakRSS
+from cachecraft.dataset import QAItem
+from cachecraft.engine import Segment, blended_prefill, create_chunk_cache, generate_from
+from cachecraft.methods import MethodSpec, build_segments, segment_keys
+from cachecraft.metrics import best_f1, exact_match, first_line, kl_divergence, token_f1
+from cachecraft.model.loader import LoadedModel
+from cachecraft.prompt import PromptBuilder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class MethodRun:
+    """One method on one request."""
+
+    logits: torch.Tensor
+    answer: str
+    ttft_s: float
+    recompute_fraction: float
+    peak_rss_mb: float
+    kv_mb: float
+
+
+def run_method(lm: LoadedModel, spec: MethodSpec, pieces, prefix_kv, chunk_kvs,
+               max_new_tokens: int) -> MethodRun:
+    """Prefill ``pieces`` with ``spec``, time the first token, then decode greedily."""
+    gc.collect()
+    segments, check = build_segments(spec, pieces, prefix_kv, chunk_kvs)
+    with PeakRSS() as mem:
+        start = time.perf_counter()
+        result = blended_prefill(lm.adapter, segments, deviation_check=check,
+                                 fingerprint=lm.fingerprint)
+        int(result.logits.argmax())
+        ttft = time.perf_counter() - start
+    kv_mb = sum(k.numel() * k.element_size() * 2 for k in result.keys) / 2**20
+    new_ids = generate_from(lm.model, lm.tokenizer, result, max_new_tokens=max_new_tokens)
+    answer = lm.tokenizer.decode(new_ids, skip_special_tokens=True)
+    return MethodRun(result.logits.float().cpu(), answer, ttft, result.recompute_fraction,
+                     mem.peak_mb, kv_mb)
+
+
+def warm_chunks(lm: LoadedModel, pieces, prefix_kv, kv_dtype: torch.dtype) -> list:
+    """Chunk-caches made after the system prefix alone, stored in ``kv_dtype``."""
+    prefix_key, keys = segment_keys(lm.fingerprint, pieces)
+    before = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=prefix_key)]
+    return [create_chunk_cache(lm.adapter, before, ids, fingerprint=lm.fingerprint, key=key).to(kv_dtype)
+            for ids, key in zip(pieces.chunks, keys)]
+
+
+def aggregate(rows: list[dict], label: str) -> dict:
+    """The per-method summary written under ``methods``."""
+    mine = [r for r in rows if r["method"] == label]
+    if not mine:
+        return {}
+    mean = lambda key: statistics.fmean(r[key] for r in mine)  # noqa: E731
+    return {
+        "n": len(mine),
+        "ttft_s_median": statistics.median(r["ttft_s"] for r in mine),
+        "ttft_s_mean": mean("ttft_s"),
+        "speedup_vs_full_median": statistics.median(r["speedup_vs_full"] for r in mine),
+        "recompute_fraction_mean": mean("recompute_fraction"),
+        "kl_mean": mean("kl"),
+        "agreement_f1_mean": mean("agreement_f1"),
+        "exact_match_rate": mean("exact_match"),
+        "gold_f1_mean": mean("gold_f1"),
+        "peak_rss_mb_max": max(r["peak_rss_mb"] for r in mine),
+        "kv_mb_mean": mean("kv_mb"),
+    }
+
+
+def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[MethodSpec], *,
+                system_prompt: str, kv_dtype: torch.dtype = torch.float16, max_new_tokens: int = 32,
+                on_item: Callable[[int, int], None] | None = None) -> dict:
+    """Run every method on every item; returns ``{"items": [...], "methods": {...}}``."""
+    builder = PromptBuilder(lm.tokenizer, system_prompt)
+    full_spec = MethodSpec("full")
+    order = [full_spec] + [s for s in specs if s.name != "full"]
+    prefix_kv = None
+    rows: list[dict] = []
+    for index, item in enumerate(items):
+        chunks = [PromptBuilder.chunk_text(text, title) for title, text in item.passages]
+        pieces = builder.build(chunks, item.question, max_tokens=lm.max_context)
+        if prefix_kv is None:
+            prefix_kv = create_chunk_cache(lm.adapter, [], pieces.prefix, fingerprint=lm.fingerprint,
+                                           collect_stats=False).to(kv_dtype)
+        start = time.perf_counter()
+        chunk_kvs = warm_chunks(lm, pieces, prefix_kv, kv_dtype)
+        warm_s = time.perf_counter() - start
+        reference = None
+        for spec in order:
+            run = run_method(lm, spec, pieces, prefix_kv, chunk_kvs, max_new_tokens)
+            reference = reference or run
+            rows.append({
+                "item": index, "method": spec.label, "tokens": pieces.num_tokens,
+                "chunks": len(pieces.chunks), "ttft_s": run.ttft_s,
+                "speedup_vs_full": reference.ttft_s / run.ttft_s,
+                "recompute_fraction": run.recompute_fraction,
+                "kl": kl_divergence(reference.logits, run.logits),
+                "agreement_f1": token_f1(first_line(run.answer), first_line(reference.answer)),
+                "exact_match": float(exact_match(run.answer, reference.answer)),
+                "gold_f1": best_f1(run.answer, item.answers),
+                "peak_rss_mb": run.peak_rss_mb, "kv_mb": run.kv_mb,
+                "warm_s": warm_s, "answer": run.answer,
+            })
+            log.info("item %d %s ttft %.2fs", index, spec.label, run.ttft_s)
+        if on_item:
+            on_item(index + 1, len(items))
+    labels = [full_spec.label] + [s.label for s in specs if s.name != "full"]
+    return {"items": rows, "methods": {label: aggregate(rows, label) for label in labels}}

@@ -1,0 +1,87 @@
+"""The prefill methods compared throughout: what each one reuses and recomputes.
+
+- ``full``: prefill everything.
+- ``reuse``: chunk-caches made independently, concatenated; only the question computed.
+- ``cacheblend``: like ``reuse`` plus CacheBlend's deviation check at the check layer,
+  recomputing a fixed ratio of the chunk tokens.
+- ``inter``: like ``reuse`` plus the tokens with the highest stored inter-attention.
+- ``firstk``: like ``reuse`` plus the first tokens of every chunk (EPIC-like).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from cachecraft.engine import DeviationCheck, Segment
+from cachecraft.engine.selectors import count_for, first_tokens, top_inter_attention
+from cachecraft.kv import ChunkKV, chunk_key
+from cachecraft.prompt import PromptPieces
+
+METHODS = ("full", "reuse", "cacheblend", "inter", "firstk")
+
+
+class UnknownMethod(ValueError):
+    """A method name that cachecraft does not know."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method and its knobs (``ratio``: recompute fraction where it applies)."""
+
+    name: str
+    ratio: float = 0.15
+    check_layer: int = 1
+
+    def __post_init__(self) -> None:
+        if self.name not in METHODS:
+            raise UnknownMethod(f"unknown method {self.name!r}; choose from {', '.join(METHODS)}")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"ratio must be within [0, 1], got {self.ratio}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@{self.ratio:g}" if self.name in ("cacheblend", "inter", "firstk") else self.name
+
+    @property
+    def uses_cache(self) -> bool:
+        return self.name != "full"
+
+
+def parse_methods(text: str, ratio: float) -> list[MethodSpec]:
+    """``"full,reuse,cacheblend@0.3"`` -> specs; a bare name takes ``ratio``."""
+    specs = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        name, _, value = part.partition("@")
+        try:
+            specs.append(MethodSpec(name, float(value) if value else ratio))
+        except ValueError as exc:
+            raise UnknownMethod(str(exc)) from None
+    if not specs:
+        raise UnknownMethod(f"no method given; choose from {', '.join(METHODS)}")
+    return specs
+
+
+def segment_keys(fingerprint: str, pieces: PromptPieces) -> tuple[str, list[str]]:
+    """Cache keys of the prefix and of each chunk of a prompt."""
+    return chunk_key(fingerprint, pieces.prefix), [chunk_key(fingerprint, c) for c in pieces.chunks]
+
+
+def build_segments(spec: MethodSpec, pieces: PromptPieces, prefix_kv: ChunkKV | None,
+                   chunk_kvs: Sequence[ChunkKV | None]) -> tuple[list[Segment], DeviationCheck | None]:
+    """Segments and the optional deviation check that run ``spec`` on ``pieces``."""
+    use = spec.uses_cache
+    segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv if use else None)]
+    for ids, kv in zip(pieces.chunks, chunk_kvs):
+        kv = kv if use else None
+        recompute = None
+        if kv is not None and spec.name == "inter":
+            recompute = top_inter_attention(kv.stats, count_for(spec.ratio, len(ids)))
+        elif kv is not None and spec.name == "firstk":
+            recompute = first_tokens(len(ids), count_for(spec.ratio, len(ids)))
+        segments.append(Segment(ids, "chunk", cached=kv, recompute=recompute))
+    segments.append(Segment(pieces.question, "question"))
+    check = DeviationCheck(spec.check_layer, spec.ratio) if spec.name == "cacheblend" else None
+    return segments, check

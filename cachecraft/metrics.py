@@ -1,0 +1,57 @@
+"""Quality measures: first-token KL, token F1 (SQuAD-style), exact match."""
+
+from __future__ import annotations
+
+import re
+import string
+from collections import Counter
+from typing import Iterable
+
+import torch
+
+
+def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(reference || other) between the next-token distributions of two logit vectors."""
+    p = reference_logits.float().log_softmax(-1)
+    q = logits.float().log_softmax(-1)
+    return float((p.exp() * (p - q)).sum().clamp_min(0.0))
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, strip punctuation, articles and extra whitespace (SQuAD)."""
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def first_line(text: str) -> str:
+    """The answer's first non-empty line (CacheBlend scores only that)."""
+    for line in text.strip().splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    """Token-overlap F1 of two answers after :func:`normalize_answer`."""
+    pred, ref = normalize_answer(prediction).split(), normalize_answer(reference).split()
+    if not pred and not ref:
+        return 1.0
+    common = Counter(pred) & Counter(ref)
+    overlap = sum(common.values())
+    if overlap == 0:
+        return 0.0
+    precision, recall = overlap / len(pred), overlap / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def best_f1(prediction: str, references: Iterable[str]) -> float:
+    """Max token F1 over gold answers, on the prediction's first line."""
+    line = first_line(prediction)
+    return max((token_f1(line, ref) for ref in references), default=0.0)
+
+
+def exact_match(prediction: str, reference: str) -> bool:
+    """Whether two answers are equal after normalisation (first lines)."""
+    return normalize_answer(first_line(prediction)) == normalize_answer(first_line(reference))

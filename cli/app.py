@@ -1,0 +1,238 @@
+"""The ``cachecraft`` command.
+
+Every command reads the effective configuration (defaults < TOML file from
+``--config``/``CACHECRAFT_CONFIG`` < ``CACHECRAFT_*`` variables < flags). A user error
+prints one line and exits with code 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from cachecraft.config import Config, ConfigError
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+app = typer.Typer(help="cachecraft: reuse per-chunk KV caches for RAG, recompute only what matters.",
+                  context_settings=CONTEXT, no_args_is_help=True, add_completion=False)
+bench_app = typer.Typer(help="Benchmarks that write JSON results and print a table.",
+                        context_settings=CONTEXT, no_args_is_help=True)
+config_app = typer.Typer(help="Inspect the effective configuration.", context_settings=CONTEXT,
+                         no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+app.add_typer(config_app, name="config")
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+class UserError(Exception):
+    """An error the user can fix; shown as one line."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from cachecraft.dataset import DatasetError
+    from cachecraft.engine import PromptError
+    from cachecraft.methods import UnknownMethod
+    from cachecraft.model.adapter import UnsupportedArchitecture
+    from cachecraft.model.loader import ModelLoadError
+    from cachecraft.prompt import PromptTooLong
+    return (UserError, ConfigError, DatasetError, PromptError, UnknownMethod, UnsupportedArchitecture,
+            ModelLoadError, PromptTooLong, FileNotFoundError, PermissionError)
+
+
+def friendly(func: Callable) -> Callable:
+    """Turn known user errors into one line on stderr and exit code 1."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except _user_errors() as exc:
+            err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+@app.callback()
+def main_options(
+    ctx: typer.Context,
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML config file (else $CACHECRAFT_CONFIG)."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir",
+                                             help="Cache directory (else $CACHECRAFT_CACHE_DIR or the user cache dir)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress details."),
+) -> None:
+    """Chunk-cache manager for RAG. Start with `cachecraft demo` or `cachecraft check-model smollm2`."""
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
+    _quiet_libraries()
+    ctx.obj = {"config_path": config, "overrides": {"cache_dir": cache_dir}}
+
+
+def load_config(ctx: typer.Context, **overrides: Any) -> Config:
+    """The effective config for this invocation."""
+    obj = ctx.obj or {}
+    merged = {**obj.get("overrides", {}), **overrides}
+    return Config.load(obj.get("config_path"), overrides=merged)
+
+
+def _load_model(config: Config, name: str | None = None):
+    from cachecraft.model.loader import load_model
+    with console.status(f"loading model {name or config.model} ..."):
+        return load_model(name, config)
+
+
+@app.command("check-model")
+@friendly
+def check_model_cmd(
+    ctx: typer.Context,
+    model: str = typer.Argument(..., help="smollm2, a local HF model directory, a .gguf file or a hub id."),
+    prompts: int = typer.Option(3, min=1, help="How many generated prompts to check."),
+    tolerance: Optional[float] = typer.Option(None, help="Max |logit difference| allowed (default by dtype; 1e-4 in float32)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+) -> None:
+    """Check that blending is exact on MODEL: fractions at 1.0 and exact-prefix reuse must
+    reproduce a full prefill, and greedy generation from a blended cache must match
+    plain `generate`. Exit code 0 only if every check holds."""
+    from cachecraft.checks import check_model
+    config = load_config(ctx, model=model)
+    lm = _load_model(config, model)
+    with console.status("checking ..."):
+        report = check_model(lm, prompts=prompts, tolerance=tolerance)
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        table = Table(title=f"check-model {model} ({report.dtype}, tolerance {report.tolerance:g})")
+        table.add_column("check")
+        table.add_column("max |logit diff|", justify="right")
+        table.add_column("result")
+        for r in report.results:
+            value = "-" if r.name == "generate" else f"{r.max_abs_diff:.2e}"
+            table.add_row(r.name, value, "[green]ok[/green]" if r.passed else "[red]FAIL[/red]")
+        console.print(table)
+        console.print("[green]all checks passed[/green]" if report.passed else "[red]some checks failed[/red]")
+    raise typer.Exit(0 if report.passed else 1)
+
+
+@bench_app.command("quality")
+@friendly
+def bench_quality_cmd(
+    ctx: typer.Context,
+    dataset: Path = typer.Option(..., help="MuSiQue-format JSON file (list of {ctxs, question, answers})."),
+    out: Path = typer.Option(Path("benchmarks/results/quality.json"), help="Where to write the JSON result."),
+    limit: int = typer.Option(10, min=1, help="Use the first N items."),
+    methods: str = typer.Option("full,reuse,cacheblend",
+                                help="Comma-separated methods: full, reuse, cacheblend, inter, firstk; "
+                                     "name@ratio sets a ratio, e.g. cacheblend@0.3."),
+    ratio: Optional[float] = typer.Option(None, min=0.0, max=1.0,
+                                          help="Default recompute ratio (default: config cacheblend_ratio, 0.15)."),
+    max_new_tokens: int = typer.Option(32, min=1, help="Answer length for agreement and gold F1."),
+    model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
+) -> None:
+    """Compare methods on the same requests: time to first token, recompute fraction,
+    first-token KL and answer agreement against `full`, and gold F1."""
+    from rich.progress import Progress
+
+    from cachecraft.bench.common import write_result
+    from cachecraft.bench.quality import run_quality
+    from cachecraft.dataset import load_items
+    from cachecraft.methods import parse_methods
+    from cachecraft.model.loader import _DTYPES
+
+    config = load_config(ctx, model=model)
+    specs = parse_methods(methods, config.cacheblend_ratio if ratio is None else ratio)
+    items = load_items(dataset, limit)
+    lm = _load_model(config)
+    with Progress(console=err_console, transient=True) as progress:
+        task = progress.add_task("requests", total=len(items))
+        result = run_quality(lm, items, specs, system_prompt=config.system_prompt,
+                             kv_dtype=_DTYPES[config.kv_dtype], max_new_tokens=max_new_tokens,
+                             on_item=lambda done, total: progress.update(task, completed=done))
+    command = "cachecraft bench quality " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "cachecraft bench quality"
+    payload = {"benchmark": "quality", "command": command, "model": lm.name,
+               "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""),
+               "kv_dtype": config.kv_dtype, "dataset": str(dataset), "limit": len(items), **result}
+    write_result(out, payload)
+    print_quality_table(result["methods"])
+    console.print(f"wrote {out}")
+
+
+def print_quality_table(methods: dict[str, dict]) -> None:
+    """The aggregates of ``bench quality`` as a table."""
+    table = Table(title="quality vs full prefill (same requests)")
+    for column in ("method", "TTFT median (s)", "speedup", "recompute", "KL", "agreement F1",
+                   "exact match", "gold F1", "peak RSS (MB)"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for label, m in methods.items():
+        if not m:
+            continue
+        table.add_row(label, f"{m['ttft_s_median']:.2f}", f"{m['speedup_vs_full_median']:.1f}x",
+                      f"{m['recompute_fraction_mean']:.3f}", f"{m['kl_mean']:.4f}",
+                      f"{m['agreement_f1_mean']:.3f}", f"{m['exact_match_rate']:.2f}",
+                      f"{m['gold_f1_mean']:.3f}", f"{m['peak_rss_mb_max']:.0f}")
+    console.print(table)
+
+
+@app.command("demo")
+@friendly
+def demo_cmd(
+    ctx: typer.Context,
+    questions: Path = typer.Option(Path("data/demo.json"),
+                                   help="MuSiQue-format file with sample passages and questions."),
+    limit: int = typer.Option(3, min=1, help="How many questions to answer."),
+) -> None:
+    """Answer a few questions over sample passages with `full` and `cacheblend` side by
+    side, printing each one's time to first token and answer."""
+    from cachecraft.demo import run_demo
+    config = load_config(ctx)
+    lm = _load_model(config)
+    run_demo(lm, config, questions, limit, console)
+
+
+@config_app.command("show")
+@friendly
+def config_show_cmd(ctx: typer.Context,
+                    as_json: bool = typer.Option(False, "--json", help="Print one JSON document.")) -> None:
+    """Print the effective configuration and where it comes from."""
+    config = load_config(ctx)
+    values = config.to_dict()
+    if as_json:
+        print(json.dumps(values, indent=2))
+        return
+    table = Table(title="effective configuration")
+    table.add_column("key")
+    table.add_column("value")
+    for key, value in values.items():
+        table.add_row(key, str(value))
+    console.print(table)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""The engine against the model's own forward pass, on tiny random models of each architecture."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import TextIteratorStreamer
+
+from cachecraft.engine import (DeviationCheck, PromptError, Segment, blended_prefill,
+                               create_chunk_cache, generate_from)
+from tests.conftest import tiny_model
+
+TOL = 1e-4
+SIZES = [8, 30, 25, 35, 9]  # prefix, three chunks, question
+
+
+def make_prompt(seed: int = 1, sizes=SIZES, vocab: int = 300):
+    g = torch.Generator().manual_seed(seed)
+    parts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in sizes]
+    return parts[0], parts[1:-1], parts[-1]
+
+
+def full_segments(prefix, chunks, question, **chunk_kwargs):
+    return [Segment(prefix, "prefix")] + [Segment(c, **chunk_kwargs) for c in chunks] + [Segment(question, "question")]
+
+
+def caches_after_prefix_alone(lm, prefix, chunks):
+    prefix_kv = create_chunk_cache(lm.adapter, [], prefix, fingerprint=lm.fingerprint)
+    before = [Segment(prefix, "prefix", cached=prefix_kv)]
+    return prefix_kv, [create_chunk_cache(lm.adapter, before, c, fingerprint=lm.fingerprint) for c in chunks]
+
+
+def hf_forward(lm, prefix, chunks, question):
+    ids = torch.tensor(prefix + [t for c in chunks for t in c] + question)
+    with torch.no_grad():
+        out = lm.model(ids[None], use_cache=True)
+    return out.logits[0, -1], out.past_key_values
+
+
+def test_full_prefill_matches_model_logits_and_kv(any_tiny):
+    prefix, chunks, question = make_prompt()
+    logits, past = hf_forward(any_tiny, prefix, chunks, question)
+    result = blended_prefill(any_tiny.adapter, full_segments(prefix, chunks, question))
+    assert (result.logits - logits).abs().max() < TOL
+    for layer in range(any_tiny.adapter.num_layers):
+        assert (result.keys[layer] - past.layers[layer].keys[0]).abs().max() < TOL
+        assert (result.values[layer] - past.layers[layer].values[0]).abs().max() < TOL
+    assert result.recompute_fraction == 1.0
+
+
+def test_every_fraction_at_one_reproduces_full_prefill(any_tiny):
+    prefix, chunks, question = make_prompt()
+    logits, past = hf_forward(any_tiny, prefix, chunks, question)
+    prefix_kv, kvs = caches_after_prefix_alone(any_tiny, prefix, chunks)
+    segments = ([Segment(prefix, "prefix", cached=prefix_kv)]
+                + [Segment(c, cached=kv, recompute=range(len(c))) for c, kv in zip(chunks, kvs)]
+                + [Segment(question, "question")])
+    result = blended_prefill(any_tiny.adapter, segments)
+    assert (result.logits - logits).abs().max() < TOL
+    last = any_tiny.adapter.num_layers - 1
+    assert (result.values[last] - past.layers[last].values[0]).abs().max() < TOL
+    assert result.recompute_fraction == 1.0
+
+
+def test_cacheblend_ratio_one_reproduces_full_prefill(any_tiny):
+    prefix, chunks, question = make_prompt()
+    logits, _ = hf_forward(any_tiny, prefix, chunks, question)
+    prefix_kv, kvs = caches_after_prefix_alone(any_tiny, prefix, chunks)
+    segments = ([Segment(prefix, "prefix", cached=prefix_kv)]
+                + [Segment(c, cached=kv) for c, kv in zip(chunks, kvs)] + [Segment(question, "question")])
+    result = blended_prefill(any_tiny.adapter, segments, deviation_check=DeviationCheck(1, 1.0))
+    assert (result.logits - logits).abs().max() < TOL
+
+
+def test_exact_prefix_variants_need_no_recompute(any_tiny):
+    prefix, chunks, question = make_prompt()
+    logits, _ = hf_forward(any_tiny, prefix, chunks, question)
+    saved = blended_prefill(any_tiny.adapter, full_segments(prefix, chunks, question, save=True)).saved
+    prefix_kv = create_chunk_cache(any_tiny.adapter, [], prefix, fingerprint=any_tiny.fingerprint)
+    segments = ([Segment(prefix, "prefix", cached=prefix_kv)]
+                + [Segment(c, cached=saved[i + 1]) for i, c in enumerate(chunks)] + [Segment(question, "question")])
+    result = blended_prefill(any_tiny.adapter, segments)
+    assert result.recompute_fraction == 0.0
+    assert (result.logits - logits).abs().max() < TOL
+
+
+def test_reuse_without_recompute_is_not_exact(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    logits, _ = hf_forward(tiny_llama, prefix, chunks, question)
+    prefix_kv, kvs = caches_after_prefix_alone(tiny_llama, prefix, chunks)
+    segments = ([Segment(prefix, "prefix", cached=prefix_kv)]
+                + [Segment(c, cached=kv) for c, kv in zip(chunks, kvs)] + [Segment(question, "question")])
+    result = blended_prefill(tiny_llama.adapter, segments)
+    assert result.recompute_fraction == 0.0
+    assert (result.logits - logits).abs().max() > 1e-3
+
+
+def test_layer_zero_kv_of_cached_tokens_is_context_free(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    full = blended_prefill(tiny_llama.adapter, full_segments(prefix, chunks, question, save=True))
+    _, kvs = caches_after_prefix_alone(tiny_llama, prefix, chunks)
+    for i, kv in enumerate(kvs):
+        in_context = full.saved[i + 1]
+        assert torch.allclose(kv.keys[0], in_context.keys[0], atol=1e-6)
+        assert torch.allclose(kv.values[0], in_context.values[0], atol=1e-6)
+        if i == 0:  # made after the prefix alone in both runs: identical at every layer
+            assert torch.allclose(kv.values[1], in_context.values[1], atol=1e-6)
+        else:
+            assert not torch.allclose(kv.values[1], in_context.values[1], atol=1e-4)
+
+
+def test_recomputed_rows_are_fresh_and_others_keep_cached_kv(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    prefix_kv, kvs = caches_after_prefix_alone(tiny_llama, prefix, chunks)
+    picked = [0, 5, 17]
+    segments = ([Segment(prefix, "prefix", cached=prefix_kv), Segment(chunks[0], cached=kvs[0]),
+                 Segment(chunks[1], cached=kvs[1], recompute=picked), Segment(chunks[2], cached=kvs[2])]
+                + [Segment(question, "question")])
+    result = blended_prefill(tiny_llama.adapter, segments)
+    start = len(prefix) + len(chunks[0])  # chunk 1 now follows chunk 0, unlike when it was cached
+    layer = 2
+    values = result.values[layer][:, start:start + len(chunks[1])]
+    cached = kvs[1].values[layer]
+    others = [i for i in range(len(chunks[1])) if i not in picked]
+    assert torch.equal(values[:, others], cached[:, others])
+    for i in picked:
+        assert not torch.allclose(values[:, i], cached[:, i], atol=1e-5)
+    assert result.recomputed_tokens == len(picked)
+    assert result.context_tokens == sum(map(len, chunks))
+
+
+def test_stop_layer_zero_equals_plain_reuse_and_partial_stop_keeps_cached_above(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    prefix_kv, kvs = caches_after_prefix_alone(tiny_llama, prefix, chunks)
+
+    def run(stop):
+        segments = ([Segment(prefix, "prefix", cached=prefix_kv)]
+                    + [Segment(c, cached=kv, recompute=range(len(c)), stop_layer=stop) for c, kv in zip(chunks, kvs)]
+                    + [Segment(question, "question")])
+        return blended_prefill(tiny_llama.adapter, segments)
+
+    reuse = blended_prefill(tiny_llama.adapter, [Segment(prefix, "prefix", cached=prefix_kv)]
+                            + [Segment(c, cached=kv) for c, kv in zip(chunks, kvs)] + [Segment(question, "question")])
+    assert torch.allclose(run(0).logits, reuse.logits, atol=1e-6)
+    partial, full = run(2), run(None)
+    lo, hi = len(prefix), len(prefix) + len(chunks[0])
+    assert torch.allclose(partial.values[1][:, lo:hi], full.values[1][:, lo:hi], atol=1e-6)
+    assert torch.equal(partial.values[2][:, lo:hi], kvs[0].values[2])
+    assert 0 < partial.recompute_work < full.recompute_work
+
+
+def test_deviation_check_picks_the_most_deviating_tokens(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    prefix_kv, kvs = caches_after_prefix_alone(tiny_llama, prefix, chunks)
+    full = blended_prefill(tiny_llama.adapter, full_segments(prefix, chunks, question))
+    ratio = 0.2
+    lo = len(prefix)
+    cached_v1 = torch.cat([kv.values[1] for kv in kvs], dim=1)
+    fresh_v1 = full.values[1][:, lo:lo + cached_v1.shape[1]]
+    deviation = (fresh_v1 - cached_v1).pow(2).sum(dim=(0, 2))
+    count = math.ceil(ratio * deviation.numel())
+    expected = set(deviation.topk(count).indices.tolist())
+    segments = ([Segment(prefix, "prefix", cached=prefix_kv)]
+                + [Segment(c, cached=kv) for c, kv in zip(chunks, kvs)] + [Segment(question, "question")])
+    result = blended_prefill(tiny_llama.adapter, segments, deviation_check=DeviationCheck(1, ratio))
+    assert result.recomputed_tokens == count
+    blended_v2 = result.values[2][:, lo:lo + cached_v1.shape[1]]
+    cached_v2 = torch.cat([kv.values[2] for kv in kvs], dim=1)
+    changed = {i for i in range(cached_v2.shape[1]) if not torch.equal(blended_v2[:, i], cached_v2[:, i])}
+    assert changed == expected
+
+
+def test_attention_statistics_match_eager_attention(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    model = tiny_llama.model
+    model.set_attn_implementation("eager")
+    ids = torch.tensor(prefix + chunks[0] + chunks[1])
+    with torch.no_grad():
+        attentions = model(ids[None], output_attentions=True).attentions
+    probs = torch.stack([a[0].mean(dim=0) for a in attentions])  # [L, N, N]
+    before = [Segment(prefix, "prefix", key="p"), Segment(chunks[0], key="c0")]
+    kv = create_chunk_cache(tiny_llama.adapter, before, chunks[1], fingerprint=tiny_llama.fingerprint, key="c1")
+    a, b = len(prefix), len(prefix) + len(chunks[0])
+    rows = probs[:, b:]
+    assert kv.prefix == ("p", "c0")
+    assert torch.allclose(kv.stats.outside, rows[:, :, :b].sum(-1), atol=1e-5)
+    assert torch.allclose(kv.stats.inter[:, 0], rows[:, :, :a].sum((-1, -2)), atol=1e-4)
+    assert torch.allclose(kv.stats.inter[:, 1], rows[:, :, a:b].sum((-1, -2)), atol=1e-4)
+    assert torch.allclose(kv.stats.intra, rows[:, :, b:].sum((-1, -2)), atol=1e-4)
+    assert torch.allclose(kv.stats.intra + kv.stats.inter.sum(-1), torch.full((4,), float(len(chunks[1]))))
+
+
+def test_question_attention_is_reported_per_segment(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    result = blended_prefill(tiny_llama.adapter, full_segments(prefix, chunks, question), observe_layers=[1, 3])
+    assert set(result.question_attention) == {1, 3}
+    mass = result.question_attention[3]
+    assert mass.shape == (len(chunks) + 2,)
+    assert mass.sum().item() == pytest.approx(len(question), rel=1e-5)
+
+
+def test_greedy_generation_from_blended_cache_equals_plain_generate(any_tiny):
+    prefix, chunks, question = make_prompt()
+    ids = torch.tensor(prefix + [t for c in chunks for t in c] + question)
+    plain = any_tiny.model.generate(ids[None], max_new_tokens=10, do_sample=False, pad_token_id=0)[0, ids.numel():]
+    result = blended_prefill(any_tiny.adapter, full_segments(prefix, chunks, question))
+    assert generate_from(any_tiny.model, any_tiny.tokenizer, result, max_new_tokens=10).tolist() == plain.tolist()
+
+
+def test_sampling_and_streaming_from_blended_cache(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    ids = torch.tensor(prefix + [t for c in chunks for t in c] + question)
+    torch.manual_seed(7)
+    plain = tiny_llama.model.generate(ids[None], max_new_tokens=8, do_sample=True, top_k=50,
+                                      pad_token_id=0)[0, ids.numel():]
+    result = blended_prefill(tiny_llama.adapter, full_segments(prefix, chunks, question))
+    torch.manual_seed(7)
+    sampled = generate_from(tiny_llama.model, tiny_llama.tokenizer, result, max_new_tokens=8, do_sample=True,
+                            top_k=50)
+    assert sampled.tolist() == plain.tolist()
+
+    streamer = TextIteratorStreamer(tiny_llama.tokenizer, skip_prompt=True)
+    result = blended_prefill(tiny_llama.adapter, full_segments(prefix, chunks, question))
+    new = generate_from(tiny_llama.model, tiny_llama.tokenizer, result, max_new_tokens=6, streamer=streamer)
+    streamed = "".join(streamer)
+    assert streamed.split() == tiny_llama.tokenizer.decode(new).split()
+
+
+def test_stopping_criteria_end_generation(tiny_llama):
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    prefix, chunks, question = make_prompt()
+    result = blended_prefill(tiny_llama.adapter, full_segments(prefix, chunks, question))
+    free = generate_from(tiny_llama.model, tiny_llama.tokenizer, result, max_new_tokens=12).tolist()
+    stop_id = free[2]
+
+    class StopAt(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == stop_id
+
+    result = blended_prefill(tiny_llama.adapter, full_segments(prefix, chunks, question))
+    stopped = generate_from(tiny_llama.model, tiny_llama.tokenizer, result, max_new_tokens=12,
+                            stopping_criteria=StoppingCriteriaList([StopAt()])).tolist()
+    assert stopped == free[:free.index(stop_id) + 1]
+
+
+def test_bad_prompts_raise_prompt_error(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    adapter = tiny_llama.adapter
+    with pytest.raises(PromptError, match="no segments"):
+        blended_prefill(adapter, [])
+    with pytest.raises(PromptError, match="empty"):
+        Segment([], "chunk")
+    kv = create_chunk_cache(adapter, [], prefix, fingerprint=tiny_llama.fingerprint)
+    with pytest.raises(PromptError, match="question"):
+        blended_prefill(adapter, [Segment(prefix, "prefix", cached=kv)])
+    with pytest.raises(PromptError, match="context window"):
+        blended_prefill(adapter, [Segment(list(range(3, 300)) * 4, "question")])
+    with pytest.raises(PromptError, match="out of range"):
+        blended_prefill(adapter, [Segment(prefix, "prefix", cached=kv, recompute=[99]), Segment(question, "question")])
+    with pytest.raises(PromptError, match="tokens but"):
+        Segment(question, cached=kv)
+
+
+def test_mistral_sliding_window_caps_the_context():
+    lm = tiny_model("mistral")
+    assert lm.max_context == 512
+    with pytest.raises(PromptError, match="512"):
+        blended_prefill(lm.adapter, [Segment(list(range(3, 300)) * 2, "question")])
