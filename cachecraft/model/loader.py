@@ -138,7 +138,8 @@ def model_fingerprint(model: torch.nn.Module, tokenizer, dtype: torch.dtype) -> 
     """
     h = hashlib.sha256()
     config = model.config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config"):
+    for volatile in ("_name_or_path", "_commit_hash", "architectures", "transformers_version", "dtype",
+                     "torch_dtype", "quantization_config"):
         config.pop(volatile, None)
     h.update(json.dumps(config, sort_keys=True, default=str).encode())
     for name, param in model.state_dict().items():
@@ -167,8 +168,6 @@ def wrap_model(name: str, model: torch.nn.Module, tokenizer, device: torch.devic
 
 def load_model(name: str | None = None, config: Config | None = None) -> LoadedModel:
     """Load ``name``: ``smollm2`` (bundled), a local HF directory, a ``.gguf`` path or a hub id."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     config = config or Config.load()
     name = name or config.model
     device = resolve_device(config.device)
@@ -187,13 +186,43 @@ def load_model(name: str | None = None, config: Config | None = None) -> LoadedM
     elif path.exists():
         raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
     else:
-        source = name  # a hub id; works only where the network allows
+        source = name  # a hub id; works from the local HF cache, or where the network allows
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source))
-        model = AutoModelForCausalLM.from_pretrained(str(source), dtype=dtype)
-    except (OSError, ValueError) as exc:
+        tokenizer, model = _from_pretrained(str(source), dtype, local_only=True)
+    except (OSError, ValueError) as local_exc:
         known = ", ".join(sorted(BUNDLED))
-        raise ModelLoadError(
-            f"cannot load model {name!r}: not a bundled name ({known}), a local model directory "
-            f"or a .gguf file, and loading it as a hub id failed ({str(exc).splitlines()[0]})") from None
+        if not isinstance(source, str) or not _hub_reachable():
+            reason = str(local_exc).splitlines()[0] if isinstance(source, Path) else "the hub is unreachable"
+            raise ModelLoadError(
+                f"cannot load model {name!r}: not a bundled name ({known}), a local model directory "
+                f"or a .gguf file, and not in the local Hugging Face cache ({reason})") from None
+        try:
+            tokenizer, model = _from_pretrained(source, dtype, local_only=False)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot load model {name!r} from the hub: {str(exc).splitlines()[0]}") from None
     return wrap_model(name, model, tokenizer, device, dtype)
+
+
+def _from_pretrained(source: str, dtype: torch.dtype, local_only: bool):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only)
+    return tokenizer, model
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """Whether the model hub answers at all (offline machines fail fast instead of retrying)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    url = urlparse(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

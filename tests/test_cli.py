@@ -1,0 +1,110 @@
+"""The CLI through typer's runner and as a real subprocess, on a tiny local model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.app import app
+from tests.conftest import tiny_model
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "llama"
+    lm = tiny_model("llama")
+    lm.model.save_pretrained(path)
+    lm.tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    words = lambda start, n: " ".join(f"w{i}" for i in range(start, start + n))  # noqa: E731
+    items = [{"ctxs": [{"title": "w1", "text": words(10 + 7 * j + i, 30)} for j in range(3)],
+              "question": words(100 + i, 5), "answers": [words(200, 2)]} for i in range(2)]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(items))
+    return path
+
+
+def one_line_error(result, needle: str) -> None:
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert needle in result.output
+
+
+def test_help_works_with_short_flag():
+    result = runner.invoke(app, ["-h"])
+    assert result.exit_code == 0
+    for command in ("check-model", "bench", "demo", "config"):
+        assert command in result.output
+
+
+def test_check_model_on_a_local_directory(tiny_dir, cache_dir):
+    result = runner.invoke(app, ["check-model", str(tiny_dir), "--prompts", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["passed"] is True
+    assert {r["name"] for r in report["results"]} >= {"recompute_all", "exact_prefix", "generate"}
+
+
+def test_bench_quality_writes_results(tiny_dir, dataset, tmp_path, cache_dir):
+    out = tmp_path / "q.json"
+    result = runner.invoke(app, ["bench", "quality", "--dataset", str(dataset), "--limit", "2",
+                                 "--methods", "full,reuse,cacheblend@0.5", "--out", str(out),
+                                 "--model", str(tiny_dir), "--max-new-tokens", "4"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert set(data["methods"]) == {"full", "reuse", "cacheblend@0.5"}
+    full, blend = data["methods"]["full"], data["methods"]["cacheblend@0.5"]
+    for key in ("ttft_s_median", "recompute_fraction_mean", "kl_mean", "agreement_f1_mean",
+                "exact_match_rate", "gold_f1_mean", "peak_rss_mb_max"):
+        assert key in blend
+    assert full["kl_mean"] == 0.0 and full["agreement_f1_mean"] == 1.0 and full["recompute_fraction_mean"] == 1.0
+    assert data["methods"]["reuse"]["recompute_fraction_mean"] == 0.0
+    assert 0.5 <= blend["recompute_fraction_mean"] < 0.6
+    assert len(data["items"]) == 6 and data["machine"]["cores"] >= 1
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["check-model", "no-such-model-anywhere/xyz"], "cannot load model"),
+    (["bench", "quality", "--dataset", "missing.json"], "dataset file not found"),
+    (["bench", "quality", "--dataset", "{bad}", "--methods", "full"], "not a JSON file"),
+    (["bench", "quality", "--dataset", "{good}", "--methods", "full,fancy"], "unknown method 'fancy'"),
+])
+def test_bad_input_is_one_line_and_exit_1(args, needle, tmp_path, dataset, cache_dir, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    args = [a.replace("{bad}", str(bad)).replace("{good}", str(dataset)) for a in args]
+    one_line_error(runner.invoke(app, args), needle)
+
+
+def test_corrupted_config_file_is_reported(tmp_path):
+    bad = tmp_path / "c.toml"
+    bad.write_text("model = [")
+    one_line_error(runner.invoke(app, ["--config", str(bad), "config", "show"]), "not valid TOML")
+    good = tmp_path / "g.toml"
+    good.write_text('max_new_tokens = 5\n')
+    result = runner.invoke(app, ["--config", str(good), "config", "show", "--json"])
+    assert json.loads(result.output)["max_new_tokens"] == 5
+
+
+def test_real_subprocess_check_model(tiny_dir, tmp_path):
+    env = {**os.environ, "CACHECRAFT_CACHE_DIR": str(tmp_path / "c")}
+    done = subprocess.run([sys.executable, "-m", "cli.app", "check-model", str(tiny_dir), "--prompts", "1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "all checks passed" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "cli.app", "bench", "quality", "--dataset", str(tmp_path / "x.json")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 1
+    assert bad.stderr.strip().count("\n") == 0 and "dataset file not found" in bad.stderr

@@ -1,0 +1,63 @@
+"""Config precedence, validation and byte sizes."""
+
+from pathlib import Path
+
+import pytest
+
+from cachecraft.config import Config, ConfigError, parse_bytes
+
+
+def test_precedence_file_then_env_then_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('model = "from-file"\nmax_new_tokens = 7\ncacheblend_ratio = 0.3\n')
+    env = {"CACHECRAFT_MAX_NEW_TOKENS": "9", "CACHECRAFT_CACHE_DIR": str(tmp_path / "cd")}
+    config = Config.load(path, overrides={"cacheblend_ratio": 0.5, "model": None}, environ=env)
+    assert config.model == "from-file"
+    assert config.max_new_tokens == 9
+    assert config.cacheblend_ratio == 0.5
+    assert config.cache_dir == tmp_path / "cd"
+    assert config.models_dir == tmp_path / "cd" / "models"
+
+
+def test_config_path_from_environment_and_table_form(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[cachecraft]\ncpu_budget_bytes = "1MiB"\n')
+    config = Config.load(environ={"CACHECRAFT_CONFIG": str(path)})
+    assert config.cpu_budget_bytes == 2**20
+
+
+def test_unknown_keys_list_the_known_ones(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['modle'\].*known keys.*'model'"):
+        Config.from_mapping({"modle": "x"})
+
+
+@pytest.mark.parametrize("key,value", [("device", "tpu"), ("cacheblend_ratio", 1.5), ("max_new_tokens", 0),
+                                       ("cpu_budget_bytes", 0), ("disk_budget_bytes", "-5MB"),
+                                       ("check_layer", "one"), ("eviction", "random")])
+def test_bad_values_are_rejected_with_the_key_named(key, value):
+    with pytest.raises(ConfigError, match=key.split("_")[0]):
+        Config.from_mapping({key: value})
+
+
+def test_corrupted_or_missing_config_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"model = \xff\xfe [")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        Config.load(bad, environ={})
+    with pytest.raises(ConfigError, match="not found"):
+        Config.load(tmp_path / "nope.toml", environ={})
+
+
+def test_parse_bytes():
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("2GB") == 2 * 10**9
+    assert parse_bytes(123) == 123
+    assert parse_bytes("1.5KiB") == 1536
+    with pytest.raises(ConfigError):
+        parse_bytes("lots")
+
+
+def test_to_dict_is_json_friendly(tmp_path):
+    values = Config.load(overrides={"cache_dir": tmp_path}, environ={}).to_dict()
+    assert values["cache_dir"] == str(tmp_path)
+    assert isinstance(Path(values["cache_dir"]), Path)

@@ -1,0 +1,46 @@
+"""Model loading, fingerprints and unsupported architectures."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from cachecraft.config import Config
+from cachecraft.model.adapter import UnsupportedArchitecture
+from cachecraft.model.loader import ModelLoadError, load_model, wrap_model
+from tests.conftest import tiny_model, tiny_tokenizer
+
+
+def test_fingerprint_changes_with_weights_architecture_and_dtype():
+    a, b = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
+    assert a.fingerprint != b.fingerprint
+    assert a.fingerprint == tiny_model("llama", seed=0).fingerprint
+    assert tiny_model("qwen2").fingerprint != a.fingerprint
+    half = wrap_model("x", tiny_model("llama", seed=0).model, tiny_tokenizer(), torch.device("cpu"), torch.bfloat16)
+    assert half.fingerprint != a.fingerprint
+
+
+def test_unsupported_architecture_is_named_with_the_reason():
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+    with pytest.raises(UnsupportedArchitecture, match="'gpt2' is not supported: .*absolute position"):
+        wrap_model("gpt2", model, tiny_tokenizer(), torch.device("cpu"), torch.float32)
+
+
+def test_local_directory_loads_with_same_fingerprint(tmp_path, cache_dir):
+    lm = tiny_model("qwen3")
+    lm.model.save_pretrained(tmp_path / "m")
+    lm.tokenizer.save_pretrained(tmp_path / "m")
+    loaded = load_model(str(tmp_path / "m"), Config.load(environ={}))
+    assert loaded.fingerprint == lm.fingerprint
+    assert loaded.adapter.has_qk_norm
+
+
+def test_bad_model_names_are_explained(tmp_path, cache_dir):
+    config = Config.load(environ={})
+    with pytest.raises(ModelLoadError, match="GGUF file not found"):
+        load_model(str(tmp_path / "missing.gguf"), config)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path / "empty"), config)
+    (tmp_path / "file.txt").write_text("x")
+    with pytest.raises(ModelLoadError, match="neither a model directory"):
+        load_model(str(tmp_path / "file.txt"), config)

@@ -1,0 +1,36 @@
+"""Quality measures against values computed by hand."""
+
+import math
+
+import pytest
+import torch
+
+from cachecraft.metrics import best_f1, exact_match, first_line, kl_divergence, normalize_answer, token_f1
+
+
+def test_token_f1_by_hand():
+    # prediction tokens: [paris, france], reference: [paris] -> P=1/2, R=1 -> F1=2/3
+    assert token_f1("Paris, France", "paris") == pytest.approx(2 / 3)
+    assert token_f1("The Eiffel Tower", "eiffel tower") == 1.0
+    assert token_f1("berlin", "paris") == 0.0
+
+
+def test_best_f1_uses_first_line_and_max_over_answers():
+    assert best_f1("London\nParis", ["paris", "london"]) == 1.0
+    assert best_f1("in London town", ["paris", "london"]) == pytest.approx(2 * (1 / 3) / (1 / 3 + 1))
+    assert best_f1("x", []) == 0.0
+
+
+def test_exact_match_and_normalisation():
+    assert normalize_answer("The  Answer!") == "answer"
+    assert exact_match("An apple.\nmore", "apple")
+    assert not exact_match("apples", "apple")
+    assert first_line("\n\n  hi \nthere") == "hi"
+
+
+def test_kl_by_hand():
+    p = torch.tensor([math.log(0.5), math.log(0.5)])
+    q = torch.tensor([math.log(0.25), math.log(0.75)])
+    expected = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    assert kl_divergence(p, q) == pytest.approx(expected, rel=1e-5)
+    assert kl_divergence(p, p) == 0.0
