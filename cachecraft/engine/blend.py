@@ -163,6 +163,40 @@ def _select_top_deviation(fresh: torch.Tensor, cached: torch.Tensor, candidates:
     return deviation.topk(count).indices
 
 
+class _AttentionPlan:
+    """Query blocks for attention over the whole prompt from a sorted subset of positions.
+
+    Each block sees keys only up to its last query's position, so the cost follows the
+    causal triangle instead of every query scanning every key; block masks are built
+    once per active set and reused by every layer that has the same set.
+    """
+
+    def __init__(self, active: torch.Tensor, n_total: int, block: int = 128):
+        self.full = active.numel() == n_total
+        self.blocks: list[tuple[int, int, int, torch.Tensor | None]] = []
+        if self.full:
+            return
+        arange = torch.arange(n_total, device=active.device)
+        for lo in range(0, active.numel(), block):
+            pos = active[lo:lo + block]
+            end = int(pos[-1]) + 1
+            mask = arange[None, :end] <= pos[:, None]
+            self.blocks.append((lo, lo + pos.numel(), end, None if bool(mask.all()) else mask))
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+               gqa: bool) -> torch.Tensor:
+        """Attention of q ``[H, n, D]`` over keys/values ``[H_kv, N, D]``: ``[H, n, D]``."""
+        if self.full:
+            return F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True,
+                                                  scale=scale, enable_gqa=gqa)[0]
+        out = torch.empty_like(q)
+        for lo, hi, end, mask in self.blocks:
+            out[:, lo:hi] = F.scaled_dot_product_attention(
+                q[None, :, lo:hi], keys[None, :, :end], values[None, :, :end], attn_mask=mask,
+                scale=scale, enable_gqa=gqa)[0]
+        return out
+
+
 @torch.inference_mode()
 def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
                     deviation_check: DeviationCheck | None = None,
@@ -228,10 +262,13 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
     question_attention: dict[int, torch.Tensor] = {}
     work = 0
 
+    plan = None
+    gqa = adapter.num_heads != adapter.num_kv_heads
     for layer in range(num_layers):
         alive = stop_at[active] > layer
         if not bool(alive.all()):
             active, hidden = active[alive], hidden[alive]
+            plan = None
         q, k, v = adapter.qkv(layer, hidden)  # q [H, n, D]; k, v [H_kv, n, D]
 
         # Assemble this layer's pre-RoPE K and V for the whole prompt.
@@ -265,16 +302,14 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
             # from here on only the selected tokens run.
             q, active, hidden = q[:, keep], active[keep], hidden[keep]
             deviation_check = None
+            plan = None
         elif deviation_check is not None and layer == deviation_check.layer:
             deviation_check = None
 
         keys = adapter.rotate(keys, cos_all, sin_all)
         q = adapter.rotate(q, cos_all[active], sin_all[active])
-        full = active.numel() == n_total
-        mask = None if full else positions[None] <= active[:, None]
-        attn = F.scaled_dot_product_attention(
-            q[None], keys[None], values[None], attn_mask=mask, is_causal=full,
-            scale=adapter.scaling, enable_gqa=adapter.num_heads != adapter.num_kv_heads)[0]
+        plan = plan or _AttentionPlan(active, n_total)
+        attn = plan.attend(q, keys, values, adapter.scaling, gqa)
         hidden = hidden + adapter.attn_output(layer, attn)
         hidden = adapter.mlp_residual(layer, hidden)
         work += int(context[active].sum())
