@@ -6,6 +6,8 @@
   recomputing a fixed ratio of the chunk tokens.
 - ``inter``: like ``reuse`` plus the tokens with the highest stored inter-attention.
 - ``firstk``: like ``reuse`` plus the first tokens of every chunk (EPIC-like).
+- ``qguided``: like ``reuse`` plus the chunk tokens the question attends to most at the
+  check layer, found by running only the question over the cached KV first.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from cachecraft.engine import DeviationCheck, Segment
-from cachecraft.engine.selectors import count_for, first_tokens, top_inter_attention
+from cachecraft.engine.selectors import count_for, first_tokens, question_guided, top_inter_attention
 from cachecraft.kv import ChunkKV, chunk_key
 from cachecraft.prompt import PromptPieces
 
-METHODS = ("full", "reuse", "cacheblend", "inter", "firstk")
+METHODS = ("full", "reuse", "cacheblend", "inter", "firstk", "qguided")
+RATIO_METHODS = ("cacheblend", "inter", "firstk", "qguided")
 
 
 class UnknownMethod(ValueError):
@@ -31,7 +34,7 @@ class MethodSpec:
 
     name: str
     ratio: float = 0.15
-    check_layer: int = 1
+    check_layer: int | None = None
 
     def __post_init__(self) -> None:
         if self.name not in METHODS:
@@ -41,7 +44,14 @@ class MethodSpec:
 
     @property
     def label(self) -> str:
-        return f"{self.name}@{self.ratio:g}" if self.name in ("cacheblend", "inter", "firstk") else self.name
+        return f"{self.name}@{self.ratio:g}" if self.name in RATIO_METHODS else self.name
+
+    @property
+    def layer(self) -> int:
+        """The check layer: CacheBlend's default is 1; the question-guided look works best mid-model."""
+        if self.check_layer is not None:
+            return self.check_layer
+        return 8 if self.name == "qguided" else 1
 
     @property
     def uses_cache(self) -> bool:
@@ -70,8 +80,9 @@ def segment_keys(fingerprint: str, pieces: PromptPieces) -> tuple[str, list[str]
 
 
 def build_segments(spec: MethodSpec, pieces: PromptPieces, prefix_kv: ChunkKV | None,
-                   chunk_kvs: Sequence[ChunkKV | None]) -> tuple[list[Segment], DeviationCheck | None]:
-    """Segments and the optional deviation check that run ``spec`` on ``pieces``."""
+                   chunk_kvs: Sequence[ChunkKV | None], adapter=None) -> tuple[list[Segment], DeviationCheck | None]:
+    """Segments and the optional deviation check that run ``spec`` on ``pieces``
+    (``qguided`` needs the ``adapter`` to look ahead)."""
     use = spec.uses_cache
     segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv if use else None)]
     for ids, kv in zip(pieces.chunks, chunk_kvs):
@@ -83,5 +94,11 @@ def build_segments(spec: MethodSpec, pieces: PromptPieces, prefix_kv: ChunkKV | 
             recompute = first_tokens(len(ids), count_for(spec.ratio, len(ids)))
         segments.append(Segment(ids, "chunk", cached=kv, recompute=recompute))
     segments.append(Segment(pieces.question, "question"))
-    check = DeviationCheck(spec.check_layer, spec.ratio) if spec.name == "cacheblend" else None
+    if spec.name == "qguided":
+        assert adapter is not None, "qguided needs the model adapter"
+        layer = min(spec.layer, adapter.num_layers - 1)
+        for seg, picked in zip(segments, question_guided(adapter, segments, layer, spec.ratio)):
+            if picked is not None:
+                seg.recompute = picked
+    check = DeviationCheck(spec.layer, spec.ratio) if spec.name == "cacheblend" else None
     return segments, check

@@ -45,9 +45,9 @@ def run_method(lm: LoadedModel, spec: MethodSpec, pieces, prefix_kv, chunk_kvs,
                max_new_tokens: int) -> MethodRun:
     """Prefill ``pieces`` with ``spec``, time the first token, then decode greedily."""
     gc.collect()
-    segments, check = build_segments(spec, pieces, prefix_kv, chunk_kvs)
     with PeakRSS() as mem:
         start = time.perf_counter()
+        segments, check = build_segments(spec, pieces, prefix_kv, chunk_kvs, lm.adapter)
         result = blended_prefill(lm.adapter, segments, deviation_check=check,
                                  fingerprint=lm.fingerprint)
         int(result.logits.argmax())

@@ -98,15 +98,18 @@ class BlendResult:
     ``keys``/``values``: per layer ``[H_kv, N, D]``, keys *after* RoPE (ready for a
     transformers Cache). ``logits``: last position ``[vocab]``. ``saved``: per segment
     index, the ChunkKV of segments marked ``save``. ``question_attention``: per
-    observed layer, the mass the last segment's tokens put on each segment.
+    observed layer, the mass the last segment's tokens put on each segment;
+    ``token_attention``: the same per key token ``[N]``. After ``until_layer`` the
+    result holds only the layers computed and ``logits`` is None.
     """
 
     token_ids: torch.Tensor
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     saved: dict[int, ChunkKV] = field(default_factory=dict)
     question_attention: dict[int, torch.Tensor] = field(default_factory=dict)
+    token_attention: dict[int, torch.Tensor] = field(default_factory=dict)
     recomputed_tokens: int = 0
     context_tokens: int = 0
     recompute_work: float = 0.0
@@ -130,27 +133,39 @@ def _segment_bounds(segments: Sequence[Segment]) -> list[tuple[int, int]]:
     return bounds
 
 
-def _mass_per_segment(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor,
-                      starts: torch.Tensor, scaling: float, block: int = 256) -> torch.Tensor:
-    """Attention mass of each query on each segment, averaged over heads.
-
-    q ``[H, n, D]`` (rotated), keys ``[H_kv, N, D]`` (rotated), q_pos ``[n]``,
-    starts ``[S]`` segment start offsets. Returns ``[n, S]``. Works in query blocks
-    so no ``n x N`` matrix is materialised for long inputs.
-    """
+def _attention_blocks(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, scaling: float,
+                      block: int = 256):
+    """Yield ``(first_query, probs [b, end])``: causal attention probabilities averaged
+    over heads, one block of queries at a time, so no ``n x N`` matrix is materialised.
+    q ``[H, n, D]`` and keys ``[H_kv, N, D]`` are rotated."""
     groups = q.shape[0] // keys.shape[0]
     keys = keys.repeat_interleave(groups, dim=0).float()
-    out = []
     for lo in range(0, q.shape[1], block):
         qb, pb = q[:, lo:lo + block].float(), q_pos[lo:lo + block]
         end = int(pb.max()) + 1
         scores = torch.einsum("hqd,hkd->hqk", qb, keys[:, :end]) * scaling
         scores.masked_fill_(torch.arange(end, device=q.device)[None] > pb[:, None], float("-inf"))
-        probs = scores.softmax(dim=-1).mean(dim=0)  # [b, end]
+        yield lo, scores.softmax(dim=-1).mean(dim=0)
+
+
+def _mass_per_segment(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor,
+                      starts: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention mass of each query on each segment (``starts``: segment offsets): ``[n, S]``."""
+    out = []
+    for _, probs in _attention_blocks(q, keys, q_pos, scaling):
+        end = probs.shape[1]
         csum = F.pad(probs.cumsum(dim=-1), (1, 0))  # csum[:, j] = mass on keys < j
         edges = torch.cat([starts.clamp(max=end), torch.tensor([end], device=q.device)])
         out.append(csum[:, edges[1:]] - csum[:, edges[:-1]])
     return torch.cat(out)
+
+
+def _mass_per_key(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention mass all queries put on each key token, summed over queries: ``[N]``."""
+    total = torch.zeros(keys.shape[1], device=q.device)
+    for _, probs in _attention_blocks(q, keys, q_pos, scaling):
+        total[:probs.shape[1]] += probs.sum(dim=0)
+    return total
 
 
 def _select_top_deviation(fresh: torch.Tensor, cached: torch.Tensor, candidates: torch.Tensor,
@@ -200,9 +215,14 @@ class _AttentionPlan:
 @torch.inference_mode()
 def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
                     deviation_check: DeviationCheck | None = None,
-                    observe_layers: Sequence[int] = (), fingerprint: str = "",
+                    observe_layers: Sequence[int] = (), token_attention_layers: Sequence[int] = (),
+                    until_layer: int | None = None, fingerprint: str = "",
                     max_context: int | None = None) -> BlendResult:
-    """Prefill ``segments`` in order, reusing cached KV where given; see module doc."""
+    """Prefill ``segments`` in order, reusing cached KV where given; see module doc.
+
+    ``observe_layers``/``token_attention_layers``: layers at which to report the
+    question's attention per segment / per key token. ``until_layer``: stop after
+    the layers below it (a cheap look-ahead pass; no logits)."""
     t0 = time.perf_counter()
     if not segments:
         raise PromptError("nothing to prefill: no segments")
@@ -260,11 +280,14 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
     saved_v = {i: [] for i, s in enumerate(segments) if s.save}
     stats_rows = {i: [] for i, s in enumerate(segments) if s.collect_stats}
     question_attention: dict[int, torch.Tensor] = {}
+    token_attention: dict[int, torch.Tensor] = {}
     work = 0
 
     plan = None
     gqa = adapter.num_heads != adapter.num_kv_heads
-    for layer in range(num_layers):
+    token_layers = set(token_attention_layers)
+    last_layer = num_layers if until_layer is None else max(1, min(num_layers, until_layer))
+    for layer in range(last_layer):
         alive = stop_at[active] > layer
         if not bool(alive.all()):
             active, hidden = active[alive], hidden[alive]
@@ -319,16 +342,21 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
             rows = (active >= lo) & (active < hi)
             stats_rows[i].append(_mass_per_segment(q[:, rows], keys, active[rows], starts,
                                                    adapter.scaling))
-        if layer in observe:
+        if layer in observe or layer in token_layers:
             rows = (active >= q_lo) & (active < q_hi)
-            question_attention[layer] = _mass_per_segment(
-                q[:, rows], keys, active[rows], starts, adapter.scaling).sum(dim=0)
+            if layer in observe:
+                question_attention[layer] = _mass_per_segment(
+                    q[:, rows], keys, active[rows], starts, adapter.scaling).sum(dim=0)
+            if layer in token_layers:
+                token_attention[layer] = _mass_per_key(q[:, rows], keys, active[rows], adapter.scaling)
         out_keys.append(keys)
         out_values.append(values)
 
-    last = (active == n_total - 1).nonzero()
-    assert last.numel() == 1, "the last token must be computed through every layer"
-    logits = adapter.logits(hidden[last[0]])[0]
+    logits = None
+    if last_layer == num_layers:
+        last = (active == n_total - 1).nonzero()
+        assert last.numel() == 1, "the last token must be computed through every layer"
+        logits = adapter.logits(hidden[last[0]])[0]
 
     saved = {}
     for i in saved_k:
@@ -339,7 +367,7 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
                            torch.stack(saved_v[i]), fingerprint, prefix, stats)
 
     context_tokens = int(context.sum())
-    return BlendResult(token_ids, logits, out_keys, out_values, saved, question_attention,
+    return BlendResult(token_ids, logits, out_keys, out_values, saved, question_attention, token_attention,
                        recomputed_tokens=int((recomputed & context & (stop_at > 0)).sum()),
                        context_tokens=context_tokens,
                        recompute_work=work / (context_tokens * num_layers) if context_tokens else 0.0,

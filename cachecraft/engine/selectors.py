@@ -32,3 +32,41 @@ def top_inter_attention(stats: AttentionStats, count: int) -> torch.Tensor:
 def first_tokens(num_tokens: int, count: int) -> torch.Tensor:
     """The first ``count`` tokens of a chunk (EPIC-style link fixing)."""
     return torch.arange(min(count, num_tokens))
+
+
+def question_guided(adapter, segments, check_layer: int, ratio: float) -> list[torch.Tensor | None]:
+    """Local indices to recompute per segment, chosen by where the question looks.
+
+    Runs only the uncached tokens (the question, and any uncached chunk) up to
+    ``check_layer`` over the cached KV, takes the attention mass the question puts on
+    every cached chunk token there, and returns the top ``ratio`` of those tokens
+    (over all fixable chunks together). Cheap: a few dozen queries, a few layers.
+    """
+    from dataclasses import replace
+
+    from cachecraft.engine.blend import blended_prefill
+
+    probe_segments = [replace(s, recompute=None, stop_layer=None, save=False, collect_stats=False)
+                      for s in segments]
+    probe = blended_prefill(adapter, probe_segments, token_attention_layers=[check_layer],
+                            until_layer=check_layer + 1)
+    mass = probe.token_attention[check_layer]
+    spans, start = [], 0
+    for seg in segments:
+        end = start + len(seg.token_ids)
+        if seg.cached is not None and seg.role == "chunk" and seg.fixable:
+            spans.append((start, end))
+        start = end
+    picks: list[torch.Tensor | None] = [None] * len(segments)
+    if not spans or ratio <= 0:
+        return picks
+    candidates = torch.cat([torch.arange(a, b) for a, b in spans])
+    chosen = candidates[mass[candidates].topk(count_for(ratio, candidates.numel())).indices]
+    start = 0
+    for i, seg in enumerate(segments):
+        end = start + len(seg.token_ids)
+        local = chosen[(chosen >= start) & (chosen < end)] - start
+        if seg.cached is not None and seg.role == "chunk" and seg.fixable:
+            picks[i] = local.sort().values
+        start = end
+    return picks

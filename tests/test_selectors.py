@@ -1,0 +1,72 @@
+"""Static and look-ahead token selectors."""
+
+import torch
+
+from cachecraft.engine import Segment, blended_prefill
+from cachecraft.engine.selectors import count_for, first_tokens, question_guided, top_inter_attention
+from cachecraft.kv import AttentionStats
+from tests.test_engine import caches_after_prefix_alone, hf_forward, make_prompt
+
+
+def test_count_for_rounds_up_and_caps():
+    assert count_for(0.15, 100) == 15
+    assert count_for(0.151, 100) == 16
+    assert count_for(0.0, 10) == 0
+    assert count_for(1.0, 7) == 7
+
+
+def test_top_inter_attention_by_hand():
+    outside = torch.tensor([[0.1, 0.9, 0.3, 0.5], [0.3, 0.7, 0.1, 0.5]])  # layer means: .2 .8 .2 .5
+    stats = AttentionStats(outside, torch.zeros(2, 1), torch.zeros(2))
+    assert top_inter_attention(stats, 2).tolist() == [1, 3]
+    assert first_tokens(5, 3).tolist() == [0, 1, 2]
+    assert first_tokens(2, 3).tolist() == [0, 1]
+
+
+def cached_segments(lm, prefix, chunks, question):
+    prefix_kv, kvs = caches_after_prefix_alone(lm, prefix, chunks)
+    return ([Segment(prefix, "prefix", cached=prefix_kv)] + [Segment(c, cached=kv) for c, kv in zip(chunks, kvs)]
+            + [Segment(question, "question")])
+
+
+def test_question_attention_per_key_matches_eager_attention_at_layer_zero(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    segments = cached_segments(tiny_llama, prefix, chunks, question)
+    probe = blended_prefill(tiny_llama.adapter, segments, token_attention_layers=[0], until_layer=1)
+    assert probe.logits is None and len(probe.keys) == 1
+    model = tiny_llama.model
+    model.set_attn_implementation("eager")
+    ids = torch.tensor(prefix + [t for c in chunks for t in c] + question)
+    with torch.no_grad():
+        attention = model(ids[None], output_attentions=True).attentions[0][0].mean(dim=0)  # [N, N]
+    expected = attention[-len(question):].sum(dim=0)  # layer 0 is exact for cached tokens
+    assert torch.allclose(probe.token_attention[0], expected, atol=1e-5)
+
+
+def test_question_guided_picks_the_most_attended_chunk_tokens(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    segments = cached_segments(tiny_llama, prefix, chunks, question)
+    probe = blended_prefill(tiny_llama.adapter, segments, token_attention_layers=[2], until_layer=3)
+    lo = len(prefix)
+    n_chunk = sum(map(len, chunks))
+    mass = probe.token_attention[2][lo:lo + n_chunk]
+    expected = set(mass.topk(count_for(0.2, n_chunk)).indices.tolist())
+    picks = question_guided(tiny_llama.adapter, segments, 2, 0.2)
+    assert picks[0] is None and picks[-1] is None
+    offsets, got = 0, set()
+    for seg, pick in zip(segments[1:-1], picks[1:-1]):
+        got |= {offsets + int(i) for i in pick}
+        offsets += len(seg.token_ids)
+    assert got == expected
+
+
+def test_question_guided_at_full_ratio_reproduces_full_prefill(any_tiny):
+    prefix, chunks, question = make_prompt()
+    logits, _ = hf_forward(any_tiny, prefix, chunks, question)
+    segments = cached_segments(any_tiny, prefix, chunks, question)
+    for seg, pick in zip(segments, question_guided(any_tiny.adapter, segments, 2, 1.0)):
+        if pick is not None:
+            seg.recompute = pick
+    result = blended_prefill(any_tiny.adapter, segments)
+    assert result.recompute_fraction == 1.0
+    assert (result.logits - logits).abs().max() < 1e-4
