@@ -269,3 +269,28 @@ def test_mistral_sliding_window_caps_the_context():
     assert lm.max_context == 512
     with pytest.raises(PromptError, match="512"):
         blended_prefill(lm.adapter, [Segment(list(range(3, 300)) * 2, "question")])
+
+
+def test_early_termination_callback_stops_a_segment(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    prefix_kv, kvs = caches_after_prefix_alone(tiny_llama, prefix, chunks)
+
+    def segments():
+        return ([Segment(prefix, "prefix", cached=prefix_kv)]
+                + [Segment(c, cached=kv, recompute=range(len(c))) for c, kv in zip(chunks, kvs)]
+                + [Segment(question, "question")])
+
+    seen = []
+
+    def stop_chunk_two(layer, mass):
+        seen.append((layer, mass.clone()))
+        return {2: layer + 1}
+
+    stopped = blended_prefill(tiny_llama.adapter, segments(), observe_layers=[1], on_question_attention=stop_chunk_two)
+    planned = blended_prefill(tiny_llama.adapter, [s if i != 2 else Segment(s.token_ids, cached=s.cached,
+                                                   recompute=s.recompute, stop_layer=2)
+                                                   for i, s in enumerate(segments())])
+    assert [layer for layer, _ in seen] == [1] and seen[0][1].shape == (5,)
+    assert torch.allclose(stopped.logits, planned.logits, atol=1e-6)
+    lo = len(prefix) + len(chunks[0])
+    assert torch.equal(stopped.values[2][:, lo:lo + len(chunks[1])], kvs[1].values[2])

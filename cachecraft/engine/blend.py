@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -217,12 +217,16 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
                     deviation_check: DeviationCheck | None = None,
                     observe_layers: Sequence[int] = (), token_attention_layers: Sequence[int] = (),
                     until_layer: int | None = None, fingerprint: str = "",
-                    max_context: int | None = None) -> BlendResult:
+                    max_context: int | None = None,
+                    on_question_attention: Callable[[int, torch.Tensor], dict[int, int]] | None = None,
+                    ) -> BlendResult:
     """Prefill ``segments`` in order, reusing cached KV where given; see module doc.
 
     ``observe_layers``/``token_attention_layers``: layers at which to report the
     question's attention per segment / per key token. ``until_layer``: stop after
-    the layers below it (a cheap look-ahead pass; no logits)."""
+    the layers below it (a cheap look-ahead pass; no logits). ``on_question_attention``:
+    called at each observed layer with the question's mass per segment; it may return
+    ``{segment index: stop layer}`` to stop recomputing cached segments early."""
     t0 = time.perf_counter()
     if not segments:
         raise PromptError("nothing to prefill: no segments")
@@ -347,6 +351,11 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
             if layer in observe:
                 question_attention[layer] = _mass_per_segment(
                     q[:, rows], keys, active[rows], starts, adapter.scaling).sum(dim=0)
+                if on_question_attention is not None:
+                    for i, stop in on_question_attention(layer, question_attention[layer]).items():
+                        if segments[i].cached is not None:
+                            lo, hi = bounds[i]
+                            stop_at[lo:hi] = stop_at[lo:hi].clamp(max=max(int(stop), layer + 1))
             if layer in token_layers:
                 token_attention[layer] = _mass_per_key(q[:, rows], keys, active[rows], adapter.scaling)
         out_keys.append(keys)
