@@ -1,0 +1,144 @@
+"""Turn reusability scores into a recompute plan for one request (pure decisions).
+
+For each chunk: pick the variant with the lowest CFO (an exact prefix match needs no
+fix), turn its CFO into a token count (floor and ceiling), then scale counts down to
+an optional per-request budget. The question and uncached chunks are always computed.
+Which tokens get recomputed is decided later, by the token selector, within these
+counts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from cachecraft.policy.scores import VariantScore, score_variant, tokens_to_recompute
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    """Knobs of the policy; ``calibrate`` fits ``alpha`` (and ``order_weight``)."""
+
+    alpha: float = 0.35
+    order_weight: float = 0.2
+    cci_prior: float = 0.5
+    floor: float = 0.0
+    ceiling: float = 1.0
+    budget: float | None = None  # max recomputed fraction of all cached chunk tokens
+    check_layer: int = 8
+    early_stop_layers: tuple[int, ...] = ()
+    early_stop_share: float = 0.25
+
+    def __post_init__(self) -> None:
+        assert self.alpha >= 0, f"alpha must be >= 0, got {self.alpha}"
+        assert 0.0 <= self.floor <= self.ceiling <= 1.0, "need 0 <= floor <= ceiling <= 1"
+        assert self.budget is None or 0.0 <= self.budget <= 1.0, "budget must be within [0, 1]"
+
+
+@dataclass(frozen=True)
+class VariantInfo:
+    """What the planner needs to know about one stored variant of a chunk.
+
+    ``prefix``: the chunk keys it was computed after (system prefix excluded);
+    ``inter`` ``[L, len(prefix)]`` and ``intra`` ``[L]``: its attention statistics;
+    ``prefix_tokens``: token counts of those prefix chunks.
+    """
+
+    variant: str
+    prefix: tuple[str, ...]
+    inter: torch.Tensor
+    intra: torch.Tensor
+    chunk_tokens: int
+    prefix_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """The decision for one chunk of the request."""
+
+    chunk: str
+    variant: str | None  # None: no cache, computed in full
+    score: VariantScore | None
+    count: int  # tokens to recompute
+    tokens: int
+
+    @property
+    def fraction(self) -> float:
+        return self.count / self.tokens if self.tokens else 0.0
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """Per-chunk decisions, in prompt order."""
+
+    chunks: tuple[ChunkPlan, ...]
+    budget_scaled: bool = False
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def recompute_fraction(self) -> float:
+        total = sum(c.tokens for c in self.chunks)
+        return sum(c.count for c in self.chunks) / total if total else 0.0
+
+
+def choose_variant(variants: Sequence[VariantInfo], new_prefix: Sequence[str],
+                   params: PolicyParams) -> tuple[VariantInfo, VariantScore] | None:
+    """The variant with the lowest CFO for a chunk preceded by ``new_prefix``."""
+    best = None
+    for info in variants:
+        score = score_variant(inter=info.inter, intra=info.intra, chunk_tokens=info.chunk_tokens,
+                              prefix_tokens=info.prefix_tokens, old_prefix=info.prefix,
+                              new_prefix=new_prefix, alpha=params.alpha,
+                              order_weight=params.order_weight, cci_prior=params.cci_prior)
+        if best is None or score.cfo < best[1].cfo:
+            best = (info, score)
+        if score.exact:
+            break
+    return best
+
+
+def plan_request(chunk_keys: Sequence[str], chunk_tokens: Sequence[int],
+                 variants: dict[str, Sequence[VariantInfo]], params: PolicyParams) -> RecomputePlan:
+    """Plan a request whose chunks (in prompt order) are ``chunk_keys``."""
+    plans: list[ChunkPlan] = []
+    for index, (key, tokens) in enumerate(zip(chunk_keys, chunk_tokens)):
+        choice = choose_variant(variants.get(key, ()), chunk_keys[:index], params)
+        if choice is None:
+            plans.append(ChunkPlan(key, None, None, tokens, tokens))
+            continue
+        info, score = choice
+        count = 0 if score.exact else tokens_to_recompute(score.cfo, tokens, params.floor, params.ceiling)
+        plans.append(ChunkPlan(key, info.variant, score, count, tokens))
+    return apply_budget(plans, params.budget)
+
+
+def apply_budget(plans: list[ChunkPlan], budget: float | None) -> RecomputePlan:
+    """Scale the cached chunks' counts down proportionally so that recomputed cached
+    tokens stay within ``budget`` of all cached chunk tokens."""
+    cached = [p for p in plans if p.variant is not None]
+    limit = None if budget is None else math.floor(budget * sum(p.tokens for p in cached))
+    wanted = sum(p.count for p in cached)
+    if limit is None or wanted <= limit:
+        return RecomputePlan(tuple(plans))
+    scale = limit / wanted
+    scaled = [ChunkPlan(p.chunk, p.variant, p.score, math.floor(p.count * scale), p.tokens)
+              if p.variant is not None else p for p in plans]
+    return RecomputePlan(tuple(scaled), budget_scaled=True,
+                         notes=(f"budget {budget:g}: {wanted} tokens scaled to at most {limit}",))
+
+
+def early_stop_decision(layer: int, question_mass: torch.Tensor, chunk_segments: Sequence[int],
+                        share: float) -> dict[int, int]:
+    """Adaptive early termination: chunks whose share of the question's attention
+    (among chunks) is below ``share`` of an even split stop recomputing after ``layer``."""
+    if not chunk_segments:
+        return {}
+    mass = question_mass[list(chunk_segments)].float()
+    total = float(mass.sum())
+    if total <= 0:
+        return {}
+    even = total / len(chunk_segments)
+    return {seg: layer + 1 for seg, m in zip(chunk_segments, mass.tolist()) if m < share * even}

@@ -1,0 +1,59 @@
+"""Recompute planning against hand-computed plans."""
+
+import math
+
+import torch
+
+from cachecraft.policy.planner import (PolicyParams, VariantInfo, apply_budget, choose_variant,
+                                       early_stop_decision, plan_request)
+
+INTER = torch.tensor([[1.0, 1.0]])
+INTRA = torch.tensor([2.0])
+CCI = math.tanh(0.75)  # see test_policy_scores
+
+
+def variant(name, prefix, inter=INTER, sizes=(2, 4)):
+    return VariantInfo(name, tuple(prefix), inter, INTRA, 4, tuple(sizes))
+
+
+def alone(name):
+    return VariantInfo(name, (), torch.zeros(1, 0), INTRA, 4, ())
+
+
+def test_lowest_cfo_variant_wins_and_exact_needs_nothing():
+    params = PolicyParams(alpha=0.5, order_weight=1.0)
+    candidates = [variant("v-disjoint", ["p", "q"]), variant("v-exact", ["x", "y"])]
+    info, score = choose_variant(candidates, ["x", "y"], params)
+    assert info.variant == "v-exact" and score.exact and score.cfo == 0.0
+    info, score = choose_variant([variant("v-rev", ["y", "x"]), variant("v-half", ["x", "q"], torch.tensor([[3.0, 1.0]]))],
+                                 ["x", "y"], params)
+    # v-rev: beta 1, gamma 1 -> beta' 0 -> cfo .5*CCI; v-half: beta 3/4, gamma 0 -> cfo .5*CCI_half*.25
+    assert info.variant == "v-half"
+
+
+def test_plan_counts_by_hand():
+    params = PolicyParams(alpha=0.5, order_weight=1.0, cci_prior=0.6)
+    plan = plan_request(["a", "b", "c"], [10, 10, 10],
+                        {"a": [alone("a0")], "b": [alone("b0")]}, params)
+    a, b, c = plan.chunks
+    assert a.variant == "a0" and a.score.exact and a.count == 0  # first chunk, cached alone: same context
+    assert b.variant == "b0" and b.score.cfo == 0.3 and b.count == 3  # ceil(0.3 * 10)
+    assert c.variant is None and c.count == 10  # no cache: computed in full
+    assert plan.recompute_fraction == 13 / 30
+
+
+def test_budget_scales_cached_chunks_only():
+    params = PolicyParams(alpha=1.0, cci_prior=0.8, budget=0.2)
+    plan = plan_request(["a", "b", "c", "d"], [10, 10, 10, 10],
+                        {"b": [alone("b0")], "c": [alone("c0")], "d": [alone("d0")]}, params)
+    counts = [p.count for p in plan.chunks]
+    # wanted: b, c, d -> 8 each = 24 > floor(0.2 * 30) = 6 -> scale 0.25 -> 2 each; a uncached keeps 10
+    assert counts == [10, 2, 2, 2] and plan.budget_scaled
+    assert apply_budget(list(plan.chunks), None).chunks == plan.chunks
+
+
+def test_early_stop_decision_by_hand():
+    mass = torch.tensor([5.0, 1.0, 0.1, 3.0, 2.0])  # prefix, chunks 1..3, question
+    # chunk mass 1.0, 0.1, 3.0: even share 4.1/3 = 1.367; threshold 0.25 * 1.367 = 0.342
+    assert early_stop_decision(4, mass, [1, 2, 3], 0.25) == {2: 5}
+    assert early_stop_decision(4, mass, [], 0.25) == {}
