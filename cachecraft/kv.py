@@ -87,6 +87,7 @@ class ChunkKV:
     prefix: tuple[str, ...] = ()
     stats: AttentionStats | None = None
     chunk: str = field(default="", compare=False)
+    prefix_tokens: tuple[int, ...] = ()  # token count of each prefix segment
 
     def __post_init__(self) -> None:
         assert self.keys.shape == self.values.shape, (
@@ -123,7 +124,7 @@ class ChunkKV:
         """The same KV in another dtype and/or device (statistics stay float32 on CPU)."""
         return ChunkKV(self.token_ids, self.keys.to(device=device, dtype=dtype),
                        self.values.to(device=device, dtype=dtype), self.fingerprint,
-                       self.prefix, self.stats, self.chunk)
+                       self.prefix, self.stats, self.chunk, self.prefix_tokens)
 
     def to_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         """Flatten to named tensors (one K and one V per layer) and string metadata,
@@ -136,6 +137,7 @@ class ChunkKV:
             tensors.update(self.stats.to_tensors())
         metadata = {"format": FORMAT_VERSION, "fingerprint": self.fingerprint,
                     "prefix": json.dumps(list(self.prefix)), "chunk": self.chunk,
+                    "prefix_tokens": json.dumps(list(self.prefix_tokens)),
                     "num_layers": str(self.num_layers)}
         return tensors, metadata
 
@@ -149,4 +151,4 @@ class ChunkKV:
         values = torch.stack([tensors[f"v.{i}"] for i in range(num_layers)])
         return cls(tuple(tensors["token_ids"].tolist()), keys, values, metadata["fingerprint"],
                    tuple(json.loads(metadata["prefix"])), AttentionStats.from_tensors(tensors),
-                   metadata["chunk"])
+                   metadata["chunk"], tuple(json.loads(metadata.get("prefix_tokens", "[]"))))

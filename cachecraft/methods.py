@@ -8,6 +8,9 @@
 - ``firstk``: like ``reuse`` plus the first tokens of every chunk (EPIC-like).
 - ``qguided``: like ``reuse`` plus the chunk tokens the question attends to most at the
   check layer, found by running only the question over the cached KV first.
+- ``cachecraft``: the policy: per chunk the variant with the lowest CFO and a token
+  count from it (an exact prefix match recomputes nothing), the tokens themselves
+  chosen where the question looks; ``cachecraft@A`` sets alpha to A.
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 from cachecraft.engine import DeviationCheck, Segment
 from cachecraft.engine.selectors import count_for, first_tokens, question_guided, top_inter_attention
 from cachecraft.kv import ChunkKV, chunk_key
+from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, plan_request
 from cachecraft.prompt import PromptPieces
 
-METHODS = ("full", "reuse", "cacheblend", "inter", "firstk", "qguided")
-RATIO_METHODS = ("cacheblend", "inter", "firstk", "qguided")
+METHODS = ("full", "reuse", "cacheblend", "inter", "firstk", "qguided", "cachecraft")
+RATIO_METHODS = ("cacheblend", "inter", "firstk", "qguided", "cachecraft")
 
 
 class UnknownMethod(ValueError):
@@ -51,7 +57,7 @@ class MethodSpec:
         """The check layer: CacheBlend's default is 1; the question-guided look works best mid-model."""
         if self.check_layer is not None:
             return self.check_layer
-        return 8 if self.name == "qguided" else 1
+        return 8 if self.name in ("qguided", "cachecraft") else 1
 
     @property
     def uses_cache(self) -> bool:
@@ -80,9 +86,11 @@ def segment_keys(fingerprint: str, pieces: PromptPieces) -> tuple[str, list[str]
 
 
 def build_segments(spec: MethodSpec, pieces: PromptPieces, prefix_kv: ChunkKV | None,
-                   chunk_kvs: Sequence[ChunkKV | None], adapter=None) -> tuple[list[Segment], DeviationCheck | None]:
+                   chunk_kvs: Sequence[ChunkKV | None], adapter=None,
+                   policy: PolicyParams | None = None) -> tuple[list[Segment], DeviationCheck | None]:
     """Segments and the optional deviation check that run ``spec`` on ``pieces``
-    (``qguided`` needs the ``adapter`` to look ahead)."""
+    (``qguided`` and ``cachecraft`` need the ``adapter`` to look ahead; ``policy``
+    overrides the policy parameters ``cachecraft`` derives from ``spec``)."""
     use = spec.uses_cache
     segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv if use else None)]
     for ids, kv in zip(pieces.chunks, chunk_kvs):
@@ -94,6 +102,10 @@ def build_segments(spec: MethodSpec, pieces: PromptPieces, prefix_kv: ChunkKV | 
             recompute = first_tokens(len(ids), count_for(spec.ratio, len(ids)))
         segments.append(Segment(ids, "chunk", cached=kv, recompute=recompute))
     segments.append(Segment(pieces.question, "question"))
+    if spec.name == "cachecraft":
+        assert adapter is not None, "cachecraft needs the model adapter"
+        plan_with_policy(adapter, segments, chunk_kvs,
+                         policy or PolicyParams(alpha=spec.ratio, check_layer=spec.layer))
     if spec.name == "qguided":
         assert adapter is not None, "qguided needs the model adapter"
         layer = min(spec.layer, adapter.num_layers - 1)
@@ -102,3 +114,32 @@ def build_segments(spec: MethodSpec, pieces: PromptPieces, prefix_kv: ChunkKV | 
                 seg.recompute = picked
     check = DeviationCheck(spec.layer, spec.ratio) if spec.name == "cacheblend" else None
     return segments, check
+
+
+def variant_info(kv: ChunkKV) -> VariantInfo:
+    """Describe a stored variant for the planner (its system prefix left out)."""
+    prefix, sizes = list(kv.prefix), list(kv.prefix_tokens) or [0] * len(kv.prefix)
+    inter = kv.stats.inter if kv.stats is not None else torch.zeros(kv.num_layers, len(prefix))
+    intra = kv.stats.intra if kv.stats is not None else torch.full((kv.num_layers,), float(kv.num_tokens))
+    if prefix:  # the first prefix segment is the system prefix, shared by every request
+        prefix, sizes, inter = prefix[1:], sizes[1:], inter[:, 1:]
+    return VariantInfo(kv.variant, tuple(prefix), inter, intra, kv.num_tokens, tuple(sizes))
+
+
+def plan_with_policy(adapter, segments: list[Segment], chunk_kvs: Sequence[ChunkKV | None],
+                     params: PolicyParams) -> RecomputePlan:
+    """Plan ``segments`` (prefix, chunks, question) with the Cache-Craft policy and write
+    the chosen tokens into the chunk segments; returns the plan for reporting."""
+    chunk_segments = segments[1:-1]
+    keys = [kv.chunk if kv is not None else f"uncached-{i}" for i, kv in enumerate(chunk_kvs)]
+    variants = {kv.chunk: [variant_info(kv)] for kv in chunk_kvs if kv is not None}
+    plan = plan_request(keys, [len(s.token_ids) for s in chunk_segments], variants, params)
+    for seg, chunk_plan in zip(chunk_segments, plan.chunks):
+        seg.fixable = seg.cached is not None and chunk_plan.count > 0
+    total = sum(p.count for p, seg in zip(plan.chunks, chunk_segments) if seg.fixable)
+    layer = min(params.check_layer, adapter.num_layers - 1)
+    picks = question_guided(adapter, segments, layer, total=total)
+    for seg, picked in zip(segments, picks):
+        if picked is not None:
+            seg.recompute = picked
+    return plan

@@ -373,7 +373,8 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
         stats = _stats_from_rows(stats_rows.get(i), i, bounds[i]) if seg.collect_stats else None
         prefix = tuple(s.key for s in segments[:i])
         saved[i] = ChunkKV(tuple(int(t) for t in seg.token_ids), torch.stack(saved_k[i]),
-                           torch.stack(saved_v[i]), fingerprint, prefix, stats)
+                           torch.stack(saved_v[i]), fingerprint, prefix, stats,
+                           prefix_tokens=tuple(len(s.token_ids) for s in segments[:i]))
 
     context_tokens = int(context.sum())
     return BlendResult(token_ids, logits, out_keys, out_values, saved, question_attention, token_attention,

@@ -34,14 +34,17 @@ def first_tokens(num_tokens: int, count: int) -> torch.Tensor:
     return torch.arange(min(count, num_tokens))
 
 
-def question_guided(adapter, segments, check_layer: int, ratio: float) -> list[torch.Tensor | None]:
+def question_guided(adapter, segments, check_layer: int, ratio: float | None = None,
+                    total: int | None = None) -> list[torch.Tensor | None]:
     """Local indices to recompute per segment, chosen by where the question looks.
 
     Runs only the uncached tokens (the question, and any uncached chunk) up to
     ``check_layer`` over the cached KV, takes the attention mass the question puts on
-    every cached chunk token there, and returns the top ``ratio`` of those tokens
-    (over all fixable chunks together). Cheap: a few dozen queries, a few layers.
+    every cached chunk token there, and returns the top tokens over all fixable chunks
+    together: ``ratio`` of them, or ``total`` tokens. Cheap: a few dozen queries, a few
+    layers. Segments with ``fixable=False`` are neither probed for nor given tokens.
     """
+    assert (ratio is None) != (total is None), "give either ratio or total"
     from dataclasses import replace
 
     from cachecraft.engine.blend import blended_prefill
@@ -58,10 +61,11 @@ def question_guided(adapter, segments, check_layer: int, ratio: float) -> list[t
             spans.append((start, end))
         start = end
     picks: list[torch.Tensor | None] = [None] * len(segments)
-    if not spans or ratio <= 0:
+    if not spans or (ratio is not None and ratio <= 0) or total == 0:
         return picks
     candidates = torch.cat([torch.arange(a, b) for a, b in spans])
-    chosen = candidates[mass[candidates].topk(count_for(ratio, candidates.numel())).indices]
+    count = count_for(ratio, candidates.numel()) if ratio is not None else min(total, candidates.numel())
+    chosen = candidates[mass[candidates].topk(count).indices]
     start = 0
     for i, seg in enumerate(segments):
         end = start + len(seg.token_ids)
