@@ -1,6 +1,7 @@
 """The prefill methods compared throughout: what each one reuses and recomputes.
 
 - ``full``: prefill everything.
+- ``prefix``: exact prefix reuse of earlier requests' token blocks (vLLM-style).
 - ``reuse``: chunk-caches made independently, concatenated; only the question computed.
 - ``cacheblend``: like ``reuse`` plus CacheBlend's deviation check at the check layer,
   recomputing a fixed ratio of the chunk tokens.
@@ -23,10 +24,11 @@ import torch
 from cachecraft.engine import DeviationCheck, Segment
 from cachecraft.engine.selectors import count_for, first_tokens, question_guided, top_inter_attention
 from cachecraft.kv import ChunkKV, chunk_key
+from cachecraft.prefix_cache import PrefixCache, PrefixKV
 from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, plan_request
 from cachecraft.prompt import PromptPieces
 
-METHODS = ("full", "reuse", "cacheblend", "inter", "firstk", "qguided", "cachecraft")
+METHODS = ("full", "prefix", "reuse", "cacheblend", "inter", "firstk", "qguided", "cachecraft")
 RATIO_METHODS = ("cacheblend", "inter", "firstk", "qguided", "cachecraft")
 
 
@@ -61,7 +63,8 @@ class MethodSpec:
 
     @property
     def uses_cache(self) -> bool:
-        return self.name != "full"
+        """Whether the method reuses chunk-caches."""
+        return self.name not in ("full", "prefix")
 
 
 def parse_methods(text: str, ratio: float) -> list[MethodSpec]:
@@ -87,10 +90,15 @@ def segment_keys(fingerprint: str, pieces: PromptPieces) -> tuple[str, list[str]
 
 def build_segments(spec: MethodSpec, pieces: PromptPieces, prefix_kv: ChunkKV | None,
                    chunk_kvs: Sequence[ChunkKV | None], adapter=None,
-                   policy: PolicyParams | None = None) -> tuple[list[Segment], DeviationCheck | None]:
+                   policy: PolicyParams | None = None,
+                   prefix_cache: PrefixCache | None = None) -> tuple[list[Segment], DeviationCheck | None]:
     """Segments and the optional deviation check that run ``spec`` on ``pieces``
     (``qguided`` and ``cachecraft`` need the ``adapter`` to look ahead; ``policy``
-    overrides the policy parameters ``cachecraft`` derives from ``spec``)."""
+    overrides the policy parameters ``cachecraft`` derives from ``spec``; ``prefix``
+    looks its blocks up in ``prefix_cache``)."""
+    if spec.name == "prefix":
+        match = prefix_cache.match(pieces.token_ids, limit=pieces.num_tokens - 1) if prefix_cache else None
+        return prefix_segments(pieces, match), None
     use = spec.uses_cache
     segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv if use else None)]
     for ids, kv in zip(pieces.chunks, chunk_kvs):
@@ -143,3 +151,27 @@ def plan_with_policy(adapter, segments: list[Segment], chunk_kvs: Sequence[Chunk
         if picked is not None:
             seg.recompute = picked
     return plan
+
+
+def prefix_segments(pieces: PromptPieces, match: PrefixKV | None) -> list[Segment]:
+    """Segments for a prompt whose first ``match.num_tokens`` tokens have exact KV:
+    each piece is split into its cached head and computed tail, keeping its role."""
+    matched = match.num_tokens if match is not None else 0
+    parts = [("prefix", pieces.prefix)] + [("chunk", c) for c in pieces.chunks] + [("question", pieces.question)]
+    segments, offset = [], 0
+    for role, ids in parts:
+        cut = min(max(matched - offset, 0), len(ids))
+        if cut:
+            segments.append(Segment(ids[:cut], role, cached=match.slice(offset, offset + cut)))
+        if cut < len(ids):
+            segments.append(Segment(ids[cut:], role))
+        offset += len(ids)
+    return segments
+
+
+def remember_prefix(cache: PrefixCache, adapter, result) -> int:
+    """Add a prefilled prompt's blocks to the prefix cache (keys un-rotated)."""
+    n = result.num_tokens
+    cos, sin = adapter.rope(torch.arange(n, device=result.keys[0].device), result.keys[0])
+    keys = [adapter.unrotate(k, cos, sin) for k in result.keys]
+    return cache.insert(result.token_ids.tolist(), keys, result.values)

@@ -21,9 +21,10 @@ import torch
 from cachecraft.bench.common import PeakRSS
 from cachecraft.dataset import QAItem
 from cachecraft.engine import Segment, blended_prefill, create_chunk_cache, generate_from
-from cachecraft.methods import MethodSpec, build_segments, segment_keys
+from cachecraft.methods import MethodSpec, build_segments, remember_prefix, segment_keys
 from cachecraft.metrics import best_f1, exact_match, first_line, kl_divergence, token_f1
 from cachecraft.model.loader import LoadedModel
+from cachecraft.prefix_cache import PrefixCache
 from cachecraft.prompt import PromptBuilder
 
 log = logging.getLogger(__name__)
@@ -42,17 +43,20 @@ class MethodRun:
 
 
 def run_method(lm: LoadedModel, spec: MethodSpec, pieces, prefix_kv, chunk_kvs,
-               max_new_tokens: int) -> MethodRun:
+               max_new_tokens: int, prefix_cache: PrefixCache | None = None) -> MethodRun:
     """Prefill ``pieces`` with ``spec``, time the first token, then decode greedily."""
     gc.collect()
     with PeakRSS() as mem:
         start = time.perf_counter()
-        segments, check = build_segments(spec, pieces, prefix_kv, chunk_kvs, lm.adapter)
+        segments, check = build_segments(spec, pieces, prefix_kv, chunk_kvs, lm.adapter,
+                                         prefix_cache=prefix_cache)
         result = blended_prefill(lm.adapter, segments, deviation_check=check,
                                  fingerprint=lm.fingerprint)
         int(result.logits.argmax())
         ttft = time.perf_counter() - start
     kv_mb = sum(k.numel() * k.element_size() * 2 for k in result.keys) / 2**20
+    if spec.name == "prefix" and prefix_cache is not None:
+        remember_prefix(prefix_cache, lm.adapter, result)
     new_ids = generate_from(lm.model, lm.tokenizer, result, max_new_tokens=max_new_tokens)
     answer = lm.tokenizer.decode(new_ids, skip_special_tokens=True)
     return MethodRun(result.logits.float().cpu(), answer, ttft, result.recompute_fraction,
@@ -96,6 +100,7 @@ def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[Method
     full_spec = MethodSpec("full")
     order = [full_spec] + [s for s in specs if s.name != "full"]
     prefix_kv = None
+    prefix_cache = PrefixCache(lm.fingerprint)
     rows: list[dict] = []
     for index, item in enumerate(items):
         chunks = [PromptBuilder.chunk_text(text, title) for title, text in item.passages]
@@ -108,7 +113,7 @@ def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[Method
         warm_s = time.perf_counter() - start
         reference = None
         for spec in order:
-            run = run_method(lm, spec, pieces, prefix_kv, chunk_kvs, max_new_tokens)
+            run = run_method(lm, spec, pieces, prefix_kv, chunk_kvs, max_new_tokens, prefix_cache)
             reference = reference or run
             rows.append({
                 "item": index, "method": spec.label, "tokens": pieces.num_tokens,

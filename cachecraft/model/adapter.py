@@ -104,6 +104,11 @@ class ArchAdapter:
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
+    @classmethod
+    def unrotate(cls, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Undo :meth:`rotate` (RoPE's attention scaling included: cos^2 + sin^2 = s^2)."""
+        return cls.rotate(x, cos, -sin) / (cos * cos + sin * sin)
+
     def attn_output(self, layer: int, attn: torch.Tensor) -> torch.Tensor:
         """Output projection of attention ``[H, n, D]`` to ``[n, hidden]``."""
         n = attn.shape[1]
