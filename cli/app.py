@@ -11,7 +11,9 @@ import functools
 import json
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -45,9 +47,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from cachecraft.methods import UnknownMethod
     from cachecraft.model.adapter import UnsupportedArchitecture
     from cachecraft.model.loader import ModelLoadError
+    from cachecraft.catalog import CatalogError
     from cachecraft.prompt import PromptTooLong
+    from cachecraft.store import StoreError
     return (UserError, ConfigError, DatasetError, PromptError, UnknownMethod, UnsupportedArchitecture,
-            ModelLoadError, PromptTooLong, FileNotFoundError, PermissionError)
+            ModelLoadError, PromptTooLong, StoreError, CatalogError, FileNotFoundError, PermissionError)
 
 
 def friendly(func: Callable) -> Callable:
@@ -96,6 +100,14 @@ def load_config(ctx: typer.Context, **overrides: Any) -> Config:
     obj = ctx.obj or {}
     merged = {**obj.get("overrides", {}), **overrides}
     return Config.load(obj.get("config_path"), overrides=merged)
+
+
+def _ensure_dir(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create the cache directory {path}: {exc.strerror}") from None
+    return path
 
 
 def _load_model(config: Config, name: str | None = None):
@@ -160,16 +172,23 @@ def bench_quality_cmd(
     from cachecraft.dataset import load_items
     from cachecraft.methods import parse_methods
     from cachecraft.model.loader import _DTYPES
+    from cachecraft.store import TieredStore
 
     config = load_config(ctx, model=model)
     specs = parse_methods(methods, config.cacheblend_ratio if ratio is None else ratio)
     items = load_items(dataset, limit)
     lm = _load_model(config)
-    with Progress(console=err_console, transient=True) as progress:
-        task = progress.add_task("requests", total=len(items))
-        result = run_quality(lm, items, specs, system_prompt=config.system_prompt,
-                             kv_dtype=_DTYPES[config.kv_dtype], max_new_tokens=max_new_tokens,
-                             on_item=lambda done, total: progress.update(task, completed=done))
+    scratch = Path(tempfile.mkdtemp(prefix="bench-quality-", dir=_ensure_dir(config.cache_dir)))
+    try:
+        with TieredStore(config.replace(cache_dir=scratch), tiers=("cpu",)) as store, \
+                Progress(console=err_console, transient=True) as progress:
+            task = progress.add_task("requests", total=len(items))
+            result = run_quality(lm, items, specs, system_prompt=config.system_prompt,
+                                 kv_dtype=_DTYPES[config.kv_dtype], max_new_tokens=max_new_tokens,
+                                 on_item=lambda done, total: progress.update(task, completed=done), store=store)
+            store.close(persist=False)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     command = "cachecraft bench quality " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "cachecraft bench quality"
     payload = {"benchmark": "quality", "command": command, "model": lm.name,
                "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""),
@@ -209,6 +228,103 @@ def demo_cmd(
     config = load_config(ctx)
     lm = _load_model(config)
     run_demo(lm, config, questions, limit, console)
+
+
+@app.command("verify")
+@friendly
+def verify_cmd(ctx: typer.Context,
+               repair: bool = typer.Option(False, "--repair", help="Fix what is found: drop rows without bytes, "
+                                           "delete bytes without rows, remove damaged entries."),
+               as_json: bool = typer.Option(False, "--json", help="Print one JSON document.")) -> None:
+    """Walk the whole cache (catalog and disk tier) and report every inconsistency.
+    Exit code 0 when the cache is consistent (or was repaired), 1 otherwise."""
+    from cachecraft.store import verify
+    config = load_config(ctx)
+    report = verify(config.cache_dir, repair=repair)
+    if as_json:
+        print(report.to_json(indent=2))
+    else:
+        table = Table(title=f"verify {config.cache_dir}")
+        table.add_column("problem")
+        table.add_column("entry", overflow="fold")
+        table.add_column("detail", overflow="fold")
+        table.add_column("repaired")
+        for p in report.problems:
+            table.add_row(p.kind, p.target, p.detail, "yes" if p.repaired else "no")
+        if report.problems:
+            console.print(table)
+        counts = ", ".join(f"{k}: {v}" for k, v in report.counts.items())
+        state = "[green]consistent[/green]" if report.consistent else "[red]inconsistent[/red] (run with --repair)"
+        console.print(f"{len(report.problems)} problem(s); {counts}; {state}")
+    raise typer.Exit(0 if report.consistent else 1)
+
+
+@app.command("stats")
+@friendly
+def stats_cmd(ctx: typer.Context, top: int = typer.Option(10, min=1, help="How many top chunks to list."),
+              as_json: bool = typer.Option(False, "--json", help="Print one JSON document.")) -> None:
+    """What the cache is doing: hit rates per tier, bytes per tier against budgets, top
+    chunks, variants per chunk, recompute fractions and prefill time saved."""
+    from cachecraft.catalog import Catalog
+    from cachecraft.catalog.stats import summary
+    config = load_config(ctx)
+    catalog = Catalog(config.cache_dir)
+    try:
+        data = summary(catalog, top=top)
+    finally:
+        catalog.close()
+    budgets = {"gpu": config.gpu_budget_bytes, "cpu": config.cpu_budget_bytes, "disk": config.disk_budget_bytes}
+    for tier, usage in data["tiers"].items():
+        usage["budget_bytes"] = budgets.get(tier)
+    if as_json:
+        print(json.dumps(data, indent=2, default=str))
+        return
+    counts = data["counts"]
+    console.print(f"{counts['chunks']} chunks, {counts['variants']} variants ({counts['live_variants']} stored), "
+                  f"{counts['requests']} requests")
+    table = Table(title="tiers")
+    for column in ("tier", "entries", "bytes", "budget"):
+        table.add_column(column, justify="left" if column == "tier" else "right")
+    for tier, usage in data["tiers"].items():
+        table.add_row(tier, str(usage.get("entries", 0)), _size(usage.get("bytes", 0)), _size(usage["budget_bytes"]))
+    console.print(table)
+    console.print_json(json.dumps({k: data[k] for k in ("hit_rates", "recompute_fraction", "prefill_time_saved")},
+                                  default=str))
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@bench_app.command("store")
+@friendly
+def bench_store_cmd(ctx: typer.Context,
+                    out: Path = typer.Option(Path("benchmarks/results/store.json"), help="Where to write the JSON result."),
+                    chunks: int = typer.Option(8, min=1, help="Chunks per measurement."),
+                    tokens: int = typer.Option(600, min=1, help="Tokens per chunk (SmolLM2 passages are ~600)."),
+                    repeats: int = typer.Option(3, min=1, help="Best of this many runs.")) -> None:
+    """Put/get throughput per store tier, in GB/s, for SmolLM2-sized chunks."""
+    from cachecraft.store import run_store_benchmark
+    config = load_config(ctx)
+    with console.status("measuring store throughput ..."):
+        result = run_store_benchmark(out, cache_dir=config.cache_dir, num_chunks=chunks, num_tokens=tokens,
+                                     kv_dtype=config.kv_dtype, repeats=repeats)
+    table = Table(title="store throughput (GB/s)")
+    tiers = result.get("tiers", {})
+    metrics = sorted({m for t in tiers.values() for m in t if m.endswith("gbps")})
+    table.add_column("tier")
+    for m in metrics:
+        table.add_column(m, justify="right")
+    for tier, values in tiers.items():
+        table.add_row(tier, *(f"{values[m]:.2f}" if isinstance(values.get(m), (int, float)) else "-" for m in metrics))
+    console.print(table)
+    console.print(f"wrote {out}")
 
 
 @config_app.command("show")

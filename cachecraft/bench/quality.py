@@ -1,14 +1,16 @@
 """``cachecraft bench quality``: every method on the same MuSiQue-format requests.
 
 Prompt = system prefix + the item's passages as chunks + question. Chunk-caches are
-made after the system prefix alone and kept in the stored KV dtype, so each
-method's time to first token includes turning them back into compute tensors.
+made after the system prefix alone and put into a tiered store (in a scratch
+directory, in the stored KV dtype); each method's time to first token includes
+loading them from the store back into compute tensors.
 Quality is measured against ``full`` on the same request (first-token KL, answer
 agreement, exact match) and against the gold answers (token F1).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import statistics
@@ -24,7 +26,9 @@ from cachecraft.engine import Segment, blended_prefill, create_chunk_cache, gene
 from cachecraft.methods import MethodSpec, build_segments, remember_prefix, segment_keys
 from cachecraft.metrics import best_f1, exact_match, first_line, kl_divergence, token_f1
 from cachecraft.model.loader import LoadedModel
+from cachecraft.kv import ChunkKV
 from cachecraft.prefix_cache import PrefixCache
+from cachecraft.store import TieredStore
 from cachecraft.prompt import PromptBuilder
 
 log = logging.getLogger(__name__)
@@ -43,11 +47,15 @@ class MethodRun:
 
 
 def run_method(lm: LoadedModel, spec: MethodSpec, pieces, prefix_kv, chunk_kvs,
-               max_new_tokens: int, prefix_cache: PrefixCache | None = None) -> MethodRun:
-    """Prefill ``pieces`` with ``spec``, time the first token, then decode greedily."""
+               max_new_tokens: int, prefix_cache: PrefixCache | None = None,
+               load: Callable[[Sequence], list] | None = None) -> MethodRun:
+    """Prefill ``pieces`` with ``spec``, time the first token, then decode greedily.
+    ``load`` turns ``chunk_kvs`` (handles) into ChunkKVs inside the timed region."""
     gc.collect()
     with PeakRSS() as mem:
         start = time.perf_counter()
+        if load is not None and spec.uses_cache:
+            prefix_kv, *chunk_kvs = load([prefix_kv, *chunk_kvs])
         segments, check = build_segments(spec, pieces, prefix_kv, chunk_kvs, lm.adapter,
                                          prefix_cache=prefix_cache)
         result = blended_prefill(lm.adapter, segments, deviation_check=check,
@@ -69,6 +77,12 @@ def warm_chunks(lm: LoadedModel, pieces, prefix_kv, kv_dtype: torch.dtype) -> li
     before = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=prefix_key)]
     return [create_chunk_cache(lm.adapter, before, ids, fingerprint=lm.fingerprint, key=key).to(kv_dtype)
             for ids, key in zip(pieces.chunks, keys)]
+
+
+def _load_all(store: TieredStore, lm: LoadedModel, kvs: Sequence[ChunkKV]) -> list[ChunkKV]:
+    loaded = [store.get(kv.variant, dtype=lm.dtype, device=lm.device, fingerprint=lm.fingerprint) for kv in kvs]
+    assert all(x is not None for x in loaded), "a chunk-cache went missing from the store during the benchmark"
+    return loaded
 
 
 def aggregate(rows: list[dict], label: str) -> dict:
@@ -94,8 +108,9 @@ def aggregate(rows: list[dict], label: str) -> dict:
 
 def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[MethodSpec], *,
                 system_prompt: str, kv_dtype: torch.dtype = torch.float16, max_new_tokens: int = 32,
-                on_item: Callable[[int, int], None] | None = None) -> dict:
-    """Run every method on every item; returns ``{"items": [...], "methods": {...}}``."""
+                on_item: Callable[[int, int], None] | None = None, store: TieredStore | None = None) -> dict:
+    """Run every method on every item; returns ``{"items": [...], "methods": {...}}``.
+    With a ``store``, chunk-caches are put there and loaded from it per request."""
     builder = PromptBuilder(lm.tokenizer, system_prompt)
     full_spec = MethodSpec("full")
     order = [full_spec] + [s for s in specs if s.name != "full"]
@@ -111,9 +126,15 @@ def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[Method
         start = time.perf_counter()
         chunk_kvs = warm_chunks(lm, pieces, prefix_kv, kv_dtype)
         warm_s = time.perf_counter() - start
+        load = None
+        if store is not None:
+            for kv in (prefix_kv, *chunk_kvs):
+                if not store.contains(kv.variant):
+                    store.put(kv)
+            load = functools.partial(_load_all, store, lm)
         reference = None
         for spec in order:
-            run = run_method(lm, spec, pieces, prefix_kv, chunk_kvs, max_new_tokens, prefix_cache)
+            run = run_method(lm, spec, pieces, prefix_kv, chunk_kvs, max_new_tokens, prefix_cache, load)
             reference = reference or run
             rows.append({
                 "item": index, "method": spec.label, "tokens": pieces.num_tokens,

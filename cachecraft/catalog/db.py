@@ -1,0 +1,472 @@
+"""The catalog: an SQLite database (WAL mode) in the cache directory.
+
+Every write runs in one ``BEGIN IMMEDIATE`` transaction (:meth:`Catalog.write`), so
+several processes can share a cache directory: writers queue on SQLite's lock (busy
+timeout) instead of failing or losing rows, and a transaction that raises is rolled
+back whole. Reads run in deferred transactions (:meth:`Catalog.read`) and see one
+consistent snapshot without blocking writers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sqlite3
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from sqlalchemy import create_engine, delete, event, func, inspect, select, update
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.orm import Session
+
+from cachecraft.catalog.errors import (CatalogBusyError, CatalogCorruptError, CatalogError,
+                                       CatalogWriteError, SchemaVersionError)
+from cachecraft.catalog.models import (SCHEMA_VERSION, Base, Chunk, Entry, Request,
+                                       RequestChunkRow, SchemaInfo, TierEvent, Variant)
+from cachecraft.catalog.records import (TIERS, ChunkRecord, EntryRecord, RequestChunk,
+                                        RequestRecord, TierEventRecord, VariantRecord,
+                                        fastest_tier)
+
+log = logging.getLogger(__name__)
+
+CATALOG_FILE = "catalog.sqlite"
+DEFAULT_TIMEOUT_S = 30.0
+MAX_EVENTS = 200_000
+
+
+def catalog_path(cache_dir: str | Path) -> Path:
+    """Where the catalog of ``cache_dir`` lives."""
+    return Path(cache_dir) / CATALOG_FILE
+
+
+def _sqlite_error(exc: BaseException) -> BaseException | None:
+    orig = getattr(exc, "orig", None)
+    return orig if isinstance(orig, sqlite3.Error) else (exc if isinstance(exc, sqlite3.Error) else None)
+
+
+def translate_error(exc: BaseException, path: Path) -> CatalogError | None:
+    """Map an SQLite/SQLAlchemy error to a one-line :class:`CatalogError`, or None."""
+    err = _sqlite_error(exc)
+    if err is None:
+        return None
+    text = str(err).lower()
+    if "locked" in text or "busy" in text:
+        return CatalogBusyError(f"catalog {path} stayed locked by another process; retry, or "
+                                "stop the process that holds it")
+    if "full" in text:
+        return CatalogWriteError(f"no space left on device writing the catalog {path}; "
+                                 "free disk space or lower disk_budget_bytes")
+    if "readonly" in text or "read-only" in text or "unable to open" in text:
+        return CatalogWriteError(f"cannot write the catalog {path}; make the cache directory "
+                                 "writable or set CACHECRAFT_CACHE_DIR to another directory")
+    if "not a database" in text or "malformed" in text or "corrupt" in text:
+        return CatalogCorruptError(f"catalog {path} is damaged ({err}); run `cachecraft verify "
+                                   "--repair` to rebuild it from the stored chunks")
+    return None
+
+
+class CatalogTx:
+    """Operations inside one catalog transaction (from :meth:`Catalog.write`/:meth:`read`)."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+
+    # chunks and variants -------------------------------------------------------------
+
+    def upsert_chunk(self, rec: ChunkRecord) -> None:
+        """Insert a chunk, or fill in its source/preview when given."""
+        row = self.session.get(Chunk, rec.key)
+        if row is None:
+            self.session.add(Chunk(key=rec.key, fingerprint=rec.fingerprint,
+                                   num_tokens=rec.num_tokens, source=rec.source,
+                                   preview=rec.preview, created_at=rec.created_at or time.time()))
+            self.session.flush()
+            return
+        if rec.source is not None:
+            row.source = rec.source
+        if rec.preview is not None:
+            row.preview = rec.preview
+
+    def chunk(self, key: str) -> ChunkRecord | None:
+        """The chunk with this key, or None."""
+        row = self.session.get(Chunk, key)
+        return None if row is None else _chunk_record(row)
+
+    def upsert_variant(self, rec: VariantRecord) -> None:
+        """Insert a variant, or update its size and statistics (hits and history kept)."""
+        row = self.session.get(Variant, rec.key)
+        stats = None if rec.stats is None else json.dumps(dict(rec.stats), sort_keys=True)
+        if row is None:
+            self.session.add(Variant(
+                key=rec.key, chunk_key=rec.chunk_key, prefix=json.dumps(list(rec.prefix)),
+                prefix_len=len(rec.prefix), nbytes=rec.nbytes, dtype=rec.dtype, cci=rec.cci,
+                stats=stats, cost_s=rec.cost_s, quality=rec.quality, tier=None,
+                hits=rec.hits, last_used=rec.last_used, created_at=rec.created_at or time.time()))
+            self.session.flush()
+            return
+        row.nbytes, row.dtype = rec.nbytes, rec.dtype
+        for name, value in (("cci", rec.cci), ("stats", stats), ("cost_s", rec.cost_s),
+                            ("quality", rec.quality)):
+            if value is not None:
+                setattr(row, name, value)
+
+    def variant(self, key: str) -> VariantRecord | None:
+        """The variant with this key (live or not), or None."""
+        row = self.session.get(Variant, key)
+        return None if row is None else _variant_record(row)
+
+    def variants(self, chunk_key: str) -> list[VariantRecord]:
+        """Every variant recorded for a chunk, evicted ones included."""
+        rows = self.session.scalars(select(Variant).where(Variant.chunk_key == chunk_key)
+                                    .order_by(Variant.created_at))
+        return [_variant_record(r) for r in rows]
+
+    def available_variants(self, chunk_key: str, owner: str) -> list[VariantRecord]:
+        """Variants of a chunk that ``owner`` can read: on disk, or in its own memory tiers.
+
+        ``tier`` in each record is the fastest such tier.
+        """
+        rows = self.session.execute(
+            select(Variant, Entry.tier).join(Entry, Entry.variant_key == Variant.key)
+            .where(Variant.chunk_key == chunk_key)
+            .where((Entry.tier == "disk") | (Entry.owner == owner))).all()
+        tiers: dict[str, set[str]] = {}
+        found: dict[str, Variant] = {}
+        for variant, tier in rows:
+            found[variant.key] = variant
+            tiers.setdefault(variant.key, set()).add(tier)
+        out = [_variant_record(v, tier=fastest_tier(tiers[k])) for k, v in found.items()]
+        return sorted(out, key=lambda r: (r.created_at, r.key))
+
+    def touch(self, variant_key: str, now: float | None = None) -> None:
+        """Count a hit on a variant."""
+        self.session.execute(update(Variant).where(Variant.key == variant_key)
+                             .values(hits=Variant.hits + 1, last_used=now or time.time()))
+
+    def refresh_tier(self, variant_key: str) -> str | None:
+        """Set a variant's ``tier`` to the fastest tier holding it (None if none)."""
+        tiers = self.session.scalars(select(Entry.tier).where(Entry.variant_key == variant_key))
+        tier = fastest_tier(tiers)
+        self.session.execute(update(Variant).where(Variant.key == variant_key).values(tier=tier))
+        return tier
+
+    # entries -------------------------------------------------------------------------
+
+    def entry(self, variant_key: str, tier: str, owner: str = "") -> EntryRecord | None:
+        """The placement of a variant in one tier (for one owner), or None."""
+        row = self._entry_row(variant_key, tier, owner)
+        return None if row is None else _entry_record(row)
+
+    def _entry_row(self, variant_key: str, tier: str, owner: str) -> Entry | None:
+        return self.session.scalars(select(Entry).where(
+            Entry.variant_key == variant_key, Entry.tier == tier, Entry.owner == owner)).first()
+
+    def add_entry(self, rec: EntryRecord) -> EntryRecord | None:
+        """Record a placement (replacing the same variant/tier/owner); returns the replaced one."""
+        assert rec.tier in TIERS, f"unknown tier {rec.tier!r}"
+        row = self._entry_row(rec.variant_key, rec.tier, rec.owner)
+        old = None if row is None else _entry_record(row)
+        if row is None:
+            self.session.add(Entry(variant_key=rec.variant_key, tier=rec.tier, owner=rec.owner,
+                                   nbytes=rec.nbytes, blob=rec.blob, checksum=rec.checksum,
+                                   stored_at=rec.stored_at or time.time()))
+            self.session.flush()
+        else:
+            row.nbytes, row.blob, row.checksum = rec.nbytes, rec.blob, rec.checksum
+            row.stored_at = rec.stored_at or time.time()
+        self.refresh_tier(rec.variant_key)
+        return old
+
+    def remove_entry(self, variant_key: str, tier: str, owner: str = "",
+                     blob: str | None = None) -> EntryRecord | None:
+        """Remove a placement (only if it still names ``blob``, when given); returns it."""
+        row = self._entry_row(variant_key, tier, owner)
+        if row is None or (blob is not None and row.blob != blob):
+            return None
+        old = _entry_record(row)
+        self.session.delete(row)
+        self.session.flush()
+        self.refresh_tier(variant_key)
+        return old
+
+    def entries(self, tier: str | None = None, owner: str | None = None) -> list[EntryRecord]:
+        """Placements, optionally of one tier and/or one owner."""
+        query = select(Entry)
+        if tier is not None:
+            query = query.where(Entry.tier == tier)
+        if owner is not None:
+            query = query.where(Entry.owner == owner)
+        return [_entry_record(r) for r in self.session.scalars(query.order_by(Entry.id))]
+
+    def tier_bytes(self, tier: str, owner: str = "") -> int:
+        """Bytes recorded in one tier for one owner (the shared disk tier: owner "")."""
+        total = self.session.scalar(select(func.coalesce(func.sum(Entry.nbytes), 0))
+                                    .where(Entry.tier == tier, Entry.owner == owner))
+        return int(total or 0)
+
+    def placed_variants(self, tier: str, owner: str = "") -> list[tuple[EntryRecord, VariantRecord]]:
+        """Each placement in a tier with its variant (what an eviction policy needs)."""
+        rows = self.session.execute(select(Entry, Variant).join(Variant, Entry.variant_key == Variant.key)
+                                    .where(Entry.tier == tier, Entry.owner == owner)).all()
+        return [(_entry_record(e), _variant_record(v)) for e, v in rows]
+
+    def memory_owners(self) -> set[str]:
+        """Owners that hold GPU/CPU placements."""
+        return set(self.session.scalars(select(Entry.owner).where(Entry.tier != "disk").distinct()))
+
+    def remove_owner(self, owner: str, kind: str = "lost") -> list[EntryRecord]:
+        """Drop every memory placement of ``owner`` (it is gone), logging ``kind`` events."""
+        rows = list(self.session.scalars(select(Entry).where(Entry.owner == owner, Entry.tier != "disk")))
+        removed = [_entry_record(r) for r in rows]
+        for row in rows:
+            self.session.delete(row)
+        self.session.flush()
+        for rec in removed:
+            self.refresh_tier(rec.variant_key)
+            self.event(kind, rec.variant_key, rec.tier, None, rec.nbytes, owner)
+        return removed
+
+    def variant_tiers(self) -> dict[str, str | None]:
+        """The recorded ``tier`` of every variant."""
+        return dict(self.session.execute(select(Variant.key, Variant.tier)).all())
+
+    def counts(self) -> dict[str, int]:
+        """Rows per table and entries/bytes per tier."""
+        out = {name: int(self.session.scalar(select(func.count()).select_from(model)) or 0)
+               for name, model in (("chunks", Chunk), ("variants", Variant), ("requests", Request),
+                                   ("tier_events", TierEvent))}
+        for tier in TIERS:
+            n, b = self.session.execute(select(func.count(Entry.id), func.coalesce(func.sum(Entry.nbytes), 0))
+                                        .where(Entry.tier == tier)).one()
+            out[f"{tier}_entries"], out[f"{tier}_bytes"] = int(n), int(b)
+        return out
+
+    # events and requests -------------------------------------------------------------
+
+    def event(self, kind: str, variant_key: str, from_tier: str | None, to_tier: str | None,
+              nbytes: int, owner: str = "") -> None:
+        """Record a tier event."""
+        self.session.add(TierEvent(at=time.time(), variant_key=variant_key, kind=kind,
+                                   from_tier=from_tier, to_tier=to_tier, nbytes=int(nbytes),
+                                   owner=owner))
+
+    def events(self, variant_key: str | None = None, kind: str | None = None,
+               since_id: int = 0, limit: int | None = None) -> list[TierEventRecord]:
+        """Tier events in order, optionally filtered."""
+        query = select(TierEvent).where(TierEvent.id > since_id)
+        if variant_key is not None:
+            query = query.where(TierEvent.variant_key == variant_key)
+        if kind is not None:
+            query = query.where(TierEvent.kind == kind)
+        query = query.order_by(TierEvent.id)
+        if limit is not None:
+            query = query.limit(limit)
+        return [TierEventRecord(r.id, r.at, r.variant_key, r.kind, r.from_tier, r.to_tier,
+                                r.nbytes, r.owner) for r in self.session.scalars(query)]
+
+    def prune_events(self, keep: int = MAX_EVENTS) -> int:
+        """Keep only the newest ``keep`` tier events; returns how many were deleted."""
+        last = self.session.scalar(select(func.max(TierEvent.id))) or 0
+        result = self.session.execute(delete(TierEvent).where(TierEvent.id <= last - keep))
+        return int(result.rowcount or 0)
+
+    def add_request(self, rec: RequestRecord) -> int:
+        """Store a request and its chunks; returns its id."""
+        hits = rec.hits_by_tier
+        row = Request(created_at=rec.created_at, question_hash=rec.question_hash, method=rec.method,
+                      num_chunks=len(rec.chunks), hits_gpu=hits["gpu"], hits_cpu=hits["cpu"],
+                      hits_disk=hits["disk"], misses=rec.misses,
+                      recompute_fraction=rec.recompute_fraction, ttft_s=rec.ttft_s,
+                      full_prefill_s=rec.full_prefill_s)
+        self.session.add(row)
+        self.session.flush()
+        for c in rec.chunks:
+            self.session.add(RequestChunkRow(
+                request_id=row.id, position=c.position, chunk_key=c.chunk_key,
+                variant_key=c.variant_key, tier=c.tier, cci=c.cci, beta_prime=c.beta_prime,
+                cfo=c.cfo, fraction=c.fraction, stop_layer=c.stop_layer))
+        self.session.flush()
+        return int(row.id)
+
+    def request(self, request_id: int) -> RequestRecord | None:
+        """A stored request with its chunks in position order, or None."""
+        row = self.session.get(Request, request_id)
+        if row is None:
+            return None
+        chunks = self.session.scalars(select(RequestChunkRow).where(
+            RequestChunkRow.request_id == request_id).order_by(RequestChunkRow.position))
+        return RequestRecord(
+            question_hash=row.question_hash, method=row.method,
+            chunks=tuple(RequestChunk(c.position, c.chunk_key, c.variant_key, c.tier, c.cci,
+                                      c.beta_prime, c.cfo, c.fraction, c.stop_layer) for c in chunks),
+            recompute_fraction=row.recompute_fraction, ttft_s=row.ttft_s,
+            full_prefill_s=row.full_prefill_s, created_at=row.created_at, id=row.id)
+
+    def request_ids(self, limit: int | None = None) -> list[int]:
+        """Ids of stored requests, newest first."""
+        query = select(Request.id).order_by(Request.id.desc())
+        if limit is not None:
+            query = query.limit(limit)
+        return list(self.session.scalars(query))
+
+
+def _chunk_record(row: Chunk) -> ChunkRecord:
+    return ChunkRecord(row.key, row.fingerprint, row.num_tokens, row.source, row.preview, row.created_at)
+
+
+def _variant_record(row: Variant, tier: str | None = ...) -> VariantRecord:  # type: ignore[assignment]
+    return VariantRecord(
+        key=row.key, chunk_key=row.chunk_key, prefix=tuple(json.loads(row.prefix)),
+        nbytes=row.nbytes, dtype=row.dtype, cci=row.cci,
+        stats=None if row.stats is None else json.loads(row.stats), cost_s=row.cost_s,
+        quality=row.quality, tier=row.tier if tier is ... else tier, hits=row.hits,
+        last_used=row.last_used, created_at=row.created_at)
+
+
+def _entry_record(row: Entry) -> EntryRecord:
+    return EntryRecord(row.variant_key, row.tier, row.owner, row.nbytes, row.blob, row.checksum,
+                       row.stored_at)
+
+
+class Catalog:
+    """The catalog database of one cache directory.
+
+    Opening creates the database (and the directory) when missing, switches it to WAL
+    mode and checks the schema version. Raises :class:`SchemaVersionError` for a
+    database written by an incompatible version, :class:`CatalogCorruptError` for a
+    damaged file and :class:`CatalogWriteError` when the directory cannot be written.
+    """
+
+    def __init__(self, cache_dir: str | Path, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.cache_dir = Path(cache_dir)
+        self.path = catalog_path(self.cache_dir)
+        try:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CatalogWriteError(f"cannot create the cache directory {self.cache_dir} ({exc.strerror}); "
+                                    "set CACHECRAFT_CACHE_DIR to a writable directory") from None
+        self._engine = create_engine(f"sqlite:///{self.path}",
+                                     connect_args={"timeout": timeout_s, "check_same_thread": False})
+        timeout_ms = int(timeout_s * 1000)
+
+        @event.listens_for(self._engine, "connect")
+        def _on_connect(dbapi_conn, _record) -> None:  # pragma: no cover - exercised by every test
+            dbapi_conn.isolation_level = None  # we emit BEGIN ourselves
+            cur = dbapi_conn.cursor()
+            cur.execute(f"PRAGMA busy_timeout={timeout_ms}")
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.close()
+
+        @event.listens_for(self._engine, "begin")
+        def _on_begin(conn) -> None:
+            conn.exec_driver_sql("BEGIN " + conn.get_execution_options().get("cachecraft_begin", "IMMEDIATE"))
+
+        self._read_engine = self._engine.execution_options(cachecraft_begin="DEFERRED")
+        try:
+            self._init_schema()
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    def _init_schema(self) -> None:
+        with self.write() as tx:
+            conn = tx.session.connection()
+            tables = set(inspect(conn).get_table_names())
+            if "schema_info" in tables:
+                row = tx.session.get(SchemaInfo, "schema_version")
+                found = None if row is None else row.value
+                if found != str(SCHEMA_VERSION):
+                    raise SchemaVersionError(
+                        f"catalog {self.path} has schema version {found}, this cachecraft needs "
+                        f"{SCHEMA_VERSION}; use the cachecraft version that wrote it, or move the "
+                        "cache directory aside")
+                missing = set(Base.metadata.tables) - tables
+                if missing:
+                    raise SchemaVersionError(f"catalog {self.path} lacks tables {sorted(missing)}; "
+                                             "move the cache directory aside")
+            elif tables:
+                raise SchemaVersionError(f"{self.path} is not a cachecraft catalog (tables "
+                                         f"{sorted(tables)}); move it aside or pick another cache directory")
+            else:
+                Base.metadata.create_all(conn)
+                from cachecraft import __version__
+                tx.session.add_all([SchemaInfo(key="schema_version", value=str(SCHEMA_VERSION)),
+                                    SchemaInfo(key="created_by", value=f"cachecraft {__version__}")])
+
+    @contextmanager
+    def write(self) -> Iterator[CatalogTx]:
+        """One write transaction (``BEGIN IMMEDIATE``); commits on success, rolls back on error."""
+        with self._translated():
+            with Session(self._engine, expire_on_commit=False) as session, session.begin():
+                session.connection()  # BEGIN IMMEDIATE now: the write lock is held for the whole block
+                yield CatalogTx(session)
+
+    @contextmanager
+    def read(self) -> Iterator[CatalogTx]:
+        """One read transaction over a consistent snapshot."""
+        with self._translated():
+            with Session(self._read_engine) as session, session.begin():
+                yield CatalogTx(session)
+
+    @contextmanager
+    def _translated(self) -> Iterator[None]:
+        try:
+            yield
+        except (sa_exc.DBAPIError, sqlite3.Error) as exc:
+            mapped = translate_error(exc, self.path)
+            if mapped is None:
+                raise
+            raise mapped from exc
+
+    def integrity_problems(self) -> list[str]:
+        """SQLite's own ``PRAGMA integrity_check`` findings (empty when sound)."""
+        with self.read() as tx:
+            rows = [r[0] for r in tx.session.connection().exec_driver_sql("PRAGMA integrity_check")]
+        return [] if rows == ["ok"] else rows
+
+    # one-shot conveniences for the pipeline and the CLI ------------------------------
+
+    def record_request(self, rec: RequestRecord) -> int:
+        """Store a request and its per-chunk decisions; returns the request id."""
+        with self.write() as tx:
+            return tx.add_request(rec)
+
+    def get_request(self, request_id: int) -> RequestRecord | None:
+        """A stored request (for ``cachecraft explain``), or None."""
+        with self.read() as tx:
+            return tx.request(request_id)
+
+    def upsert_chunk(self, rec: ChunkRecord) -> None:
+        """Insert a chunk or fill in its source/preview."""
+        with self.write() as tx:
+            tx.upsert_chunk(rec)
+
+    def chunk(self, key: str) -> ChunkRecord | None:
+        """A chunk by key, or None."""
+        with self.read() as tx:
+            return tx.chunk(key)
+
+    def variants(self, chunk_key: str) -> list[VariantRecord]:
+        """Every variant recorded for a chunk (evicted ones have ``tier`` None)."""
+        with self.read() as tx:
+            return tx.variants(chunk_key)
+
+    def events(self, **filters) -> list[TierEventRecord]:
+        """Tier events (see :meth:`CatalogTx.events` for filters)."""
+        with self.read() as tx:
+            return tx.events(**filters)
+
+    def close(self) -> None:
+        """Close every pooled connection."""
+        self._engine.dispose()
+
+    def __enter__(self) -> "Catalog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

@@ -1,0 +1,141 @@
+"""SQLAlchemy ORM models of the catalog (SQLite, WAL mode, ``<cache_dir>/catalog.sqlite``).
+
+These classes are internal to :mod:`cachecraft.catalog`; what crosses the package
+boundary are the frozen records in :mod:`cachecraft.catalog.records`.
+
+Tables:
+
+- ``schema_info``: key/value pairs, ``schema_version`` among them;
+- ``chunks``: one row per chunk (token ids under one model fingerprint);
+- ``variants``: one row per variant (a chunk computed after an ordered prefix), with
+  its statistics, size, fastest live tier, hits and last use; kept after eviction
+  (``tier`` NULL) so that history and statistics survive;
+- ``entries``: where the bytes of a variant live: one row per (variant, tier, owner).
+  The disk tier is shared (owner ``""``); GPU/CPU entries belong to one process
+  (``owner`` = that store's id) and vanish with it;
+- ``requests`` and ``request_chunks``: what each request did, chunk by chunk;
+- ``tier_events``: puts, promotions, demotions, evictions, deletions, damaged or
+  lost entries.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+SCHEMA_VERSION = 1
+
+
+class Base(DeclarativeBase):
+    """Declarative base of the catalog models."""
+
+
+class SchemaInfo(Base):
+    """Key/value facts about the database; ``schema_version`` among them."""
+
+    __tablename__ = "schema_info"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
+class Chunk(Base):
+    """A chunk: token ids under one model fingerprint."""
+
+    __tablename__ = "chunks"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    fingerprint: Mapped[str] = mapped_column(Text, index=True)
+    num_tokens: Mapped[int] = mapped_column(Integer)
+    source: Mapped[str | None] = mapped_column(Text, nullable=True)
+    preview: Mapped[str | None] = mapped_column(Text, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class Variant(Base):
+    """A chunk computed after one ordered prefix; kept after eviction (``tier`` NULL)."""
+
+    __tablename__ = "variants"
+
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    chunk_key: Mapped[str] = mapped_column(ForeignKey("chunks.key"), index=True)
+    prefix: Mapped[str] = mapped_column(Text)  # JSON list of segment keys, in order
+    prefix_len: Mapped[int] = mapped_column(Integer)
+    nbytes: Mapped[int] = mapped_column(Integer)
+    dtype: Mapped[str] = mapped_column(String(16))
+    cci: Mapped[float | None] = mapped_column(Float, nullable=True)
+    stats: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON object of floats
+    cost_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    quality: Mapped[float | None] = mapped_column(Float, nullable=True)
+    tier: Mapped[str | None] = mapped_column(String(8), nullable=True, index=True)
+    hits: Mapped[int] = mapped_column(Integer, default=0)
+    last_used: Mapped[float | None] = mapped_column(Float, nullable=True)
+    created_at: Mapped[float] = mapped_column(Float)
+
+
+class Entry(Base):
+    """Where a variant's bytes live: one (variant, tier, owner) placement."""
+
+    __tablename__ = "entries"
+    __table_args__ = (UniqueConstraint("variant_key", "tier", "owner"),
+                      Index("ix_entries_tier_owner", "tier", "owner"))
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    variant_key: Mapped[str] = mapped_column(ForeignKey("variants.key"), index=True)
+    tier: Mapped[str] = mapped_column(String(8))
+    owner: Mapped[str] = mapped_column(String(64))
+    nbytes: Mapped[int] = mapped_column(Integer)
+    blob: Mapped[str | None] = mapped_column(Text, nullable=True)  # disk tier: diskcache key
+    checksum: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    stored_at: Mapped[float] = mapped_column(Float)
+
+
+class Request(Base):
+    """One request: method, hits per tier, misses, recompute fraction, timings."""
+
+    __tablename__ = "requests"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    created_at: Mapped[float] = mapped_column(Float, index=True)
+    question_hash: Mapped[str] = mapped_column(String(64))
+    method: Mapped[str] = mapped_column(String(32))
+    num_chunks: Mapped[int] = mapped_column(Integer)
+    hits_gpu: Mapped[int] = mapped_column(Integer, default=0)
+    hits_cpu: Mapped[int] = mapped_column(Integer, default=0)
+    hits_disk: Mapped[int] = mapped_column(Integer, default=0)
+    misses: Mapped[int] = mapped_column(Integer, default=0)
+    recompute_fraction: Mapped[float | None] = mapped_column(Float, nullable=True)
+    ttft_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    full_prefill_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class RequestChunkRow(Base):
+    """One chunk position of a request and the policy's decision for it."""
+
+    __tablename__ = "request_chunks"
+
+    request_id: Mapped[int] = mapped_column(ForeignKey("requests.id"), primary_key=True)
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)
+    chunk_key: Mapped[str] = mapped_column(String(64), index=True)
+    variant_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    tier: Mapped[str] = mapped_column(String(8))  # gpu | cpu | disk | miss
+    cci: Mapped[float | None] = mapped_column(Float, nullable=True)
+    beta_prime: Mapped[float | None] = mapped_column(Float, nullable=True)
+    cfo: Mapped[float | None] = mapped_column(Float, nullable=True)
+    fraction: Mapped[float | None] = mapped_column(Float, nullable=True)
+    stop_layer: Mapped[int | None] = mapped_column(Integer, nullable=True)
+
+
+class TierEvent(Base):
+    """A put, promotion, demotion, eviction, deletion, or a damaged or lost entry."""
+
+    __tablename__ = "tier_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[float] = mapped_column(Float)
+    variant_key: Mapped[str] = mapped_column(String(64), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    from_tier: Mapped[str | None] = mapped_column(String(8), nullable=True)
+    to_tier: Mapped[str | None] = mapped_column(String(8), nullable=True)
+    nbytes: Mapped[int] = mapped_column(Integer)
+    owner: Mapped[str] = mapped_column(String(64))

@@ -1,0 +1,191 @@
+"""Statistics over the catalog, for ``cachecraft stats`` (plain functions, plain records)."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics as pystats
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import case, func, select
+
+from cachecraft.catalog.db import Catalog
+from cachecraft.catalog.models import Chunk, Entry, Request, Variant
+from cachecraft.catalog.records import TIERS
+
+
+@dataclass(frozen=True)
+class HitRates:
+    """Chunk lookups of recorded requests: hits per tier and misses."""
+
+    requests: int
+    chunks: int
+    hits_by_tier: dict[str, int]
+    misses: int
+
+    @property
+    def hits(self) -> int:
+        """Chunk lookups that found a usable cache, all tiers together."""
+        return sum(self.hits_by_tier.values())
+
+    @property
+    def overall(self) -> float:
+        """Fraction of chunk lookups that found a usable cache (0 when none recorded)."""
+        return self.hits / self.chunks if self.chunks else 0.0
+
+    @property
+    def per_tier(self) -> dict[str, float]:
+        """Fraction of chunk lookups served by each tier."""
+        return {t: (n / self.chunks if self.chunks else 0.0) for t, n in self.hits_by_tier.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-friendly form."""
+        return {"requests": self.requests, "chunks": self.chunks, "hits": self.hits,
+                "misses": self.misses, "hits_by_tier": dict(self.hits_by_tier),
+                "hit_rate": self.overall, "hit_rate_by_tier": self.per_tier}
+
+
+@dataclass(frozen=True)
+class TierUsage:
+    """Entries and bytes recorded in one tier (all processes together)."""
+
+    tier: str
+    entries: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class ChunkHits:
+    """A chunk and how often its variants were used."""
+
+    chunk_key: str
+    hits: int
+    variants: int
+    live_variants: int
+    num_tokens: int
+    source: str | None
+    preview: str | None
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Summary and histogram of a set of fractions in [0, 1]."""
+
+    count: int
+    mean: float | None
+    median: float | None
+    p90: float | None
+    minimum: float | None
+    maximum: float | None
+    histogram: tuple[tuple[float, float, int], ...]  # (low, high, count); the last bin includes 1.0
+
+
+@dataclass(frozen=True)
+class PrefillSaved:
+    """Estimated prefill time saved: full-prefill estimate minus measured TTFT, summed."""
+
+    requests: int
+    full_prefill_s: float
+    ttft_s: float
+
+    @property
+    def saved_s(self) -> float:
+        """Full-prefill estimate minus TTFT, summed over the requests counted."""
+        return self.full_prefill_s - self.ttft_s
+
+
+def _method_filter(query, method: str | None):
+    return query if method is None else query.where(Request.method == method)
+
+
+def hit_rates(catalog: Catalog, *, method: str | None = None) -> HitRates:
+    """Hit rate overall and per tier over recorded requests (optionally of one method)."""
+    query = _method_filter(select(func.count(Request.id), func.coalesce(func.sum(Request.num_chunks), 0),
+                                  func.coalesce(func.sum(Request.hits_gpu), 0),
+                                  func.coalesce(func.sum(Request.hits_cpu), 0),
+                                  func.coalesce(func.sum(Request.hits_disk), 0),
+                                  func.coalesce(func.sum(Request.misses), 0)), method)
+    with catalog.read() as tx:
+        n, chunks, gpu, cpu, disk, misses = tx.session.execute(query).one()
+    return HitRates(int(n), int(chunks), {"gpu": int(gpu), "cpu": int(cpu), "disk": int(disk)}, int(misses))
+
+
+def tier_usage(catalog: Catalog) -> dict[str, TierUsage]:
+    """Entries and bytes per tier, every tier listed (zeros included)."""
+    query = select(Entry.tier, func.count(Entry.id), func.coalesce(func.sum(Entry.nbytes), 0)).group_by(Entry.tier)
+    with catalog.read() as tx:
+        rows = {tier: (int(n), int(b)) for tier, n, b in tx.session.execute(query)}
+    return {t: TierUsage(t, *rows.get(t, (0, 0))) for t in TIERS}
+
+
+def top_chunks(catalog: Catalog, limit: int = 10) -> list[ChunkHits]:
+    """Chunks whose variants were hit most, most first."""
+    live = func.sum(case((Variant.tier.is_not(None), 1), else_=0))
+    query = (select(Chunk, func.sum(Variant.hits), func.count(Variant.key), live)
+             .join(Variant, Variant.chunk_key == Chunk.key).group_by(Chunk.key)
+             .order_by(func.sum(Variant.hits).desc(), Chunk.key).limit(limit))
+    with catalog.read() as tx:
+        return [ChunkHits(c.key, int(h or 0), int(n), int(lv or 0), c.num_tokens, c.source, c.preview)
+                for c, h, n, lv in tx.session.execute(query)]
+
+
+def variants_per_chunk(catalog: Catalog, *, live_only: bool = True) -> dict[int, int]:
+    """Histogram: number of variants a chunk has -> number of chunks with that many."""
+    query = select(Variant.chunk_key, func.count(Variant.key)).group_by(Variant.chunk_key)
+    if live_only:
+        query = query.where(Variant.tier.is_not(None))
+    with catalog.read() as tx:
+        counts = [int(n) for _, n in tx.session.execute(query)]
+    hist: dict[int, int] = {}
+    for n in counts:
+        hist[n] = hist.get(n, 0) + 1
+    return dict(sorted(hist.items()))
+
+
+def recompute_distribution(catalog: Catalog, *, bins: int = 10, method: str | None = None) -> Distribution:
+    """Distribution of per-request recompute fractions (requests that recorded one)."""
+    assert bins >= 1, f"bins must be >= 1, got {bins}"
+    query = _method_filter(select(Request.recompute_fraction)
+                           .where(Request.recompute_fraction.is_not(None)), method)
+    with catalog.read() as tx:
+        values = sorted(float(v) for v in tx.session.scalars(query))
+    edges = [i / bins for i in range(bins + 1)]
+    counts = [0] * bins
+    for v in values:
+        counts[min(max(int(v * bins), 0), bins - 1)] += 1
+    hist = tuple((edges[i], edges[i + 1], counts[i]) for i in range(bins))
+    if not values:
+        return Distribution(0, None, None, None, None, None, hist)
+    p90 = values[min(len(values) - 1, int(round(0.9 * (len(values) - 1))))]
+    return Distribution(len(values), pystats.fmean(values), pystats.median(values), p90,
+                        values[0], values[-1], hist)
+
+
+def prefill_time_saved(catalog: Catalog, *, method: str | None = None) -> PrefillSaved:
+    """Sum over requests that recorded both a full-prefill estimate and a TTFT."""
+    query = _method_filter(select(func.count(Request.id), func.coalesce(func.sum(Request.full_prefill_s), 0.0),
+                                  func.coalesce(func.sum(Request.ttft_s), 0.0))
+                           .where(Request.full_prefill_s.is_not(None), Request.ttft_s.is_not(None)), method)
+    with catalog.read() as tx:
+        n, full, ttft = tx.session.execute(query).one()
+    return PrefillSaved(int(n), float(full), float(ttft))
+
+
+def summary(catalog: Catalog, *, top: int = 10) -> dict[str, Any]:
+    """Every statistic above in one JSON-friendly document (``cachecraft stats --json``)."""
+    with catalog.read() as tx:
+        counts = {"chunks": tx.session.scalar(select(func.count(Chunk.key))),
+                  "variants": tx.session.scalar(select(func.count(Variant.key))),
+                  "live_variants": tx.session.scalar(select(func.count(Variant.key))
+                                                     .where(Variant.tier.is_not(None))),
+                  "requests": tx.session.scalar(select(func.count(Request.id)))}
+    saved = prefill_time_saved(catalog)
+    return {
+        "counts": counts,
+        "hit_rates": hit_rates(catalog).to_dict(),
+        "tiers": {t: dataclasses.asdict(u) for t, u in tier_usage(catalog).items()},
+        "top_chunks": [dataclasses.asdict(c) for c in top_chunks(catalog, top)],
+        "variants_per_chunk": {str(k): v for k, v in variants_per_chunk(catalog).items()},
+        "recompute_fraction": dataclasses.asdict(recompute_distribution(catalog)),
+        "prefill_time_saved": {**dataclasses.asdict(saved), "saved_s": saved.saved_s},
+    }

@@ -1,0 +1,21 @@
+"""cachecraft store: chunk-cache variants in GPU / CPU / disk tiers under byte budgets.
+
+Bytes only, no policy decisions: the policy package decides which variant to use and
+how much to recompute; the store keeps, moves, verifies and hands out the bytes.
+"""
+
+from cachecraft.store.errors import (CacheDirError, CorruptEntryError, DiskFullError, StoreBusyError,
+                                     StoreConfigError, StoreError)
+from cachecraft.store.eviction import (POLICIES, CacheCraftPolicy, EntryInfo, EvictionPolicy,
+                                       LFUPolicy, LRUPolicy, PGDSFPolicy, make_policy)
+from cachecraft.store.readers import LayerReader
+from cachecraft.store.store import StoreCounters, TieredStore, TierState, store_paths
+from cachecraft.store.verify import Problem, VerifyReport, verify
+from cachecraft.store.bench import run_store_benchmark
+
+__all__ = [
+    "CacheDirError", "CorruptEntryError", "DiskFullError", "StoreBusyError", "StoreConfigError",
+    "StoreError", "POLICIES", "CacheCraftPolicy", "EntryInfo", "EvictionPolicy", "LFUPolicy",
+    "LRUPolicy", "PGDSFPolicy", "make_policy", "LayerReader", "StoreCounters", "TieredStore",
+    "TierState", "store_paths", "Problem", "VerifyReport", "verify", "run_store_benchmark",
+]

@@ -1,0 +1,27 @@
+"""Errors raised by the store; each message is one line that says what to do."""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """The chunk-cache store cannot do what was asked."""
+
+
+class StoreConfigError(StoreError):
+    """A store setting is invalid (a budget, a tier name, a dtype)."""
+
+
+class CacheDirError(StoreError):
+    """The cache directory cannot be created or written."""
+
+
+class DiskFullError(StoreError):
+    """The device holding the cache directory ran out of space."""
+
+
+class CorruptEntryError(StoreError):
+    """Stored bytes failed their checksum; the entry was removed (treat it as a miss)."""
+
+
+class StoreBusyError(StoreError):
+    """Another process held the store's maintenance lock for longer than the timeout."""

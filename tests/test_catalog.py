@@ -1,0 +1,208 @@
+"""Catalog: schema, WAL, transactions, records, version and damage errors, statistics."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+
+from cachecraft.catalog import (Catalog, CatalogCorruptError, CatalogWriteError, ChunkRecord,
+                                EntryRecord, RequestChunk, RequestRecord, SchemaVersionError,
+                                VariantRecord, catalog_path, question_hash)
+from cachecraft.catalog import stats
+
+
+@pytest.fixture
+def catalog(tmp_path):
+    cat = Catalog(tmp_path)
+    yield cat
+    cat.close()
+
+
+def add_variant(cat: Catalog, key: str, chunk: str, *, tier: str | None = "disk", owner: str = "",
+                hits: int = 0, nbytes: int = 100) -> None:
+    with cat.write() as tx:
+        tx.upsert_chunk(ChunkRecord(chunk, "fp", 10, f"doc-{chunk}", f"text of {chunk}"))
+        tx.upsert_variant(VariantRecord(key, chunk, ("sys", chunk), nbytes, "float16", cci=0.4))
+        if tier is not None:
+            tx.add_entry(EntryRecord(key, tier, owner, nbytes, blob=f"{key}.b" if tier == "disk" else None))
+        for _ in range(hits):
+            tx.touch(key)
+
+
+def test_creates_wal_database_with_schema_version(tmp_path, catalog):
+    assert catalog_path(tmp_path).is_file()
+    con = sqlite3.connect(catalog_path(tmp_path))
+    try:
+        assert con.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        version = con.execute("SELECT value FROM schema_info WHERE key='schema_version'").fetchone()[0]
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    finally:
+        con.close()
+    assert version == "1"
+    assert {"chunks", "variants", "entries", "requests", "request_chunks", "tier_events"} <= tables
+    Catalog(tmp_path).close()  # reopening an existing catalog is fine
+
+
+def test_write_transactions_take_the_write_lock_at_begin(tmp_path, catalog):
+    other = sqlite3.connect(catalog_path(tmp_path), timeout=0, isolation_level=None)
+    try:
+        with catalog.write():
+            # nothing written yet, but BEGIN IMMEDIATE already holds the write lock
+            with pytest.raises(sqlite3.OperationalError, match="locked"):
+                other.execute("BEGIN IMMEDIATE")
+        other.execute("BEGIN IMMEDIATE")
+        other.execute("ROLLBACK")
+        with catalog.read():  # reads do not block writers
+            other.execute("BEGIN IMMEDIATE")
+            other.execute("ROLLBACK")
+    finally:
+        other.close()
+
+
+def test_failed_transaction_rolls_back_whole(catalog):
+    with pytest.raises(RuntimeError):
+        with catalog.write() as tx:
+            tx.upsert_chunk(ChunkRecord("c1", "fp", 3))
+            raise RuntimeError("boom")
+    assert catalog.chunk("c1") is None
+
+
+def test_chunks_variants_entries_and_tiers(catalog):
+    add_variant(catalog, "v1", "c1", tier="cpu", owner="me", hits=2)
+    add_variant(catalog, "v2", "c1", tier="disk")
+    add_variant(catalog, "v3", "c1", tier="gpu", owner="other")
+    assert catalog.chunk("c1") == ChunkRecord("c1", "fp", 10, "doc-c1", "text of c1",
+                                              catalog.chunk("c1").created_at)
+    variants = {v.key: v for v in catalog.variants("c1")}
+    assert variants["v1"].hits == 2 and variants["v1"].tier == "cpu" and variants["v1"].cci == 0.4
+    assert variants["v1"].prefix == ("sys", "c1")
+    with catalog.read() as tx:
+        mine = {v.key: v.tier for v in tx.available_variants("c1", "me")}
+        assert mine == {"v1": "cpu", "v2": "disk"}  # v3 lives in another process's GPU
+        assert tx.tier_bytes("disk") == 100 and tx.tier_bytes("cpu", "me") == 100
+        assert tx.memory_owners() == {"me", "other"}
+    with catalog.write() as tx:
+        tx.add_entry(EntryRecord("v2", "cpu", "me", 100))
+        assert tx.refresh_tier("v2") == "cpu"
+        assert tx.remove_entry("v2", "disk", blob="not-this-blob") is None
+        assert tx.remove_entry("v2", "disk", blob="v2.b").blob == "v2.b"
+        removed = tx.remove_owner("me")
+    assert {r.variant_key for r in removed} == {"v1", "v2"}
+    tiers = {v.key: v.tier for v in catalog.variants("c1")}
+    assert tiers == {"v1": None, "v2": None, "v3": "gpu"}  # history kept, tier cleared
+    assert [e.kind for e in catalog.events(kind="lost")] == ["lost", "lost"]
+
+
+def test_request_round_trip_for_explain(catalog):
+    rec = RequestRecord(question_hash("who?"), "cachecraft", (
+        RequestChunk(0, "c1", "v1", "cpu", cci=0.3, beta_prime=0.8, cfo=0.06, fraction=0.1, stop_layer=12),
+        RequestChunk(1, "c2"),
+        RequestChunk(2, "c3", "v9", "disk", fraction=0.0)), recompute_fraction=0.05, ttft_s=0.5,
+        full_prefill_s=2.0, created_at=123.0)
+    rid = catalog.record_request(rec)
+    got = catalog.get_request(rid)
+    assert got == RequestRecord(**{**rec.__dict__, "id": rid})
+    assert got.hits_by_tier == {"gpu": 0, "cpu": 1, "disk": 1} and got.misses == 1
+    assert catalog.get_request(rid + 1) is None
+    with pytest.raises(AssertionError):
+        RequestChunk(0, "c1", None, "cpu")  # a hit must name its variant
+
+
+def test_incompatible_schema_version_is_a_clear_error(tmp_path):
+    Catalog(tmp_path).close()
+    con = sqlite3.connect(catalog_path(tmp_path))
+    con.execute("UPDATE schema_info SET value='999' WHERE key='schema_version'")
+    con.commit()
+    con.close()
+    with pytest.raises(SchemaVersionError, match="schema version 999.*needs 1"):
+        Catalog(tmp_path)
+
+
+def test_foreign_database_is_refused(tmp_path):
+    con = sqlite3.connect(catalog_path(tmp_path))
+    con.execute("CREATE TABLE stuff (x)")
+    con.commit()
+    con.close()
+    with pytest.raises(SchemaVersionError, match="not a cachecraft catalog"):
+        Catalog(tmp_path)
+
+
+def test_corrupted_database_file_is_a_clear_error(tmp_path):
+    catalog_path(tmp_path).write_bytes(b"this is not sqlite at all" * 100)
+    with pytest.raises(CatalogCorruptError, match="verify --repair"):
+        Catalog(tmp_path)
+    assert catalog_path(tmp_path).read_bytes().startswith(b"this is not")  # left untouched
+
+
+def test_unwritable_cache_directory(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(CatalogWriteError, match="CACHECRAFT_CACHE_DIR"):
+        Catalog(blocker / "cache")
+
+
+def test_statistics_match_hand_computed_values(catalog):
+    add_variant(catalog, "a1", "A", tier="cpu", owner="p", hits=5, nbytes=300)
+    add_variant(catalog, "a2", "A", tier="disk", hits=1, nbytes=200)
+    add_variant(catalog, "b1", "B", tier="disk", hits=2, nbytes=50)
+    add_variant(catalog, "c1", "C", tier=None, hits=9)  # evicted: counts in history, not live
+    for frac, ttft, full, chunks in (
+            (0.1, 1.0, 4.0, (RequestChunk(0, "A", "a1", "cpu"), RequestChunk(1, "B", "b1", "disk"))),
+            (0.3, 2.0, 4.0, (RequestChunk(0, "A", "a2", "disk"), RequestChunk(1, "D"))),
+            (0.95, None, 4.0, (RequestChunk(0, "D"),))):
+        catalog.record_request(RequestRecord("q", "cachecraft", chunks, frac, ttft, full))
+    catalog.record_request(RequestRecord("q", "full", (RequestChunk(0, "D"),), 1.0, 3.0, 3.0))
+
+    rates = stats.hit_rates(catalog)
+    assert (rates.requests, rates.chunks, rates.hits, rates.misses) == (4, 6, 3, 3)
+    assert rates.hits_by_tier == {"gpu": 0, "cpu": 1, "disk": 2}
+    assert rates.overall == pytest.approx(0.5)
+    assert rates.per_tier["disk"] == pytest.approx(2 / 6)
+    assert stats.hit_rates(catalog, method="full").overall == 0.0
+
+    usage = stats.tier_usage(catalog)
+    assert (usage["cpu"].entries, usage["cpu"].bytes) == (1, 300)
+    assert (usage["disk"].entries, usage["disk"].bytes) == (2, 250)
+    assert (usage["gpu"].entries, usage["gpu"].bytes) == (0, 0)
+
+    top = stats.top_chunks(catalog, limit=2)
+    assert [(c.chunk_key, c.hits, c.variants, c.live_variants) for c in top] == [("C", 9, 1, 0), ("A", 6, 2, 2)]
+    assert top[1].source == "doc-A"
+
+    assert stats.variants_per_chunk(catalog) == {1: 1, 2: 1}  # B has one live, A two; C none
+    assert stats.variants_per_chunk(catalog, live_only=False) == {1: 2, 2: 1}
+
+    dist = stats.recompute_distribution(catalog, bins=4)
+    assert dist.count == 4 and dist.minimum == 0.1 and dist.maximum == 1.0
+    assert dist.mean == pytest.approx((0.1 + 0.3 + 0.95 + 1.0) / 4)
+    assert dist.median == pytest.approx((0.3 + 0.95) / 2)
+    assert [b[2] for b in dist.histogram] == [1, 1, 0, 2]  # 0.3 in [0.25, 0.5); 1.0 in the last bin
+    assert stats.recompute_distribution(catalog, method="nope").count == 0
+
+    saved = stats.prefill_time_saved(catalog)  # the request without a TTFT is left out
+    assert (saved.requests, saved.full_prefill_s, saved.ttft_s, saved.saved_s) == (3, 11.0, 6.0, 5.0)
+    assert stats.prefill_time_saved(catalog, method="cachecraft").saved_s == 5.0
+
+    doc = stats.summary(catalog)
+    json.dumps(doc)  # JSON-serialisable as is
+    assert doc["counts"] == {"chunks": 3, "variants": 4, "live_variants": 3, "requests": 4}
+    assert doc["hit_rates"]["hit_rate"] == pytest.approx(0.5)
+
+
+def test_statistics_on_an_empty_catalog(catalog):
+    assert stats.hit_rates(catalog).overall == 0.0
+    assert stats.recompute_distribution(catalog).mean is None
+    assert stats.prefill_time_saved(catalog).saved_s == 0.0
+    assert stats.top_chunks(catalog) == [] and stats.variants_per_chunk(catalog) == {}
+    json.dumps(stats.summary(catalog))
+
+
+def test_event_pruning_keeps_the_newest(catalog):
+    with catalog.write() as tx:
+        for i in range(10):
+            tx.event("put", f"v{i}", None, "cpu", 1)
+    with catalog.write() as tx:
+        assert tx.prune_events(keep=3) == 7
+    assert [e.variant_key for e in catalog.events()] == ["v7", "v8", "v9"]

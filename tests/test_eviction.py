@@ -1,0 +1,157 @@
+"""Eviction policies: orders checked against orders computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachecraft.config import _EVICTION
+from cachecraft.store.eviction import (POLICIES, CacheCraftPolicy, EntryInfo, LFUPolicy, LRUPolicy,
+                                       PGDSFPolicy, estimate_cost_s, make_policy)
+
+
+def info(key: str, chunk: str | None = None, nbytes: int = 1, cost: float = 1.0, quality: float = 1.0,
+         hits: int = 0) -> EntryInfo:
+    return EntryInfo(key, chunk or key, nbytes, cost, quality, hits)
+
+
+def test_every_config_name_has_a_policy():
+    assert set(_EVICTION) == set(POLICIES)
+    for name in _EVICTION:
+        assert make_policy(name).name == name
+    with pytest.raises(ValueError, match="unknown eviction policy"):
+        make_policy("fifo")
+
+
+def test_lru_order():
+    p = LRUPolicy()
+    for k in "abc":
+        p.on_put(info(k))
+    assert p.candidates() == ["a", "b", "c"]
+    p.on_hit("a")  # a becomes the most recent
+    assert p.candidates() == ["b", "c", "a"]
+    p.on_put(info("d"))
+    p.on_hit("b")
+    assert p.candidates() == ["c", "a", "d", "b"]
+    p.on_evict("c")
+    p.discard("d")
+    assert p.candidates() == ["a", "b"]
+    assert p.victim(exclude={"a"}) == "b"
+    assert p.victim(exclude={"a", "b"}) is None
+
+
+def test_lfu_order_with_ties_by_age():
+    p = LFUPolicy()
+    for k in "abc":
+        p.on_put(info(k))
+    p.on_hit("a")
+    p.on_hit("a")
+    p.on_hit("c")
+    # frequencies: a=3, b=1, c=2
+    assert p.candidates() == ["b", "c", "a"]
+    p.on_put(info("d"))  # d=1, newer than b: b goes first among the ones
+    assert p.candidates() == ["b", "d", "c", "a"]
+    p.on_put(info("e", hits=4))  # carried-over hits: frequency 5
+    assert p.candidates() == ["b", "d", "c", "a", "e"]
+    assert p.frequency("e") == 5
+    p.on_evict("b")
+    assert p.candidates() == ["d", "c", "a", "e"]
+
+
+def test_pgdsf_order_and_clock_ageing():
+    p = PGDSFPolicy()
+    p.on_put(info("a", nbytes=2, cost=4))  # 0 + 1*4/2 = 2
+    p.on_put(info("b", nbytes=1, cost=1))  # 0 + 1*1/1 = 1
+    p.on_put(info("c", nbytes=1, cost=3))  # 0 + 1*3/1 = 3
+    assert p.priorities() == {"a": 2.0, "b": 1.0, "c": 3.0}
+    assert p.candidates() == ["b", "a", "c"]
+    p.on_evict("b")
+    assert p.clock == 1.0  # raised to the evicted priority
+    p.on_put(info("d", nbytes=2, cost=1))  # 1 + 1*1/2 = 1.5
+    assert p.candidates() == ["d", "a", "c"]
+    p.on_hit("a")  # freq 2, base 1: 1 + 2*4/2 = 5
+    assert p.priorities()["a"] == 5.0
+    assert p.candidates() == ["d", "c", "a"]
+    p.on_evict("d")
+    assert p.clock == 1.5
+    p.on_put(info("e", nbytes=1, cost=1))  # 1.5 + 1 = 2.5, under c's 3 (made before any ageing)
+    assert p.candidates() == ["e", "c", "a"]
+    p.on_evict("e")
+    p.on_evict("c")
+    assert p.clock == 3.0
+    p.on_put(info("f", nbytes=1, cost=1))  # 3 + 1 = 4, still under a's 5
+    assert p.candidates() == ["f", "a"]
+    p.discard("a")  # leaving for another reason does not age the clock
+    assert p.clock == 3.0
+
+
+def test_pgdsf_ties_go_to_the_older_entry():
+    p = PGDSFPolicy()
+    p.on_put(info("x"))
+    p.on_put(info("y"))
+    assert p.candidates() == ["x", "y"]
+    p.on_hit("x")
+    p.on_hit("y")
+    assert p.candidates() == ["x", "y"]
+
+
+def test_cachecraft_prefers_one_good_variant_over_redundant_ones():
+    p = CacheCraftPolicy()
+    p.on_put(info("x1", chunk="X"))
+    p.on_put(info("x2", chunk="X"))
+    p.on_put(info("y1", chunk="Y"))
+    p.on_hit("x2")
+    p.on_hit("x2")
+    p.on_hit("y1")
+    p.on_hit("x1")
+    p.on_hit("x1")
+    # freq: x1=3 (most recent), x2=3, y1=2. Chunk X ranks x1 first (equal value, more recent),
+    # so x2 keeps half its value: x2 = 1.5, y1 = 2, x1 = 3.
+    assert p.priorities() == {"x1": 3.0, "x2": 1.5, "y1": 2.0}
+    assert p.candidates() == ["x2", "y1", "x1"]
+    lfu = LFUPolicy()  # the frequency-only baseline would drop the lone variant of Y first
+    for k in ("x1", "x2", "y1"):
+        lfu.on_put(info(k))
+    for k in ("x2", "x2", "y1", "x1", "x1"):
+        lfu.on_hit(k)
+    assert lfu.candidates()[0] == "y1"
+    p.on_evict("x2")
+    assert p.clock == 1.5
+    assert p.priorities() == {"x1": 3.0, "y1": 2.0}  # x1 is alone now: full value
+    p.on_put(info("z1", chunk="Z"))  # 1.5 + 1
+    assert p.candidates() == ["y1", "z1", "x1"]
+
+
+def test_cachecraft_weighs_compute_saved_per_byte():
+    p = CacheCraftPolicy()
+    p.on_put(info("big", nbytes=4, cost=4))  # 1*4*1/4 = 1
+    p.on_put(info("fixy", nbytes=1, cost=1, quality=0.25))  # needs 75% recompute: 0.25
+    p.on_put(info("good", nbytes=1, cost=2, quality=1.0))  # 2
+    assert p.priorities() == {"big": 1.0, "fixy": 0.25, "good": 2.0}
+    assert p.candidates() == ["fixy", "big", "good"]
+    # a third variant of one chunk keeps a quarter of its value
+    q = CacheCraftPolicy()
+    for key, hits in (("a1", 3), ("a2", 1), ("a3", 0)):
+        q.on_put(info(key, chunk="A", hits=hits))  # freq = hits + 1: 4, 2, 1
+    assert q.priorities() == {"a1": 4.0, "a2": 1.0, "a3": 0.25}
+
+
+def test_entry_info_rejects_nonsense():
+    with pytest.raises(AssertionError):
+        EntryInfo("k", "c", 0)
+    with pytest.raises(AssertionError):
+        EntryInfo("k", "c", 10, 1.0, 1.5)
+    assert estimate_cost_s(600, 30) == pytest.approx(600 * 30 * 1.6e-4)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_policies_track_exactly_their_keys(name):
+    p = make_policy(name)
+    for k in "abcd":
+        p.on_put(info(k))
+    p.on_hit("zzz")  # unknown keys are ignored
+    p.on_evict("a")
+    p.discard("b")
+    p.discard("nope")
+    assert p.keys() == {"c", "d"}
+    assert sorted(p.candidates()) == ["c", "d"]
+    assert len(p) == 2 and "c" in p
