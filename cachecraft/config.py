@@ -25,6 +25,10 @@ DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the passages below. "
     "Answer briefly, in a few words."
 )
+# Placed after the passages; asking for a short answer keeps answers comparable.
+DEFAULT_QUESTION_TEMPLATE = (
+    "Answer the question based on the passages above, in at most five words.\nQuestion: {question}"
+)
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_DTYPES = ("float32", "bfloat16", "float16")
@@ -66,6 +70,7 @@ class Config:
     dtype: str = "auto"
     kv_dtype: str = "float16"
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    question_template: str = DEFAULT_QUESTION_TEMPLATE
     max_new_tokens: int = 32
     cacheblend_ratio: float = 0.15
     check_layer: int = 1
@@ -84,6 +89,8 @@ class Config:
         check(self.kv_dtype in _KV_DTYPES, f"kv_dtype must be one of {_KV_DTYPES}, got {self.kv_dtype!r}")
         check(self.eviction in _EVICTION, f"eviction must be one of {_EVICTION}, got {self.eviction!r}")
         check(bool(str(self.model).strip()), "model must not be empty")
+        check("{question}" in self.question_template,
+              "question_template must contain the placeholder {question}")
         check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         check(0.0 <= self.cacheblend_ratio <= 1.0,
               f"cacheblend_ratio must be within [0, 1], got {self.cacheblend_ratio}")

@@ -14,13 +14,13 @@ from cachecraft.engine import create_chunk_cache
 from cachecraft.methods import MethodSpec
 from cachecraft.metrics import first_line
 from cachecraft.model.loader import _DTYPES, LoadedModel
-from cachecraft.prompt import PromptBuilder
+from cachecraft.prompt import PromptBuilder, builder_for
 
 
 def run_demo(lm: LoadedModel, config: Config, questions: Path, limit: int, console: Console) -> None:
     """Answer ``limit`` questions from ``questions`` with ``full`` and ``cacheblend``."""
     items = load_items(questions, limit)
-    builder = PromptBuilder(lm.tokenizer, config.system_prompt)
+    builder = builder_for(lm.tokenizer, config)
     kv_dtype = _DTYPES[config.kv_dtype]
     specs = [MethodSpec("full"), MethodSpec("cacheblend", config.cacheblend_ratio, config.check_layer)]
     prefix_kv = None

@@ -37,9 +37,11 @@ class PromptPieces:
 class PromptBuilder:
     """Turns (system prompt, chunk texts, question) into :class:`PromptPieces`."""
 
-    def __init__(self, tokenizer, system_prompt: str):
+    def __init__(self, tokenizer, system_prompt: str, question_template: str = "Question: {question}"):
+        assert "{question}" in question_template, "question_template needs a {question} placeholder"
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
+        self.question_template = question_template
         self.head, self.tail = self._template_parts()
 
     def _template_parts(self) -> tuple[str, str]:
@@ -81,10 +83,16 @@ class PromptBuilder:
         if not question or not question.strip():
             raise ValueError("the question is empty")
         pieces = PromptPieces(self.prefix_ids(), tuple(self.encode(c) for c in chunks),
-                              self.encode(f"Question: {question.strip()}{self.tail}"))
+                              self.encode(self.question_template.replace("{question}", question.strip())
+                                          + self.tail))
         if any(len(c) == 0 for c in pieces.chunks):
             raise ValueError("a chunk is empty")
         if max_tokens is not None and pieces.num_tokens > max_tokens:
             raise PromptTooLong(f"prompt has {pieces.num_tokens} tokens, more than the model's "
                                 f"context window of {max_tokens}")
         return pieces
+
+
+def builder_for(tokenizer, config) -> PromptBuilder:
+    """The prompt builder a config describes."""
+    return PromptBuilder(tokenizer, config.system_prompt, config.question_template)

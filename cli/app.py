@@ -184,6 +184,7 @@ def bench_quality_cmd(
                 Progress(console=err_console, transient=True) as progress:
             task = progress.add_task("requests", total=len(items))
             result = run_quality(lm, items, specs, system_prompt=config.system_prompt,
+                                 question_template=config.question_template,
                                  kv_dtype=_DTYPES[config.kv_dtype], max_new_tokens=max_new_tokens,
                                  on_item=lambda done, total: progress.update(task, completed=done), store=store)
             store.close(persist=False)

@@ -29,3 +29,12 @@ def test_empty_question_chunk_and_too_long_prompt():
 def test_chunk_text_formats_title():
     assert PromptBuilder.chunk_text(" body ", "Title") == "Title\nbody\n\n"
     assert PromptBuilder.chunk_text("body") == "body\n\n"
+
+
+def test_question_template_is_applied_and_validated():
+    from cachecraft.config import Config, ConfigError
+    builder = PromptBuilder(tiny_tokenizer(), "w1", "w7 {question} w8")
+    pieces = builder.build(["w5\n\n"], "w9")
+    assert builder.tokenizer.decode(pieces.question).split()[:3] == ["w7", "w9", "w8"]
+    with pytest.raises(ConfigError, match="placeholder"):
+        Config.from_mapping({"question_template": "no placeholder"})

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from cachecraft.bench.common import PeakRSS
+from cachecraft.config import DEFAULT_QUESTION_TEMPLATE
 from cachecraft.dataset import QAItem
 from cachecraft.engine import Segment, blended_prefill, create_chunk_cache, generate_from
 from cachecraft.methods import MethodSpec, build_segments, remember_prefix, segment_keys
@@ -107,11 +108,11 @@ def aggregate(rows: list[dict], label: str) -> dict:
 
 
 def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[MethodSpec], *,
-                system_prompt: str, kv_dtype: torch.dtype = torch.float16, max_new_tokens: int = 32,
+                system_prompt: str, question_template: str = DEFAULT_QUESTION_TEMPLATE, kv_dtype: torch.dtype = torch.float16, max_new_tokens: int = 32,
                 on_item: Callable[[int, int], None] | None = None, store: TieredStore | None = None) -> dict:
     """Run every method on every item; returns ``{"items": [...], "methods": {...}}``.
     With a ``store``, chunk-caches are put there and loaded from it per request."""
-    builder = PromptBuilder(lm.tokenizer, system_prompt)
+    builder = PromptBuilder(lm.tokenizer, system_prompt, question_template)
     full_spec = MethodSpec("full")
     order = [full_spec] + [s for s in specs if s.name != "full"]
     prefix_kv = None
