@@ -74,6 +74,7 @@ class Config:
     max_new_tokens: int = 32
     cacheblend_ratio: float = 0.15
     check_layer: int = 1
+    policy_alpha: float = 0.15
     gpu_budget_bytes: int = 2 * 2**30
     cpu_budget_bytes: int = 4 * 2**30
     disk_budget_bytes: int = 50 * 2**30
@@ -95,6 +96,7 @@ class Config:
         check(0.0 <= self.cacheblend_ratio <= 1.0,
               f"cacheblend_ratio must be within [0, 1], got {self.cacheblend_ratio}")
         check(self.check_layer >= 1, f"check_layer must be >= 1, got {self.check_layer}")
+        check(0.0 <= self.policy_alpha <= 10.0, f"policy_alpha must be within [0, 10], got {self.policy_alpha}")
         for name in ("gpu_budget_bytes", "cpu_budget_bytes", "disk_budget_bytes"):
             check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
 

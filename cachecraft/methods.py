@@ -67,15 +67,17 @@ class MethodSpec:
         return self.name not in ("full", "prefix")
 
 
-def parse_methods(text: str, ratio: float) -> list[MethodSpec]:
-    """``"full,reuse,cacheblend@0.3"`` -> specs; a bare name takes ``ratio``."""
+def parse_methods(text: str, ratio: float, alpha: float | None = None) -> list[MethodSpec]:
+    """``"full,reuse,cacheblend@0.3"`` -> specs; a bare name takes ``ratio`` (bare
+    ``cachecraft`` takes ``alpha`` when given)."""
     specs = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
         name, _, value = part.partition("@")
         try:
-            specs.append(MethodSpec(name, float(value) if value else ratio))
+            default = alpha if name == "cachecraft" and alpha is not None else ratio
+            specs.append(MethodSpec(name, float(value) if value else default))
         except ValueError as exc:
             raise UnknownMethod(str(exc)) from None
     if not specs:

@@ -156,8 +156,9 @@ def bench_quality_cmd(
     out: Path = typer.Option(Path("benchmarks/results/quality.json"), help="Where to write the JSON result."),
     limit: int = typer.Option(10, min=1, help="Use the first N items."),
     methods: str = typer.Option("full,reuse,cacheblend",
-                                help="Comma-separated methods: full, reuse, cacheblend, inter, firstk; "
-                                     "name@ratio sets a ratio, e.g. cacheblend@0.3."),
+                                help="Comma-separated methods: full, prefix, reuse, cacheblend, inter, firstk, "
+                                     "qguided, cachecraft; name@ratio sets a ratio (alpha for cachecraft), "
+                                     "e.g. cacheblend@0.3."),
     ratio: Optional[float] = typer.Option(None, min=0.0, max=1.0,
                                           help="Default recompute ratio (default: config cacheblend_ratio, 0.15)."),
     max_new_tokens: int = typer.Option(32, min=1, help="Answer length for agreement and gold F1."),
@@ -175,7 +176,7 @@ def bench_quality_cmd(
     from cachecraft.store import TieredStore
 
     config = load_config(ctx, model=model)
-    specs = parse_methods(methods, config.cacheblend_ratio if ratio is None else ratio)
+    specs = parse_methods(methods, config.cacheblend_ratio if ratio is None else ratio, config.policy_alpha)
     items = load_items(dataset, limit)
     lm = _load_model(config)
     scratch = Path(tempfile.mkdtemp(prefix="bench-quality-", dir=_ensure_dir(config.cache_dir)))
