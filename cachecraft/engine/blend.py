@@ -112,6 +112,7 @@ class BlendResult:
     token_attention: dict[int, torch.Tensor] = field(default_factory=dict)
     recomputed_tokens: int = 0
     context_tokens: int = 0
+    recomputed: torch.Tensor | None = None  # [N] bool: token computed fresh at layer 1 or above
     recompute_work: float = 0.0
     seconds: float = 0.0
 
@@ -379,6 +380,7 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
     context_tokens = int(context.sum())
     return BlendResult(token_ids, logits, out_keys, out_values, saved, question_attention, token_attention,
                        recomputed_tokens=int((recomputed & context & (stop_at > 0)).sum()),
+                       recomputed=(recomputed & (stop_at > 0)).cpu(),
                        context_tokens=context_tokens,
                        recompute_work=work / (context_tokens * num_layers) if context_tokens else 0.0,
                        seconds=time.perf_counter() - t0)

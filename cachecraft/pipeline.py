@@ -1,0 +1,349 @@
+"""One request end to end: plan -> load -> blend -> generate -> record.
+
+The :class:`Pipeline` owns the model, the store (and its catalog), the policy and a
+prefix cache for the ``prefix`` baseline. Retrieval happens before it: ``answer`` takes
+the retrieved chunk texts in prompt order.
+
+Chunk-caches are keyed by (model fingerprint, token ids). A chunk computed in a
+request is saved as a variant under that request's prefix (the system prefix and the
+chunks before it), so a later request with the same chunks before it reuses it
+exactly; the policy picks, per chunk, the variant with the lowest Cache Fix Overhead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+import torch
+
+from cachecraft.catalog import MISS, ChunkRecord, RequestChunk, RequestRecord, question_hash
+from cachecraft.config import Config
+from cachecraft.engine import DeviationCheck, Segment, blended_prefill, generate_from
+from cachecraft.engine.selectors import question_guided
+from cachecraft.kv import ChunkKV, chunk_key, variant_key
+from cachecraft.methods import MethodSpec, prefix_segments, remember_prefix
+from cachecraft.model.loader import LoadedModel, load_model
+from cachecraft.policy.planner import (ChunkPlan, PolicyParams, RecomputePlan, VariantInfo,
+                                       early_stop_decision, plan_request)
+from cachecraft.prefix_cache import PrefixCache
+from cachecraft.prompt import PromptPieces, builder_for
+from cachecraft.store import CorruptEntryError, TieredStore
+
+log = logging.getLogger(__name__)
+
+MAX_VARIANTS_PER_CHUNK = 4
+KEEP_FIXED_FRACTION = 0.5  # a fixed chunk is kept as a variant only if mostly fresh
+
+
+@dataclass(frozen=True)
+class ChunkReport:
+    """What happened to one chunk of a request."""
+
+    position: int
+    chunk: str
+    tokens: int
+    tier: str  # gpu / cpu / disk, or "miss"
+    variant: str | None
+    cci: float | None
+    beta_prime: float | None
+    cfo: float | None
+    fraction: float
+    stop_layer: int | None
+
+
+@dataclass
+class Answer:
+    """The answer and the cache report of one request."""
+
+    text: str
+    method: str
+    ttft_s: float
+    prompt_tokens: int
+    new_tokens: int
+    recompute_fraction: float
+    chunks: list[ChunkReport] = field(default_factory=list)
+    request_id: int | None = None
+    full_prefill_estimate_s: float | None = None
+    logits: torch.Tensor | None = None
+
+    @property
+    def saved_s(self) -> float | None:
+        """Estimated prefill time saved against a full prefill."""
+        if self.full_prefill_estimate_s is None:
+            return None
+        return max(0.0, self.full_prefill_estimate_s - self.ttft_s)
+
+    def to_dict(self) -> dict:
+        """JSON-friendly report (no logits)."""
+        return {"text": self.text, "method": self.method, "ttft_s": self.ttft_s,
+                "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+                "recompute_fraction": self.recompute_fraction, "request_id": self.request_id,
+                "full_prefill_estimate_s": self.full_prefill_estimate_s, "saved_s": self.saved_s,
+                "chunks": [c.__dict__ for c in self.chunks]}
+
+
+class Pipeline:
+    """Model + store + catalog + policy, answering questions over given chunks."""
+
+    def __init__(self, config: Config, lm: LoadedModel | None = None, store: TieredStore | None = None,
+                 policy: PolicyParams | None = None):
+        self.config = config
+        self.lm = lm or load_model(config.model, config)
+        self.store = store or TieredStore(config)
+        self.catalog = self.store.catalog
+        self.builder = builder_for(self.lm.tokenizer, config)
+        self.policy = policy or PolicyParams(alpha=config.policy_alpha)
+        self.prefix_cache = PrefixCache(self.lm.fingerprint, budget_bytes=config.cpu_budget_bytes)
+        self._seconds_per_token: float | None = None
+
+    # -- public ------------------------------------------------------------------------
+    def answer(self, chunk_texts: Sequence[str], question: str, *, method: str = "cachecraft",
+               ratio: float | None = None, max_new_tokens: int | None = None, streamer=None,
+               record: bool = True, keep_logits: bool = False) -> Answer:
+        """Answer ``question`` over ``chunk_texts`` (formatted chunk texts, in order)."""
+        spec = MethodSpec(method, self.config.cacheblend_ratio if ratio is None else ratio)
+        start = time.perf_counter()
+        pieces = self.builder.build(chunk_texts, question, max_tokens=self.lm.max_context)
+        prefix_key = chunk_key(self.lm.fingerprint, pieces.prefix)
+        keys = [chunk_key(self.lm.fingerprint, ids) for ids in pieces.chunks]
+        segments, plan, used, tiers, check = self._prepare(spec, pieces, prefix_key, keys)
+        stops: dict[int, int] = {}
+        observe, callback = self._early_stop(spec, segments, stops)
+        result = blended_prefill(self.lm.adapter, segments, deviation_check=check, fingerprint=self.lm.fingerprint,
+                                 observe_layers=observe, on_question_attention=callback)
+        first = int(result.logits.argmax())
+        ttft = time.perf_counter() - start
+        del first
+        if spec.name == "full":
+            self._learn_cost(result.num_tokens, ttft)
+        to_save = self._variants_to_keep(spec, segments, result, plan)
+        recomputed_mask = result.recomputed
+        if spec.name == "prefix":
+            remember_prefix(self.prefix_cache, self.lm.adapter, result)
+        logits = result.logits.float().cpu() if keep_logits else None
+        recompute = result.recompute_fraction
+        new_ids = generate_from(self.lm.model, self.lm.tokenizer, result,
+                                max_new_tokens=max_new_tokens or self.config.max_new_tokens, streamer=streamer)
+        self._save(to_save, pieces)
+        answer = Answer(self.lm.tokenizer.decode(new_ids, skip_special_tokens=True), spec.label, ttft,
+                        pieces.num_tokens, len(new_ids), recompute,
+                        self._report(pieces, keys, segments, plan, used, tiers, stops, recomputed_mask),
+                        full_prefill_estimate_s=self._estimate_full(pieces.num_tokens), logits=logits)
+        if record:
+            answer.request_id = self._record(question, answer)
+        return answer
+
+    def warm(self, chunk_texts: Sequence[str]) -> int:
+        """Make chunk-caches ahead of time (after the system prefix alone); returns how
+        many were made (already cached chunks are skipped)."""
+        pieces = self.builder.build(chunk_texts, "warm")
+        prefix_key = chunk_key(self.lm.fingerprint, pieces.prefix)
+        prefix_kv = self._prefix_kv(pieces, prefix_key)
+        made = 0
+        for ids in pieces.chunks:
+            key = chunk_key(self.lm.fingerprint, ids)
+            if self.store.variants_of(key):
+                continue
+            segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=prefix_key),
+                        Segment(ids, "chunk", save=True, collect_stats=True, key=key)]
+            kv = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint).saved[1]
+            self._put(kv)
+            made += 1
+        return made
+
+    def close(self) -> None:
+        """Persist memory tiers to disk and release the store."""
+        self.store.close()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- planning and loading ----------------------------------------------------------------
+    def _prepare(self, spec: MethodSpec, pieces: PromptPieces, prefix_key: str, keys: list[str]):
+        """Segments for ``spec``, the policy plan (cachecraft only) and the tier each chunk came from."""
+        tiers: list[str] = [MISS] * len(keys)
+        used: list[str | None] = [None] * len(keys)
+        if spec.name == "full":
+            return self._plain_segments(pieces, prefix_key, keys, used), None, used, tiers, None
+        if spec.name == "prefix":
+            match = self.prefix_cache.match(pieces.token_ids, limit=pieces.num_tokens - 1)
+            return prefix_segments(pieces, match), None, used, tiers, None
+        prefix_kv = self._prefix_kv(pieces, prefix_key)
+        plan = None
+        if spec.name == "cachecraft":
+            infos = {key: self._variant_infos(key, prefix_key) for key in dict.fromkeys(keys)}
+            plan = plan_request(keys, [len(c) for c in pieces.chunks], infos, self.policy)
+            wanted = [p.variant for p in plan.chunks]
+        else:  # independent caches: any stored variant, the one made alone first
+            wanted = [self._any_variant(key, prefix_key) for key in keys]
+        kvs: list[ChunkKV | None] = []
+        for i, name in enumerate(wanted):
+            kv, tier = self._load(name)
+            kvs.append(kv)
+            tiers[i] = tier
+            used[i] = name if kv is not None else None
+        segments = self._plain_segments(pieces, prefix_key, keys, kvs, prefix_kv)
+        check = None
+        if spec.name == "cachecraft":
+            self._place_tokens(segments, plan, kvs)
+        elif spec.name == "cacheblend":
+            check = DeviationCheck(self.config.check_layer, spec.ratio)
+        elif spec.name == "qguided":
+            layer = min(spec.layer, self.lm.adapter.num_layers - 1)
+            for seg, picked in zip(segments, question_guided(self.lm.adapter, segments, layer, spec.ratio)):
+                if picked is not None:
+                    seg.recompute = picked
+        return segments, plan, used, tiers, check
+
+    def _plain_segments(self, pieces, prefix_key, keys, kvs, prefix_kv=None) -> list[Segment]:
+        segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=prefix_key)]
+        for ids, key, kv in zip(pieces.chunks, keys, kvs):
+            segments.append(Segment(ids, "chunk", cached=kv, key=key, save=kv is None, collect_stats=kv is None))
+        segments.append(Segment(pieces.question, "question"))
+        return segments
+
+    def _place_tokens(self, segments: list[Segment], plan: RecomputePlan, kvs) -> None:
+        """Question-guided placement of the plan's token counts (cachecraft)."""
+        chunk_segments = segments[1:-1]
+        for seg, chunk_plan, kv in zip(chunk_segments, plan.chunks, kvs):
+            seg.fixable = kv is not None and chunk_plan.count > 0
+        total = sum(p.count for p, seg in zip(plan.chunks, chunk_segments) if seg.fixable)
+        if total == 0:
+            return
+        layer = min(self.policy.check_layer, self.lm.adapter.num_layers - 1)
+        for seg, picked in zip(segments, question_guided(self.lm.adapter, segments, layer, total=total)):
+            if picked is not None:
+                seg.recompute = picked
+
+    def _early_stop(self, spec: MethodSpec, segments: list[Segment], stops: dict[int, int]):
+        if spec.name != "cachecraft" or not self.policy.early_stop_layers:
+            return (), None
+        chunk_segments = [i for i, s in enumerate(segments) if s.role == "chunk" and s.recompute is not None]
+
+        def decide(layer: int, mass: torch.Tensor) -> dict[int, int]:
+            decision = early_stop_decision(layer, mass, [i for i in chunk_segments if i not in stops],
+                                           self.policy.early_stop_share)
+            stops.update(decision)
+            return decision
+
+        return self.policy.early_stop_layers, decide
+
+    def _prefix_kv(self, pieces: PromptPieces, prefix_key: str) -> ChunkKV:
+        """The system prefix's KV (exact: it always comes first); made once and stored."""
+        name = variant_key(prefix_key, ())
+        kv, _ = self._load(name)
+        if kv is None:
+            kv = blended_prefill(self.lm.adapter, [Segment(pieces.prefix, "chunk", save=True, key=prefix_key)],
+                                 fingerprint=self.lm.fingerprint).saved[0]
+            self._put(kv)
+        return kv
+
+    def _load(self, name: str | None) -> tuple[ChunkKV | None, str]:
+        if name is None:
+            return None, MISS
+        tier = self.store.locate(name)
+        try:
+            kv = self.store.get(name, dtype=self.lm.dtype, device=self.lm.device, fingerprint=self.lm.fingerprint)
+        except CorruptEntryError:
+            kv = None
+        return (kv, tier or MISS) if kv is not None else (None, MISS)
+
+    def _any_variant(self, key: str, prefix_key: str) -> str | None:
+        records = self.store.variants_of(key)
+        alone = [r for r in records if tuple(r.prefix) == (prefix_key,)]
+        return (alone or records)[0].key if (alone or records) else None
+
+    def _variant_infos(self, key: str, prefix_key: str) -> list[VariantInfo]:
+        infos = []
+        for record in self.store.variants_of(key):
+            if not record.prefix or record.prefix[0] != prefix_key:
+                continue  # made under another system prompt
+            stats = self.store.stats_of(record.key)
+            if stats is None:
+                continue
+            chunks = tuple(record.prefix[1:])
+            sizes = tuple(self._chunk_tokens(k) for k in chunks)
+            tokens = int(stats.outside.shape[1])
+            infos.append(VariantInfo(record.key, chunks, stats.inter[:, 1:], stats.intra, tokens, sizes))
+        return infos
+
+    def _chunk_tokens(self, key: str) -> int:
+        record = self.catalog.chunk(key)
+        return record.num_tokens if record is not None else 1
+
+    # -- saving and recording ----------------------------------------------------------------
+    def _variants_to_keep(self, spec, segments, result, plan) -> list[ChunkKV]:
+        """New variants from this request: chunks computed in full, and fixed chunks the
+        policy finds worth keeping (mostly recomputed, under a prefix not stored yet)."""
+        keep = [kv for i, kv in result.saved.items() if segments[i].role == "chunk"]
+        if spec.name != "cachecraft" or plan is None:
+            return keep
+        bounds, start = [], 0
+        for seg in segments:
+            bounds.append((start, start + len(seg.token_ids)))
+            start += len(seg.token_ids)
+        positions = torch.arange(result.num_tokens, device=result.keys[0].device)
+        for index, (seg, chunk_plan) in enumerate(zip(segments[1:-1], plan.chunks), start=1):
+            if seg.cached is None or chunk_plan.fraction < KEEP_FIXED_FRACTION:
+                continue
+            if len(self.store.variants_of(seg.key)) >= MAX_VARIANTS_PER_CHUNK:
+                continue
+            lo, hi = bounds[index]
+            cos, sin = self.lm.adapter.rope(positions[lo:hi], result.keys[0])
+            keys = torch.stack([self.lm.adapter.unrotate(k[:, lo:hi], cos, sin) for k in result.keys])
+            values = torch.stack([v[:, lo:hi] for v in result.values]).clone()
+            prefix = tuple(s.key for s in segments[:index])
+            keep.append(replace(seg.cached, keys=keys, values=values, prefix=prefix,
+                                prefix_tokens=tuple(len(s.token_ids) for s in segments[:index])))
+        return keep
+
+    def _save(self, kvs: Sequence[ChunkKV], pieces: PromptPieces) -> None:
+        for kv in kvs:
+            if not self.store.contains(kv.variant):
+                self._put(kv)
+
+    def _put(self, kv: ChunkKV) -> None:
+        text = self.lm.tokenizer.decode(list(kv.token_ids[:48]), skip_special_tokens=True)
+        cost = self._estimate_full(kv.num_tokens)
+        self.catalog.upsert_chunk(ChunkRecord(kv.chunk, kv.fingerprint, kv.num_tokens, preview=text))
+        self.store.put(kv, cost_s=cost, preview=text)
+
+    def _report(self, pieces, keys, segments, plan: RecomputePlan | None, used, tiers, stops,
+                recomputed: torch.Tensor) -> list[ChunkReport]:
+        stop_by_offset = {}
+        offset = 0
+        for index, seg in enumerate(segments):
+            if index in stops:
+                stop_by_offset[offset] = stops[index]
+            offset += len(seg.token_ids)
+        reports, offset = [], len(pieces.prefix)
+        for i, (ids, key) in enumerate(zip(pieces.chunks, keys)):
+            score = plan.chunks[i].score if plan is not None else None
+            fraction = float(recomputed[offset:offset + len(ids)].float().mean())
+            reports.append(ChunkReport(i, key, len(ids), tiers[i], used[i], score.cci if score else None,
+                                       score.beta_prime if score else None, score.cfo if score else None,
+                                       fraction, stop_by_offset.get(offset)))
+            offset += len(ids)
+        return reports
+
+    def _record(self, question: str, answer: Answer) -> int:
+        chunks = tuple(RequestChunk(c.position, c.chunk, c.variant, c.tier if c.variant else MISS, c.cci,
+                                    c.beta_prime, c.cfo, c.fraction, c.stop_layer) for c in answer.chunks)
+        return self.catalog.record_request(RequestRecord(question_hash(question), answer.method, chunks,
+                                                         answer.recompute_fraction, answer.ttft_s,
+                                                         answer.full_prefill_estimate_s))
+
+    def _learn_cost(self, tokens: int, seconds: float) -> None:
+        per_token = seconds / max(1, tokens)
+        self._seconds_per_token = per_token if self._seconds_per_token is None else (
+            0.7 * self._seconds_per_token + 0.3 * per_token)
+
+    def _estimate_full(self, tokens: int) -> float | None:
+        return None if self._seconds_per_token is None else self._seconds_per_token * tokens
+

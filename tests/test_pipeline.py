@@ -1,0 +1,67 @@
+"""The pipeline end to end on a tiny model: variants, exact reuse, records."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cachecraft.config import Config
+from cachecraft.kv import variant_key
+from cachecraft.pipeline import Pipeline
+from cachecraft.policy.planner import PolicyParams
+from cachecraft.store import TieredStore
+from tests.conftest import tiny_model
+
+CHUNKS = [" ".join(f"w{i}" for i in range(10 + 20 * j, 30 + 20 * j)) + "\n\n" for j in range(4)]
+QUESTION = "w200 w201 w202"
+
+
+@pytest.fixture
+def pipeline(cache_dir):
+    config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 6}, environ={})
+    lm = tiny_model("llama")
+    with TieredStore(config, tiers=("cpu", "disk")) as store:
+        pipe = Pipeline(config, lm=lm, store=store, policy=PolicyParams(alpha=0.5, check_layer=2))
+        yield pipe
+
+
+def test_miss_then_exact_variant_reuse(pipeline):
+    first = pipeline.answer(CHUNKS, QUESTION, keep_logits=True)
+    assert first.recompute_fraction == 1.0
+    assert all(c.tier == "miss" and c.variant is None for c in first.chunks)
+    again = pipeline.answer(CHUNKS, QUESTION, keep_logits=True)
+    assert again.recompute_fraction == 0.0  # every chunk has a variant made under this exact prefix
+    assert all(c.tier in ("cpu", "disk") and c.cfo == 0.0 for c in again.chunks)
+    assert (again.logits - first.logits).abs().max() < 1e-2  # stored in float16
+    assert again.text == first.text
+
+
+def test_reordered_chunks_pick_the_lowest_cfo_and_fix_some_tokens(pipeline):
+    pipeline.answer(CHUNKS, QUESTION)
+    reordered = [CHUNKS[1], CHUNKS[0], CHUNKS[2], CHUNKS[3]]
+    answer = pipeline.answer(reordered, QUESTION)
+    first, second, third, _ = answer.chunks
+    assert first.variant is not None and first.cfo > 0  # made after chunk 0, now first
+    assert 0 < answer.recompute_fraction < 1
+    assert third.cfo is not None and third.beta_prime is not None
+    record = pipeline.catalog.get_request(answer.request_id)
+    assert [c.variant_key for c in record.chunks] == [c.variant for c in answer.chunks]
+    assert record.method == "cachecraft@0.15" and record.chunks[0].cfo == pytest.approx(first.cfo)
+
+
+def test_every_fraction_at_one_gives_full_prefill_answer(pipeline):
+    pipeline.answer(CHUNKS, QUESTION)
+    full = pipeline.answer(list(reversed(CHUNKS)), QUESTION, method="full", keep_logits=True)
+    pipeline.policy = PolicyParams(floor=1.0, check_layer=2)
+    forced = pipeline.answer(list(reversed(CHUNKS)), QUESTION, keep_logits=True)
+    assert full.text == forced.text
+    assert (full.logits - forced.logits).abs().max() < 1e-4
+
+
+def test_warm_makes_independent_variants_once(pipeline):
+    assert pipeline.warm(CHUNKS) == 4
+    assert pipeline.warm(CHUNKS) == 0
+    answer = pipeline.answer(CHUNKS, QUESTION, method="reuse")
+    assert answer.recompute_fraction == 0.0 and all(c.tier != "miss" for c in answer.chunks)
+    prefix_key = pipeline.store.variants_of(answer.chunks[0].chunk)[0].prefix[0]
+    assert pipeline.store.contains(variant_key(prefix_key, ()))
