@@ -216,6 +216,67 @@ def print_quality_table(methods: dict[str, dict]) -> None:
     console.print(table)
 
 
+@app.command("calibrate")
+@friendly
+def calibrate_cmd(
+    ctx: typer.Context,
+    dataset: Path = typer.Option(..., help="MuSiQue-format JSON file (list of {ctxs, question, answers})."),
+    limit: int = typer.Option(20, help="Use the first N items."),
+    target: float = typer.Option(0.95, help="Answer agreement with full prefill to keep (token F1, within (0, 1])."),
+    alphas: str = typer.Option("0.05,0.1,0.15,0.2,0.3,0.5", help="Comma-separated candidate alphas within [0, 1]."),
+    out: Optional[Path] = typer.Option(None, help="TOML config file to write policy_alpha into (default: the "
+                                                  "--config/$CACHECRAFT_CONFIG file, else <cache_dir>/config.toml)."),
+    max_new_tokens: int = typer.Option(32, min=1, help="Answer length for agreement."),
+    model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
+) -> None:
+    """Fit policy_alpha: the smallest recompute whose answers agree with full prefill at
+    TARGET or better, on a MuSiQue-format file; writes it to the config file, keeping
+    the other keys there."""
+    from rich.progress import Progress
+
+    from cachecraft.config import CONFIG_ENV, default_config_file
+    from cachecraft.dataset import load_items
+    from cachecraft.model.loader import _DTYPES
+    from cachecraft.policy.calibrate import CalibrationError, calibrate, check_target, parse_alphas, write_config_value
+
+    try:
+        candidates, target = parse_alphas(alphas), check_target(target)
+    except CalibrationError as exc:
+        raise UserError(str(exc)) from None
+    if limit < 1:
+        raise UserError(f"limit must be >= 1, got {limit}")
+    obj = ctx.obj or {}
+    config_file = out or obj.get("config_path") or os.environ.get(CONFIG_ENV) or \
+        default_config_file(obj.get("overrides"))
+    config = load_config(ctx, model=model)
+    items = load_items(dataset, limit)
+    lm = _load_model(config)
+    with Progress(console=err_console, transient=True) as progress:
+        task = progress.add_task("requests", total=len(items))
+        result = calibrate(lm, items, candidates, target, system_prompt=config.system_prompt,
+                           question_template=config.question_template, kv_dtype=_DTYPES[config.kv_dtype],
+                           max_new_tokens=max_new_tokens,
+                           on_item=lambda done, total: progress.update(task, completed=done))
+    table = Table(title=f"calibrate policy_alpha on {len(items)} item(s) (target agreement {target:g}; "
+                        f"full TTFT median {result.full_ttft_s:.2f} s)")
+    for column in ("alpha", "recompute", "agreement F1", "KL", "TTFT median (s)"):
+        table.add_column(column, justify="right")
+    for r in result.rows:
+        mark = " *" if r is result.chosen else ""
+        table.add_row(f"{r.alpha:g}{mark}", f"{r.recompute:.3f}", f"{r.agreement:.3f}", f"{r.kl:.4f}",
+                      f"{r.ttft_s:.2f}")
+    console.print(table)
+    chosen = result.chosen
+    if result.reached:
+        console.print(f"chosen policy_alpha = {chosen.alpha:g}: the smallest recompute ({chosen.recompute:.3f}) "
+                      f"with agreement {chosen.agreement:.3f} >= {target:g}")
+    else:
+        console.print(f"[yellow]no alpha reached agreement {target:g}[/yellow]; chosen policy_alpha = "
+                      f"{chosen.alpha:g}, the best agreement ({chosen.agreement:.3f})")
+    written = write_config_value(config_file, "policy_alpha", chosen.alpha)
+    console.print(f"wrote policy_alpha = {chosen.alpha:g} to {written}")
+
+
 @app.command("demo")
 @friendly
 def demo_cmd(
@@ -259,6 +320,48 @@ def verify_cmd(ctx: typer.Context,
         state = "[green]consistent[/green]" if report.consistent else "[red]inconsistent[/red] (run with --repair)"
         console.print(f"{len(report.problems)} problem(s); {counts}; {state}")
     raise typer.Exit(0 if report.consistent else 1)
+
+
+@app.command("explain")
+@friendly
+def explain_cmd(ctx: typer.Context,
+                request_id: Optional[int] = typer.Argument(None, help="Request id (default: the latest)."),
+                as_json: bool = typer.Option(False, "--json", help="Print one JSON document.")) -> None:
+    """Why a request was planned the way it was: per chunk the variant used and its tier,
+    CCI, beta', Cache Fix Overhead, recompute fraction and stop layer."""
+    import dataclasses
+
+    from cachecraft.catalog import Catalog
+    config = load_config(ctx)
+    catalog = Catalog(config.cache_dir)
+    try:
+        if request_id is None:
+            with catalog.read() as tx:
+                ids = tx.request_ids(limit=1)
+            if not ids:
+                raise UserError(f"no request recorded yet in {config.cache_dir}")
+            request_id = ids[0]
+        record = catalog.get_request(request_id)
+    finally:
+        catalog.close()
+    if record is None:
+        raise UserError(f"no request with id {request_id} in {config.cache_dir}")
+    if as_json:
+        print(json.dumps(dataclasses.asdict(record), indent=2, default=str))
+        return
+
+    def fmt(value: float | None, pattern: str = "{:.3f}") -> str:
+        return "-" if value is None else pattern.format(value)
+
+    table = Table(title=f"request {record.id}: {record.method}, recompute {fmt(record.recompute_fraction, '{:.1%}')}, "
+                        f"TTFT {fmt(record.ttft_s, '{:.2f}')} s")
+    for column in ("#", "chunk", "variant", "tier", "CCI", "beta'", "CFO", "fraction", "stop layer"):
+        table.add_column(column, justify="right" if column not in ("chunk", "variant", "tier") else "left")
+    for c in record.chunks:
+        table.add_row(str(c.position), c.chunk_key[:12], (c.variant_key or "-")[:12], c.tier, fmt(c.cci),
+                      fmt(c.beta_prime), fmt(c.cfo), fmt(c.fraction, "{:.1%}"),
+                      "-" if c.stop_layer is None else str(c.stop_layer))
+    console.print(table)
 
 
 @app.command("stats")

@@ -66,3 +66,23 @@ def test_warm_makes_independent_variants_once(pipeline):
     assert answer.recompute_fraction == 0.0 and all(c.tier != "miss" for c in answer.chunks)
     prefix_key = pipeline.store.variants_of(answer.chunks[0].chunk)[0].prefix[0]
     assert pipeline.store.contains(variant_key(prefix_key, ()))
+
+
+def test_explain_prints_the_recorded_plan(pipeline):
+    from typer.testing import CliRunner
+
+    from cli.app import app
+
+    pipeline.answer(CHUNKS, QUESTION)
+    answer = pipeline.answer([CHUNKS[2], CHUNKS[0], CHUNKS[1], CHUNKS[3]], QUESTION)
+    runner = CliRunner()
+    result = runner.invoke(app, ["explain", str(answer.request_id), "--json"])
+    assert result.exit_code == 0, result.output
+    import json
+    data = json.loads(result.output)
+    assert [c["variant_key"] for c in data["chunks"]] == [c.variant for c in answer.chunks]
+    assert data["chunks"][0]["cfo"] == pytest.approx(answer.chunks[0].cfo)
+    latest = runner.invoke(app, ["explain"])
+    assert latest.exit_code == 0 and f"request {answer.request_id}" in latest.output and "CFO" in latest.output
+    missing = runner.invoke(app, ["explain", "9999"])
+    assert missing.exit_code == 1 and "no request with id 9999" in missing.output
