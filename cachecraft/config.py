@@ -1,9 +1,9 @@
 """One validated configuration object.
 
 Values come, later ones overriding earlier ones, from: the defaults below, a TOML
-file (``--config`` or ``CACHECRAFT_CONFIG``), ``CACHECRAFT_<FIELD>`` environment
-variables, and explicit overrides (CLI flags). Unknown keys are an error that lists
-the known ones.
+file (``--config`` or ``CACHECRAFT_CONFIG``, else ``<cache_dir>/config.toml`` if it
+exists), ``CACHECRAFT_<FIELD>`` environment variables, and explicit overrides (CLI
+flags). Unknown keys are an error that lists the known ones.
 """
 
 from __future__ import annotations
@@ -54,10 +54,18 @@ def parse_bytes(value: int | str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
-def default_cache_dir() -> Path:
+def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     """The cache directory: ``$CACHECRAFT_CACHE_DIR`` or the user cache directory."""
-    env = os.environ.get(ENV_PREFIX + "CACHE_DIR")
+    env = (os.environ if environ is None else environ).get(ENV_PREFIX + "CACHE_DIR")
     return Path(env).expanduser() if env else Path(platformdirs.user_cache_dir("cachecraft"))
+
+
+def default_config_file(overrides: Mapping[str, Any] | None = None,
+                        environ: Mapping[str, str] | None = None) -> Path:
+    """``<cache_dir>/config.toml``, the cache directory taken from ``overrides`` or the environment."""
+    cache_dir = (overrides or {}).get("cache_dir")
+    base = Path(str(cache_dir)).expanduser() if cache_dir is not None else default_cache_dir(environ)
+    return base / "config.toml"
 
 
 @dataclass(frozen=True)
@@ -118,12 +126,21 @@ class Config:
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
              environ: Mapping[str, str] | None = None) -> "Config":
-        """Build the effective config: defaults < TOML file < environment < overrides."""
+        """Build the effective config: defaults < TOML file < environment < overrides.
+
+        The TOML file is ``path``, else ``$CACHECRAFT_CONFIG``, else
+        ``<cache_dir>/config.toml`` when that file exists (``cache_dir`` from the
+        overrides, ``$CACHECRAFT_CACHE_DIR`` or the user cache directory; this is where
+        ``cachecraft calibrate`` writes by default)."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         path = path or environ.get(CONFIG_ENV)
         if path:
             values.update(_read_toml(Path(path)))
+        else:
+            implicit = default_config_file(overrides, environ)
+            if implicit.is_file():
+                values.update(_read_toml(implicit))
         for key in cls.known_keys():
             env_value = environ.get(ENV_PREFIX + key.upper())
             if env_value is not None:

@@ -45,6 +45,13 @@ def tiny_model(arch: str, seed: int = 0) -> LoadedModel:
     return wrap_model(f"tiny-{arch}", model, tiny_tokenizer(), torch.device("cpu"), torch.float32)
 
 
+@pytest.fixture(autouse=True)
+def hermetic_user_dirs(tmp_path_factory, monkeypatch):
+    """No test reads or writes the real user cache directory or a user config file."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+    monkeypatch.delenv("CACHECRAFT_CONFIG", raising=False)
+
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     """A fresh cache directory, also exported as CACHECRAFT_CACHE_DIR."""

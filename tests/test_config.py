@@ -61,3 +61,18 @@ def test_to_dict_is_json_friendly(tmp_path):
     values = Config.load(overrides={"cache_dir": tmp_path}, environ={}).to_dict()
     assert values["cache_dir"] == str(tmp_path)
     assert isinstance(Path(values["cache_dir"]), Path)
+
+
+def test_config_toml_in_the_cache_dir_is_read_when_no_file_is_given(tmp_path):
+    cache = tmp_path / "cd"
+    cache.mkdir()
+    (cache / "config.toml").write_text("policy_alpha = 0.07\nmax_new_tokens = 5\n")
+    env = {"CACHECRAFT_CACHE_DIR": str(cache), "CACHECRAFT_MAX_NEW_TOKENS": "6"}
+    config = Config.load(environ=env)
+    assert config.policy_alpha == 0.07 and config.max_new_tokens == 6  # the environment still wins
+    assert Config.load(overrides={"cache_dir": cache}, environ={}).policy_alpha == 0.07
+    explicit = tmp_path / "other.toml"
+    explicit.write_text("max_new_tokens = 3\n")
+    chosen = Config.load(explicit, environ=env)
+    assert chosen.policy_alpha == 0.15 and chosen.max_new_tokens == 6  # an explicit file replaces it
+    assert Config.load(overrides={"cache_dir": tmp_path / "empty"}, environ={}).policy_alpha == 0.15

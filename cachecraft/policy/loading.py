@@ -1,0 +1,145 @@
+"""CacheBlend's loading controller and the tier a new variant is worth (pure decisions).
+
+Loading a chunk's KV and recomputing some of its tokens run as a pipeline (layer l
+recomputes while layer l+1 loads), so loading is free as long as recompute takes at
+least as long:
+
+- ``T_recompute(r) = r * T_prefill`` with ``T_prefill = tokens * prefill_s_per_token``;
+- ``T_load = tokens * kv_bytes_per_token / bandwidth``.
+
+Both scale with the token count (and with the layer count), so the recompute fraction
+that exactly hides loading is ``r_load = kv_bytes_per_token / (bandwidth *
+prefill_s_per_token)``, capped at 1. Below it, compute sits idle waiting for bytes, so
+CacheBlend recomputes ``max(r, r_load)`` for free, and stores a chunk in the cheapest
+(slowest) tier whose load time the planned recompute still hides. The question's own
+tokens, always computed, would hide a little more; they are left out (conservative).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import torch
+
+# Bytes/s to get a chunk-cache back as compute tensors, from `cachecraft bench store`
+# on the development CPU machine (cpu ~3 GB/s, disk ~0.7-1 GB/s); the GPU figure is a
+# placeholder for HBM. Measure your own machine and pass them in.
+DEFAULT_BANDWIDTHS: dict[str, float] = {"gpu": 100e9, "cpu": 3e9, "disk": 0.7e9}
+
+# Minimum value, in seconds of prefill saved per GB stored over the variant's expected
+# reuses, for a new variant to earn each tier. A SmolLM2-135M passage (~600 tokens,
+# ~14 MB in float16, ~3 s of CPU prefill) used once is worth ~220 s/GB: disk; about 5
+# reuses earn CPU memory, about 50 the GPU.
+DEFAULT_VALUE_THRESHOLDS: dict[str, float] = {"gpu": 10_000.0, "cpu": 1_000.0, "disk": 50.0}
+
+
+def load_hiding_fraction(prefill_s_per_token: float, kv_bytes_per_token: float, bandwidth: float) -> float:
+    """``r_load``: the recompute fraction whose time equals the load time, within [0, 1]."""
+    assert prefill_s_per_token > 0, f"prefill_s_per_token must be > 0, got {prefill_s_per_token}"
+    assert bandwidth > 0, f"bandwidth must be > 0, got {bandwidth}"
+    assert kv_bytes_per_token >= 0, f"kv_bytes_per_token must be >= 0, got {kv_bytes_per_token}"
+    return min(1.0, kv_bytes_per_token / (bandwidth * prefill_s_per_token))
+
+
+def raise_fractions(plan_fractions: Sequence[float], r_load: float) -> list[float]:
+    """Each fraction raised to at least ``r_load`` (recompute that hides loading is free), never above 1."""
+    floor = min(max(r_load, 0.0), 1.0)
+    return [min(1.0, max(f, floor)) for f in plan_fractions]
+
+
+def cheapest_tier(recompute_fraction: float, prefill_s_per_token: float, kv_bytes_per_token: float,
+                  bandwidths: Mapping[str, float]) -> str | None:
+    """The slowest tier whose load time ``recompute_fraction`` of recompute hides; None if none does."""
+    for tier, bandwidth in sorted(bandwidths.items(), key=lambda item: item[1]):
+        if load_hiding_fraction(prefill_s_per_token, kv_bytes_per_token, bandwidth) <= recompute_fraction:
+            return tier
+    return None
+
+
+def tier_for_new_variant(expected_reuse: float, cost_s: float, nbytes: int,
+                         thresholds: Mapping[str, float] = DEFAULT_VALUE_THRESHOLDS,
+                         bandwidths: Mapping[str, float] | None = None) -> str | None:
+    """The tier a new variant is worth, or None (not worth storing).
+
+    Value per byte = ``expected_reuse * cost_s / nbytes`` (prefill seconds saved per byte
+    over its reuses, as in PGDSF's frequency x cost / size), in seconds per GB; the most
+    demanding tier whose threshold it reaches wins. With ``bandwidths``, a tier that
+    loads the variant no faster than ``cost_s`` recomputes it is skipped."""
+    assert nbytes > 0, f"nbytes must be > 0, got {nbytes}"
+    value_per_gb = expected_reuse * cost_s / (nbytes / 1e9)
+    for tier, threshold in sorted(thresholds.items(), key=lambda item: -item[1]):
+        if bandwidths is not None and nbytes / bandwidths.get(tier, float("inf")) >= cost_s:
+            continue
+        if value_per_gb >= threshold:
+            return tier
+    return None
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What loading decisions need: prefill seconds and KV bytes per token per layer,
+    the layer count and each tier's bandwidth (bytes/s)."""
+
+    prefill_s_per_token_layer: float
+    kv_bytes_per_token_layer: int
+    num_layers: int
+    bandwidths: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_BANDWIDTHS))
+
+    def __post_init__(self) -> None:
+        assert self.prefill_s_per_token_layer > 0, "prefill_s_per_token_layer must be > 0"
+        assert self.num_layers >= 1, "num_layers must be >= 1"
+
+    @property
+    def prefill_s_per_token(self) -> float:
+        return self.prefill_s_per_token_layer * self.num_layers
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv_bytes_per_token_layer * self.num_layers
+
+    def r_load(self, tier: str) -> float:
+        """The recompute fraction that hides loading from ``tier``."""
+        return load_hiding_fraction(self.prefill_s_per_token, self.kv_bytes_per_token, self.bandwidths[tier])
+
+    def cheapest_tier(self, recompute_fraction: float) -> str | None:
+        """The slowest tier that ``recompute_fraction`` hides (see :func:`cheapest_tier`)."""
+        return cheapest_tier(recompute_fraction, self.prefill_s_per_token, self.kv_bytes_per_token, self.bandwidths)
+
+    @classmethod
+    def from_history(cls, rows: Iterable[tuple[int, float]], num_layers: int, kv_bytes_per_token_layer: int,
+                     bandwidths: Mapping[str, float] | None = None) -> "CostModel | None":
+        """From recorded full prefills ``(tokens, seconds)``: total seconds / total tokens
+        / layers (rows without a positive count or time are skipped); None without any."""
+        usable = [(t, s) for t, s in rows if t and s and t > 0 and s > 0]
+        if not usable:
+            return None
+        per_token = sum(s for _, s in usable) / sum(t for t, _ in usable)
+        return cls(per_token / num_layers, kv_bytes_per_token_layer, num_layers,
+                   dict(bandwidths if bandwidths is not None else DEFAULT_BANDWIDTHS))
+
+    @classmethod
+    def measure(cls, lm, tokens: int = 128, repeats: int = 3, kv_dtype: torch.dtype = torch.float16,
+                bandwidths: Mapping[str, float] | None = None) -> "CostModel":
+        """Time a full prefill of ``tokens`` tokens on ``lm`` (a LoadedModel; median of
+        ``repeats`` after one warm-up); KV bytes per token from its shape and ``kv_dtype``."""
+        from cachecraft.engine import Segment, blended_prefill
+
+        adapter = lm.adapter
+        ids = [(i * 7919) % 1000 + 10 for i in range(tokens)]
+        vocab = getattr(getattr(lm.model, "config", None), "vocab_size", None)
+        if vocab:
+            ids = [i % vocab for i in ids]
+        seconds = []
+        with torch.inference_mode():
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                blended_prefill(adapter, [Segment(ids, "question")])
+                seconds.append(time.perf_counter() - start)
+        elapsed = max(statistics.median(seconds[1:]), 1e-9)
+        element = torch.empty((), dtype=kv_dtype).element_size()
+        kv_bytes = 2 * adapter.num_kv_heads * adapter.head_dim * element
+        return cls(elapsed / tokens / adapter.num_layers, kv_bytes, adapter.num_layers,
+                   dict(bandwidths if bandwidths is not None else DEFAULT_BANDWIDTHS))

@@ -1,0 +1,66 @@
+"""The loading controller and tier placement, against values computed by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachecraft.policy.loading import (CostModel, cheapest_tier, load_hiding_fraction, raise_fractions,
+                                       tier_for_new_variant)
+from tests.conftest import tiny_model
+
+# 1 ms of prefill and 2000 KV bytes per token; loading hides at 2000 / (bw * 0.001).
+BANDWIDTHS = {"gpu": 1e9, "cpu": 1e8, "disk": 1e7}  # r_load: 0.002, 0.02, 0.2
+
+
+def test_load_hiding_fraction():
+    assert load_hiding_fraction(0.001, 2000, 1e7) == pytest.approx(0.2)
+    assert load_hiding_fraction(0.001, 2000, 1e9) == pytest.approx(0.002)
+    assert load_hiding_fraction(0.001, 2000, 1e6) == 1.0  # load takes 2x a full prefill: capped
+    assert load_hiding_fraction(0.001, 0, 1e6) == 0.0
+
+
+def test_raise_fractions_lifts_to_r_load_and_never_above_one():
+    assert raise_fractions([0.0, 0.1, 0.5, 1.0], 0.2) == pytest.approx([0.2, 0.2, 0.5, 1.0])
+    assert raise_fractions([0.0, 0.3], 0.0) == [0.0, 0.3]
+    assert raise_fractions([0.0, 0.3], 1.5) == [1.0, 1.0]
+    assert raise_fractions([], 0.2) == []
+
+
+@pytest.mark.parametrize("fraction,tier", [(0.2, "disk"), (0.5, "disk"), (0.15, "cpu"), (0.02, "cpu"),
+                                           (0.01, "gpu"), (0.001, None)])
+def test_cheapest_tier_is_the_slowest_one_recompute_hides(fraction, tier):
+    assert cheapest_tier(fraction, 0.001, 2000, BANDWIDTHS) == tier
+
+
+@pytest.mark.parametrize("reuse,tier", [(0.1, None), (1, "disk"), (5, "cpu"), (49, "cpu"), (50, "gpu")])
+def test_tier_for_new_variant_by_value_per_byte(reuse, tier):
+    # 3 s of prefill saved per reuse for 15 MB: 200 s/GB per reuse (thresholds 50 / 1000 / 10000).
+    assert tier_for_new_variant(reuse, 3.0, 15_000_000) == tier
+
+
+def test_tier_for_new_variant_skips_tiers_slower_than_recompute():
+    # disk at 1 MB/s loads 15 MB in 15 s, slower than the 3 s recompute: not worth it.
+    slow = {"gpu": 1e12, "cpu": 1e10, "disk": 1e6}
+    assert tier_for_new_variant(1, 3.0, 15_000_000, bandwidths=slow) is None
+    assert tier_for_new_variant(5, 3.0, 15_000_000, bandwidths=slow) == "cpu"
+    assert tier_for_new_variant(1, 3.0, 15_000_000, thresholds={"disk": 100.0, "cpu": 150.0}) == "cpu"
+
+
+def test_cost_model_from_history():
+    rows = [(1000, 2.0), (3000, 6.0), (0, 1.0), (500, None)]  # 8 s / 4000 tokens = 2 ms per token
+    model = CostModel.from_history(rows, num_layers=4, kv_bytes_per_token_layer=500, bandwidths=BANDWIDTHS)
+    assert model.prefill_s_per_token_layer == pytest.approx(0.0005)
+    assert model.prefill_s_per_token == pytest.approx(0.002)
+    assert model.kv_bytes_per_token == 2000
+    assert model.r_load("disk") == pytest.approx(0.1)  # 2000 / (1e7 * 0.002)
+    assert model.cheapest_tier(0.1) == "disk" and model.cheapest_tier(0.05) == "cpu"
+    assert CostModel.from_history([], num_layers=4, kv_bytes_per_token_layer=500) is None
+
+
+def test_cost_model_measure_on_a_tiny_model():
+    lm = tiny_model("llama")
+    model = CostModel.measure(lm, tokens=16, repeats=1)
+    assert model.prefill_s_per_token_layer > 0
+    assert model.num_layers == 4
+    assert model.kv_bytes_per_token_layer == 2 * 2 * 16 * 2  # K and V, 2 KV heads, head_dim 16, float16
+    assert 0 < model.r_load("cpu") <= 1
