@@ -68,6 +68,7 @@ class Answer:
     request_id: int | None = None
     full_prefill_estimate_s: float | None = None
     logits: torch.Tensor | None = None
+    token_layers: int = 0  # prefill work, look-ahead included
 
     @property
     def saved_s(self) -> float | None:
@@ -125,13 +126,15 @@ class Pipeline:
             remember_prefix(self.prefix_cache, self.lm.adapter, result)
         logits = result.logits.float().cpu() if keep_logits else None
         recompute = result.recompute_fraction
+        token_layers = result.token_layers + self._lookahead_work(spec, segments)
         new_ids = generate_from(self.lm.model, self.lm.tokenizer, result,
                                 max_new_tokens=max_new_tokens or self.config.max_new_tokens, streamer=streamer)
         self._save(to_save, pieces)
         answer = Answer(self.lm.tokenizer.decode(new_ids, skip_special_tokens=True), spec.label, ttft,
                         pieces.num_tokens, len(new_ids), recompute,
                         self._report(pieces, keys, segments, plan, used, tiers, stops, recomputed_mask),
-                        full_prefill_estimate_s=self._estimate_full(pieces.num_tokens), logits=logits)
+                        full_prefill_estimate_s=self._estimate_full(pieces.num_tokens), logits=logits,
+                        token_layers=token_layers)
         if record:
             answer.request_id = self._record(question, answer)
         return answer
@@ -200,6 +203,14 @@ class Pipeline:
                 if picked is not None:
                     seg.recompute = picked
         return segments, plan, used, tiers, check
+
+    def _lookahead_work(self, spec: MethodSpec, segments: Sequence[Segment]) -> int:
+        """Token-layers of the question-guided look-ahead (uncached tokens up to the check layer)."""
+        if spec.name not in ("cachecraft", "qguided") or not any(s.cached is not None for s in segments):
+            return 0
+        layer = self.policy.check_layer if spec.name == "cachecraft" else spec.layer
+        uncached = sum(len(s.token_ids) for s in segments if s.cached is None)
+        return uncached * (min(layer, self.lm.adapter.num_layers - 1) + 1)
 
     def _plain_segments(self, pieces, prefix_key, keys, kvs, prefix_kv=None) -> list[Segment]:
         segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=prefix_key)]

@@ -13,7 +13,11 @@ from typing import Sequence
 _MARK = "\x00CTX\x00"
 
 
-class PromptTooLong(ValueError):
+class PromptInputError(ValueError):
+    """The question or chunks cannot make a prompt (empty, too long)."""
+
+
+class PromptTooLong(PromptInputError):
     """The prompt does not fit in the model's context window."""
 
 
@@ -81,12 +85,14 @@ class PromptBuilder:
     def build(self, chunks: Sequence[str], question: str, max_tokens: int | None = None) -> PromptPieces:
         """Tokenize a whole prompt; ``chunks`` are already formatted chunk texts."""
         if not question or not question.strip():
-            raise ValueError("the question is empty")
+            raise PromptInputError("the question is empty")
+        if not chunks:
+            raise PromptInputError("no chunks given: a RAG prompt needs at least one chunk")
         pieces = PromptPieces(self.prefix_ids(), tuple(self.encode(c) for c in chunks),
                               self.encode(self.question_template.replace("{question}", question.strip())
                                           + self.tail))
         if any(len(c) == 0 for c in pieces.chunks):
-            raise ValueError("a chunk is empty")
+            raise PromptInputError("a chunk is empty")
         if max_tokens is not None and pieces.num_tokens > max_tokens:
             raise PromptTooLong(f"prompt has {pieces.num_tokens} tokens, more than the model's "
                                 f"context window of {max_tokens}")

@@ -20,6 +20,8 @@ def test_empty_question_chunk_and_too_long_prompt():
     builder = PromptBuilder(tiny_tokenizer(), "w1")
     with pytest.raises(ValueError, match="question is empty"):
         builder.build(["w5"], "  ")
+    with pytest.raises(ValueError, match="no chunks given"):
+        builder.build([], "w5")
     with pytest.raises(ValueError, match="chunk is empty"):
         builder.build(["   "], "w5")
     with pytest.raises(PromptTooLong, match="context window of 5"):

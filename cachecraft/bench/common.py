@@ -40,7 +40,7 @@ class PeakRSS:
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> "PeakRSS":
-        self.peak = rss_bytes()
+        self.start = self.peak = rss_bytes()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
@@ -53,6 +53,11 @@ class PeakRSS:
     @property
     def peak_mb(self) -> float:
         return self.peak / 2**20
+
+    @property
+    def growth_mb(self) -> float:
+        """How far RSS rose above where it was when the block began."""
+        return (self.peak - self.start) / 2**20
 
 
 def machine() -> dict[str, Any]:

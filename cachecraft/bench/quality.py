@@ -44,6 +44,7 @@ class MethodRun:
     ttft_s: float
     recompute_fraction: float
     peak_rss_mb: float
+    rss_growth_mb: float
     kv_mb: float
 
 
@@ -69,7 +70,7 @@ def run_method(lm: LoadedModel, spec: MethodSpec, pieces, prefix_kv, chunk_kvs,
     new_ids = generate_from(lm.model, lm.tokenizer, result, max_new_tokens=max_new_tokens)
     answer = lm.tokenizer.decode(new_ids, skip_special_tokens=True)
     return MethodRun(result.logits.float().cpu(), answer, ttft, result.recompute_fraction,
-                     mem.peak_mb, kv_mb)
+                     mem.peak_mb, mem.growth_mb, kv_mb)
 
 
 def warm_chunks(lm: LoadedModel, pieces, prefix_kv, kv_dtype: torch.dtype) -> list:
@@ -103,6 +104,7 @@ def aggregate(rows: list[dict], label: str) -> dict:
         "exact_match_rate": mean("exact_match"),
         "gold_f1_mean": mean("gold_f1"),
         "peak_rss_mb_max": max(r["peak_rss_mb"] for r in mine),
+        "rss_growth_mb_max": max(r["rss_growth_mb"] for r in mine),
         "kv_mb_mean": mean("kv_mb"),
     }
 
@@ -146,7 +148,7 @@ def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[Method
                 "agreement_f1": token_f1(first_line(run.answer), first_line(reference.answer)),
                 "exact_match": float(exact_match(run.answer, reference.answer)),
                 "gold_f1": best_f1(run.answer, item.answers),
-                "peak_rss_mb": run.peak_rss_mb, "kv_mb": run.kv_mb,
+                "peak_rss_mb": run.peak_rss_mb, "rss_growth_mb": run.rss_growth_mb, "kv_mb": run.kv_mb,
                 "warm_s": warm_s, "answer": run.answer,
             })
             log.info("item %d %s ttft %.2fs", index, spec.label, run.ttft_s)

@@ -1,0 +1,60 @@
+"""The workload trace and replay on a tiny model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cachecraft.bench.workload import build_trace, run_workload
+from cachecraft.config import Config
+from cachecraft.dataset import QAItem
+from tests.conftest import tiny_model
+
+
+def words(start: int, n: int) -> str:
+    return " ".join(f"w{i}" for i in range(start, start + n))
+
+
+ITEMS = [QAItem(words(250 + i, 3), tuple((f"w{i * 10 + j}", words(20 + 30 * i + 5 * j, 12)) for j in range(4)),
+                (words(1, 1),)) for i in range(3)]
+
+
+def fake_embed(texts):
+    """Bag-of-words vectors: texts sharing words are similar."""
+    out = np.zeros((len(texts), 320), dtype=np.float32)
+    for row, text in enumerate(texts):
+        for word in text.split():
+            if word.startswith("w") and word[1:].rstrip(":").isdigit():
+                out[row, int(word[1:].rstrip(":")) % 320] += 1
+    out /= np.linalg.norm(out, axis=1, keepdims=True) + 1e-9
+    return out
+
+
+def test_trace_repeats_and_retrieves_top_k():
+    trace, corpus = build_trace(ITEMS, 20, 3, embed=fake_embed, seed=1)
+    assert corpus == 12 and len(trace) == 20
+    assert all(len(r.chunks) == 3 and len(set(r.chunks)) == 3 for r in trace)
+    assert len(set(trace)) < len(trace)  # popular requests repeat
+    again, _ = build_trace(ITEMS, 20, 3, embed=fake_embed, seed=1)
+    assert again == trace
+    with pytest.raises(ValueError, match="top_k"):
+        build_trace(ITEMS, 5, 13, embed=fake_embed)
+
+
+def test_replay_counts_compute_and_compares_with_full(cache_dir):
+    config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32"}, environ={})
+    cache_dir.mkdir(parents=True)
+    trace, _ = build_trace(ITEMS, 8, 3, embed=fake_embed, seed=2)
+    result = run_workload(tiny_model("llama"), config, trace, ["prefix", "reuse", "cachecraft"],
+                          budgets={"cpu": 1 << 20, "disk": 1 << 22}, max_new_tokens=3)
+    methods = result["methods"]
+    assert list(methods) == ["full", "prefix", "reuse", "cachecraft"]
+    full = methods["full"]
+    assert full["compute_reduction_vs_full"] == 0 and full["agreement_f1_mean"] == 1.0
+    assert full["hit_rate"] == 0 and full["recompute_fraction_mean"] == 1.0
+    assert methods["prefix"]["token_layers"] < full["token_layers"]  # repeated prompts reuse their blocks
+    assert methods["cachecraft"]["token_layers"] < full["token_layers"]
+    assert methods["cachecraft"]["hit_rate"] > 0
+    assert len(result["requests"]) == 32
+    for name, m in methods.items():
+        assert m["store_usage"]["cpu"]["bytes"] <= (1 << 20) or name in ("full", "prefix")
