@@ -294,3 +294,15 @@ def test_early_termination_callback_stops_a_segment(tiny_llama):
     assert torch.allclose(stopped.logits, planned.logits, atol=1e-6)
     lo = len(prefix) + len(chunks[0])
     assert torch.equal(stopped.values[2][:, lo:lo + len(chunks[1])], kvs[1].values[2])
+
+
+def test_work_is_counted_in_token_layers(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    n = len(prefix) + sum(map(len, chunks)) + len(question)
+    layers = tiny_llama.adapter.num_layers
+    assert blended_prefill(tiny_llama.adapter, full_segments(prefix, chunks, question)).token_layers == n * layers
+    prefix_kv, kvs = caches_after_prefix_alone(tiny_llama, prefix, chunks)
+    reuse = blended_prefill(tiny_llama.adapter, [Segment(prefix, "prefix", cached=prefix_kv)]
+                            + [Segment(c, cached=kv, recompute=[0, 1], stop_layer=2) for c, kv in zip(chunks, kvs)]
+                            + [Segment(question, "question")])
+    assert reuse.token_layers == len(question) * layers + 2 * len(chunks) * 2

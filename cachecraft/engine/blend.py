@@ -287,7 +287,7 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
     stats_rows = {i: [] for i, s in enumerate(segments) if s.collect_stats}
     question_attention: dict[int, torch.Tensor] = {}
     token_attention: dict[int, torch.Tensor] = {}
-    work = token_layers = 0
+    work = total_work = 0
 
     plan = None
     gqa = adapter.num_heads != adapter.num_kv_heads
@@ -342,7 +342,7 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
         hidden = hidden + adapter.attn_output(layer, attn)
         hidden = adapter.mlp_residual(layer, hidden)
         work += int(context[active].sum())
-        token_layers += int(active.numel())
+        total_work += int(active.numel())
 
         for i in stats_rows:
             lo, hi = bounds[i]
@@ -382,7 +382,7 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
     context_tokens = int(context.sum())
     return BlendResult(token_ids, logits, out_keys, out_values, saved, question_attention, token_attention,
                        recomputed_tokens=int((recomputed & context & (stop_at > 0)).sum()),
-                       recomputed=(recomputed & (stop_at > 0)).cpu(), token_layers=token_layers,
+                       recomputed=(recomputed & (stop_at > 0)).cpu(), token_layers=total_work,
                        context_tokens=context_tokens,
                        recompute_work=work / (context_tokens * num_layers) if context_tokens else 0.0,
                        seconds=time.perf_counter() - t0)
