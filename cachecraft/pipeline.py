@@ -13,6 +13,7 @@ exactly; the policy picks, per chunk, the variant with the lowest Cache Fix Over
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field, replace
 from typing import Sequence
@@ -28,6 +29,7 @@ from cachecraft.methods import MethodSpec, prefix_segments, remember_prefix
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.policy.planner import (ChunkPlan, PolicyParams, RecomputePlan, VariantInfo,
                                        early_stop_decision, plan_request)
+from cachecraft.policy.loading import CostModel
 from cachecraft.prefix_cache import PrefixCache
 from cachecraft.prompt import PromptPieces, builder_for
 from cachecraft.store import CorruptEntryError, TieredStore
@@ -99,6 +101,7 @@ class Pipeline:
         self.policy = policy or PolicyParams(alpha=config.policy_alpha)
         self.prefix_cache = PrefixCache(self.lm.fingerprint, budget_bytes=config.cpu_budget_bytes)
         self._seconds_per_token: float | None = None
+        self.cost_model: CostModel | None = None  # measured on first use
 
     # -- public ------------------------------------------------------------------------
     def answer(self, chunk_texts: Sequence[str], question: str, *, method: str = "cachecraft",
@@ -181,7 +184,7 @@ class Pipeline:
         plan = None
         if spec.name == "cachecraft":
             infos = {key: self._variant_infos(key, prefix_key) for key in dict.fromkeys(keys)}
-            plan = plan_request(keys, [len(c) for c in pieces.chunks], infos, self.policy)
+            plan = self._hide_loading(plan_request(keys, [len(c) for c in pieces.chunks], infos, self.policy))
             wanted = [p.variant for p in plan.chunks]
         else:  # independent caches: any stored variant, the one made alone first
             wanted = [self._any_variant(key, prefix_key) for key in keys]
@@ -218,6 +221,20 @@ class Pipeline:
             segments.append(Segment(ids, "chunk", cached=kv, key=key, save=kv is None, collect_stats=kv is None))
         segments.append(Segment(pieces.question, "question"))
         return segments
+
+    def _hide_loading(self, plan: RecomputePlan) -> RecomputePlan:
+        """Loading controller: raise a chunk's recompute to the fraction whose compute time
+        hides loading it from its tier (CacheBlend's r = max(r*, r_load))."""
+        if self.cost_model is None:
+            self.cost_model = CostModel.measure(self.lm, kv_dtype=self.store.stored_dtype)
+        chunks = []
+        for chunk_plan in plan.chunks:
+            tier = self.store.locate(chunk_plan.variant) if chunk_plan.variant else None
+            if tier is not None and chunk_plan.count > 0:
+                floor = math.ceil(self.cost_model.r_load(tier) * chunk_plan.tokens)
+                chunk_plan = replace(chunk_plan, count=min(chunk_plan.tokens, max(chunk_plan.count, floor)))
+            chunks.append(chunk_plan)
+        return replace(plan, chunks=tuple(chunks))
 
     def _place_tokens(self, segments: list[Segment], plan: RecomputePlan, kvs) -> None:
         """Question-guided placement of the plan's token counts (cachecraft)."""

@@ -86,3 +86,25 @@ def test_explain_prints_the_recorded_plan(pipeline):
     assert latest.exit_code == 0 and f"request {answer.request_id}" in latest.output and "CFO" in latest.output
     missing = runner.invoke(app, ["explain", "9999"])
     assert missing.exit_code == 1 and "no request with id 9999" in missing.output
+
+
+def test_loading_controller_raises_recompute_on_a_slow_tier(pipeline):
+    from cachecraft.policy.loading import CostModel
+
+    pipeline.answer(CHUNKS, QUESTION)
+    reordered = [CHUNKS[1], CHUNKS[0], CHUNKS[2], CHUNKS[3]]
+    planned = pipeline.answer(reordered, QUESTION, record=False)
+    per_token_layer = 1e-3
+    kv_bytes = 100
+    # r_load = bytes / (bandwidth * prefill seconds per token) = 100*L / (bw * 1e-3*L) -> 0.5 with bw = 2e5
+    pipeline.cost_model = CostModel(per_token_layer, kv_bytes, pipeline.lm.adapter.num_layers,
+                                    {"gpu": 2e5, "cpu": 2e5, "disk": 2e5})
+    raised = pipeline.answer(reordered, QUESTION, record=False)
+    fixed = [i for i, c in enumerate(planned.chunks) if 0 < c.fraction < 1]
+    assert fixed, "the reordered request should fix some chunks"
+    # Loading of every chunk overlaps the recompute of all selected tokens, so the
+    # total is what must reach r_load; the question decides where the tokens go.
+    tokens = sum(planned.chunks[i].tokens for i in fixed)
+    before = sum(planned.chunks[i].fraction * planned.chunks[i].tokens for i in fixed)
+    after = sum(raised.chunks[i].fraction * raised.chunks[i].tokens for i in fixed)
+    assert before < 0.5 * tokens <= after + 1e-6
