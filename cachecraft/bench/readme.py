@@ -1,0 +1,75 @@
+"""Regenerate the README's result tables from the JSON files in ``benchmarks/results/``.
+
+``python -m cachecraft.bench.readme`` replaces each block between
+``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` with a table built from
+``benchmarks/results/NAME.json``; blocks whose JSON is missing are left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def quality_table(data: dict) -> str:
+    """Markdown table of a ``bench quality`` result."""
+    lines = [f"`{data['command']}` ({data['model']}, {data['limit']} items, {data['date'][:10]}, "
+             f"{data['machine']['cpu']}, {data['machine']['cores']} cores)", "",
+             "| method | TTFT median (s) | speedup vs full | recompute | KL vs full | answer agreement F1 | "
+             "exact match vs full | gold F1 |", "|---|---|---|---|---|---|---|---|"]
+    for label, m in data["methods"].items():
+        lines.append(f"| {label} | {m['ttft_s_median']:.2f} | {m['speedup_vs_full_median']:.1f}x | "
+                     f"{m['recompute_fraction_mean']:.3f} | {m['kl_mean']:.4f} | {m['agreement_f1_mean']:.3f} | "
+                     f"{m['exact_match_rate']:.2f} | {m['gold_f1_mean']:.3f} |")
+    return "\n".join(lines)
+
+
+def workload_table(data: dict) -> str:
+    """Markdown table of a ``bench workload`` result."""
+    lines = [f"`{data['command']}` ({data['model']}, {len(data['requests']) // max(1, len(data['methods']))} "
+             f"requests, {data['unique_requests']} distinct, corpus of {data['corpus_chunks']} chunks, "
+             f"top-{data['top_k']}, {data['date'][:10]})", "",
+             "| method | TTFT mean (s) | TTFT p95 (s) | requests/s | recompute | chunk hit rate | "
+             "compute saved vs full | vs prefix | agreement F1 vs full |", "|---|---|---|---|---|---|---|---|---|"]
+    for label, m in data["methods"].items():
+        vs_prefix = f"{m['compute_reduction_vs_prefix']:.0%}" if "compute_reduction_vs_prefix" in m else "-"
+        lines.append(f"| {label} | {m['ttft_s_mean']:.2f} | {m['ttft_s_p95']:.2f} | {m['throughput_rps']:.3f} | "
+                     f"{m['recompute_fraction_mean']:.3f} | {m['hit_rate']:.2f} | "
+                     f"{m['compute_reduction_vs_full']:.0%} | {vs_prefix} | {m['agreement_f1_mean']:.3f} |")
+    return "\n".join(lines)
+
+
+def store_table(data: dict) -> str:
+    """Markdown table of a ``bench store`` result."""
+    lines = ["| tier | put (GB/s) | get, stored dtype (GB/s) | get, compute dtype (GB/s) | layer by layer (GB/s) |",
+             "|---|---|---|---|---|"]
+    for tier, t in data["tiers"].items():
+        lines.append(f"| {tier} | {t['put_gbps']:.2f} | {t['get_stored_gbps']:.2f} | {t['get_compute_gbps']:.2f} | "
+                     f"{t['layers_gbps']:.2f} |")
+    return "\n".join(lines)
+
+
+RENDERERS = {"quality": quality_table, "quality_policy": quality_table, "workload": workload_table,
+             "store": store_table}
+
+
+def update(readme: Path, results: Path) -> list[str]:
+    """Rewrite the marked blocks of ``readme``; returns the names updated."""
+    text = readme.read_text(encoding="utf-8")
+    updated = []
+    for name, render in RENDERERS.items():
+        source = results / f"{name}.json"
+        pattern = re.compile(rf"(<!-- results:{name} -->\n)(?:.*?\n)?(<!-- /results:{name} -->)", re.S)
+        if source.is_file() and pattern.search(text):
+            table = render(json.loads(source.read_text(encoding="utf-8")))
+            text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text)
+            updated.append(name)
+    readme.write_text(text, encoding="utf-8")
+    return updated
+
+
+if __name__ == "__main__":
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
+    print("updated:", ", ".join(update(root / "README.md", root / "benchmarks" / "results")) or "nothing")

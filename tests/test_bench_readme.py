@@ -1,0 +1,23 @@
+"""README result blocks are rendered from result JSON."""
+
+import json
+
+from cachecraft.bench.readme import update
+
+
+def test_blocks_are_replaced_and_others_left(tmp_path):
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    data = {"command": "cachecraft bench quality --limit 2", "model": "m", "limit": 2, "date": "2026-11-21T00:00",
+            "machine": {"cpu": "cpu", "cores": 2},
+            "methods": {"full": {"ttft_s_median": 2.0, "speedup_vs_full_median": 1.0, "recompute_fraction_mean": 1.0,
+                                 "kl_mean": 0.0, "agreement_f1_mean": 1.0, "exact_match_rate": 1.0,
+                                 "gold_f1_mean": 0.5}}}
+    (results / "quality.json").write_text(json.dumps(data))
+    readme = tmp_path / "README.md"
+    readme.write_text("x\n<!-- results:quality -->\nSTALE-TABLE\n<!-- /results:quality -->\n"
+                      "<!-- results:workload -->\nkeep\n<!-- /results:workload -->\n")
+    assert update(readme, results) == ["quality"]
+    text = readme.read_text()
+    assert "| full | 2.00 | 1.0x | 1.000 | 0.0000 | 1.000 | 1.00 | 0.500 |" in text
+    assert "STALE-TABLE" not in text and "keep" in text
