@@ -27,7 +27,7 @@ from cachecraft.engine.selectors import question_guided
 from cachecraft.kv import ChunkKV, chunk_key, variant_key
 from cachecraft.methods import MethodSpec, prefix_segments, remember_prefix
 from cachecraft.model.loader import LoadedModel, load_model
-from cachecraft.policy.planner import (ChunkPlan, PolicyParams, RecomputePlan, VariantInfo,
+from cachecraft.policy.planner import (PolicyParams, RecomputePlan, VariantInfo,
                                        early_stop_decision, plan_request)
 from cachecraft.policy.loading import CostModel
 from cachecraft.prefix_cache import PrefixCache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -57,6 +58,27 @@ def cache_dir(tmp_path, monkeypatch):
     """A fresh cache directory, also exported as CACHECRAFT_CACHE_DIR."""
     path = tmp_path / "cache"
     monkeypatch.setenv("CACHECRAFT_CACHE_DIR", str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny Llama saved as a Hugging Face model directory."""
+    path = tmp_path_factory.mktemp("tiny") / "llama"
+    lm = tiny_model("llama")
+    lm.model.save_pretrained(path)
+    lm.tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def dataset(tmp_path):
+    """A two-item MuSiQue-format file in the tiny tokenizer's words."""
+    words = lambda start, n: " ".join(f"w{i}" for i in range(start, start + n))  # noqa: E731
+    items = [{"ctxs": [{"title": "w1", "text": words(10 + 7 * j + i, 30)} for j in range(3)],
+              "question": words(100 + i, 5), "answers": [words(200, 2)]} for i in range(2)]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(items))
     return path
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import tomllib
 
 import pytest
@@ -14,28 +13,8 @@ import cli.app as cli_app
 from cachecraft.policy.calibrate import (AlphaRow, CalibrationError, CalibrationResult, check_target, choose_alpha,
                                          parse_alphas, write_config_value)
 from cli.app import app
-from tests.conftest import tiny_model
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny") / "llama"
-    lm = tiny_model("llama")
-    lm.model.save_pretrained(path)
-    lm.tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture
-def dataset(tmp_path):
-    words = lambda start, n: " ".join(f"w{i}" for i in range(start, start + n))  # noqa: E731
-    items = [{"ctxs": [{"title": "w1", "text": words(10 + 7 * j + i, 30)} for j in range(3)],
-              "question": words(100 + i, 5), "answers": [words(200, 2)]} for i in range(2)]
-    path = tmp_path / "data.json"
-    path.write_text(json.dumps(items))
-    return path
 
 
 def row(alpha, recompute, agreement):

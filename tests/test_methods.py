@@ -1,7 +1,6 @@
 """Method definitions: what each one reuses and recomputes."""
 
 import pytest
-import torch
 
 from cachecraft.engine import Segment, blended_prefill, create_chunk_cache
 from cachecraft.policy.planner import PolicyParams

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from cachecraft.config import Config
 from cachecraft.kv import variant_key

@@ -2,7 +2,7 @@
 
 import torch
 
-from cachecraft.engine import Segment, blended_prefill
+from cachecraft.engine import blended_prefill
 from cachecraft.methods import MethodSpec, build_segments, remember_prefix
 from cachecraft.prefix_cache import PrefixCache, block_keys
 from cachecraft.prompt import PromptPieces

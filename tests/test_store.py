@@ -348,7 +348,7 @@ def test_two_models_never_share_caches(store_factory):
     store.close()
     store = store_factory(tiers=("disk",))
     with store.catalog.read() as tx:
-        row_a, row_b = tx.entry(a.variant, "disk"), tx.entry(b.variant, "disk")
+        row_a = tx.entry(a.variant, "disk")
     with store.catalog.write() as tx:
         tx.add_entry(EntryRecord(b.variant, "disk", "", row_a.nbytes, row_a.blob, row_a.checksum))
     assert store.get(b.variant) is None
