@@ -108,7 +108,8 @@ class Pipeline:
                ratio: float | None = None, max_new_tokens: int | None = None, streamer=None,
                record: bool = True, keep_logits: bool = False) -> Answer:
         """Answer ``question`` over ``chunk_texts`` (formatted chunk texts, in order)."""
-        spec = MethodSpec(method, self.config.cacheblend_ratio if ratio is None else ratio)
+        default = self.policy.alpha if method == "cachecraft" else self.config.cacheblend_ratio
+        spec = MethodSpec(method, default if ratio is None else ratio)
         start = time.perf_counter()
         pieces = self.builder.build(chunk_texts, question, max_tokens=self.lm.max_context)
         prefix_key = chunk_key(self.lm.fingerprint, pieces.prefix)
@@ -118,9 +119,8 @@ class Pipeline:
         observe, callback = self._early_stop(spec, segments, stops)
         result = blended_prefill(self.lm.adapter, segments, deviation_check=check, fingerprint=self.lm.fingerprint,
                                  observe_layers=observe, on_question_attention=callback)
-        first = int(result.logits.argmax())
+        int(result.logits.argmax())  # the first token is decided here
         ttft = time.perf_counter() - start
-        del first
         if spec.name == "full":
             self._learn_cost(result.num_tokens, ttft)
         to_save = self._variants_to_keep(spec, segments, result, plan)

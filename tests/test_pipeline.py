@@ -46,7 +46,7 @@ def test_reordered_chunks_pick_the_lowest_cfo_and_fix_some_tokens(pipeline):
     assert third.cfo is not None and third.beta_prime is not None
     record = pipeline.catalog.get_request(answer.request_id)
     assert [c.variant_key for c in record.chunks] == [c.variant for c in answer.chunks]
-    assert record.method == "cachecraft@0.15" and record.chunks[0].cfo == pytest.approx(first.cfo)
+    assert record.method == "cachecraft@0.5" and record.chunks[0].cfo == pytest.approx(first.cfo)
 
 
 def test_every_fraction_at_one_gives_full_prefill_answer(pipeline):
