@@ -184,7 +184,8 @@ class Pipeline:
         plan = None
         if spec.name == "cachecraft":
             infos = {key: self._variant_infos(key, prefix_key) for key in dict.fromkeys(keys)}
-            plan = self._hide_loading(plan_request(keys, [len(c) for c in pieces.chunks], infos, self.policy))
+            params = replace(self.policy, alpha=spec.ratio)
+            plan = self._hide_loading(plan_request(keys, [len(c) for c in pieces.chunks], infos, params))
             wanted = [p.variant for p in plan.chunks]
         else:  # independent caches: any stored variant, the one made alone first
             wanted = [self._any_variant(key, prefix_key) for key in keys]
