@@ -118,10 +118,7 @@ def build_segments(spec: MethodSpec, pieces: PromptPieces, prefix_kv: ChunkKV | 
                          policy or PolicyParams(alpha=spec.ratio, check_layer=spec.layer))
     if spec.name == "qguided":
         assert adapter is not None, "qguided needs the model adapter"
-        layer = min(spec.layer, adapter.num_layers - 1)
-        for seg, picked in zip(segments, question_guided(adapter, segments, layer, spec.ratio)):
-            if picked is not None:
-                seg.recompute = picked
+        select_question_guided(adapter, segments, spec.layer, ratio=spec.ratio)
     check = DeviationCheck(spec.layer, spec.ratio) if spec.name == "cacheblend" else None
     return segments, check
 
@@ -144,15 +141,28 @@ def plan_with_policy(adapter, segments: list[Segment], chunk_kvs: Sequence[Chunk
     keys = [kv.chunk if kv is not None else f"uncached-{i}" for i, kv in enumerate(chunk_kvs)]
     variants = {kv.chunk: [variant_info(kv)] for kv in chunk_kvs if kv is not None}
     plan = plan_request(keys, [len(s.token_ids) for s in chunk_segments], variants, params)
+    place_plan_tokens(adapter, segments, plan, params.check_layer)
+    return plan
+
+
+def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, check_layer: int) -> None:
+    """Give the plan's token counts to the chunks where the question looks: chunks the
+    plan leaves alone are not candidates; the total is placed over the rest."""
+    chunk_segments = segments[1:-1]
     for seg, chunk_plan in zip(chunk_segments, plan.chunks):
         seg.fixable = seg.cached is not None and chunk_plan.count > 0
     total = sum(p.count for p, seg in zip(plan.chunks, chunk_segments) if seg.fixable)
-    layer = min(params.check_layer, adapter.num_layers - 1)
-    picks = question_guided(adapter, segments, layer, total=total)
-    for seg, picked in zip(segments, picks):
+    if total:
+        select_question_guided(adapter, segments, check_layer, total=total)
+
+
+def select_question_guided(adapter, segments: list[Segment], check_layer: int, ratio: float | None = None,
+                           total: int | None = None) -> None:
+    """Set each fixable cached chunk's recompute tokens from the question's look-ahead."""
+    layer = min(check_layer, adapter.num_layers - 1)
+    for seg, picked in zip(segments, question_guided(adapter, segments, layer, ratio=ratio, total=total)):
         if picked is not None:
             seg.recompute = picked
-    return plan
 
 
 def prefix_segments(pieces: PromptPieces, match: PrefixKV | None) -> list[Segment]:

@@ -23,9 +23,9 @@ import torch
 from cachecraft.catalog import MISS, ChunkRecord, RequestChunk, RequestRecord, question_hash
 from cachecraft.config import Config
 from cachecraft.engine import DeviationCheck, Segment, blended_prefill, generate_from
-from cachecraft.engine.selectors import question_guided
 from cachecraft.kv import ChunkKV, chunk_key, variant_key
-from cachecraft.methods import MethodSpec, prefix_segments, remember_prefix
+from cachecraft.methods import (MethodSpec, place_plan_tokens, prefix_segments, remember_prefix,
+                                select_question_guided)
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.policy.planner import (PolicyParams, RecomputePlan, VariantInfo,
                                        early_stop_decision, plan_request)
@@ -198,14 +198,11 @@ class Pipeline:
         segments = self._plain_segments(pieces, prefix_key, keys, kvs, prefix_kv)
         check = None
         if spec.name == "cachecraft":
-            self._place_tokens(segments, plan, kvs)
+            place_plan_tokens(self.lm.adapter, segments, plan, self.policy.check_layer)
         elif spec.name == "cacheblend":
             check = DeviationCheck(self.config.check_layer, spec.ratio)
         elif spec.name == "qguided":
-            layer = min(spec.layer, self.lm.adapter.num_layers - 1)
-            for seg, picked in zip(segments, question_guided(self.lm.adapter, segments, layer, spec.ratio)):
-                if picked is not None:
-                    seg.recompute = picked
+            select_question_guided(self.lm.adapter, segments, spec.layer, ratio=spec.ratio)
         return segments, plan, used, tiers, check
 
     def _lookahead_work(self, spec: MethodSpec, segments: Sequence[Segment]) -> int:
@@ -236,19 +233,6 @@ class Pipeline:
                 chunk_plan = replace(chunk_plan, count=min(chunk_plan.tokens, max(chunk_plan.count, floor)))
             chunks.append(chunk_plan)
         return replace(plan, chunks=tuple(chunks))
-
-    def _place_tokens(self, segments: list[Segment], plan: RecomputePlan, kvs) -> None:
-        """Question-guided placement of the plan's token counts (cachecraft)."""
-        chunk_segments = segments[1:-1]
-        for seg, chunk_plan, kv in zip(chunk_segments, plan.chunks, kvs):
-            seg.fixable = kv is not None and chunk_plan.count > 0
-        total = sum(p.count for p, seg in zip(plan.chunks, chunk_segments) if seg.fixable)
-        if total == 0:
-            return
-        layer = min(self.policy.check_layer, self.lm.adapter.num_layers - 1)
-        for seg, picked in zip(segments, question_guided(self.lm.adapter, segments, layer, total=total)):
-            if picked is not None:
-                seg.recompute = picked
 
     def _early_stop(self, spec: MethodSpec, segments: list[Segment], stops: dict[int, int]):
         if spec.name != "cachecraft" or not self.policy.early_stop_layers:
