@@ -83,6 +83,9 @@ class Config:
     cacheblend_ratio: float = 0.15
     check_layer: int = 1
     policy_alpha: float = 0.15
+    policy_check_layer: int = 8
+    early_stop_layers: str = ""  # comma-separated layers, e.g. "12,20"; empty: off
+    early_stop_share: float = 0.25
     gpu_budget_bytes: int = 2 * 2**30
     cpu_budget_bytes: int = 4 * 2**30
     disk_budget_bytes: int = 50 * 2**30
@@ -105,8 +108,19 @@ class Config:
               f"cacheblend_ratio must be within [0, 1], got {self.cacheblend_ratio}")
         check(self.check_layer >= 1, f"check_layer must be >= 1, got {self.check_layer}")
         check(0.0 <= self.policy_alpha <= 10.0, f"policy_alpha must be within [0, 10], got {self.policy_alpha}")
+        check(self.policy_check_layer >= 0, f"policy_check_layer must be >= 0, got {self.policy_check_layer}")
+        check(0.0 <= self.early_stop_share <= 1.0, f"early_stop_share must be within [0, 1], got {self.early_stop_share}")
+        try:
+            self.early_stop_layer_list
+        except ValueError:
+            raise ConfigError(f"early_stop_layers must be comma-separated layer numbers, got {self.early_stop_layers!r}") from None
         for name in ("gpu_budget_bytes", "cpu_budget_bytes", "disk_budget_bytes"):
             check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def early_stop_layer_list(self) -> tuple[int, ...]:
+        """``early_stop_layers`` as a tuple of ints."""
+        return tuple(int(x) for x in str(self.early_stop_layers).replace(" ", "").split(",") if x)
 
     @property
     def models_dir(self) -> Path:

@@ -27,8 +27,8 @@ from cachecraft.kv import ChunkKV, chunk_key, variant_key
 from cachecraft.methods import (MethodSpec, place_plan_tokens, prefix_segments, remember_prefix,
                                 select_question_guided)
 from cachecraft.model.loader import LoadedModel, load_model
-from cachecraft.policy.planner import (PolicyParams, RecomputePlan, VariantInfo,
-                                       early_stop_decision, plan_request)
+from cachecraft.policy.planner import (PolicyParams, RecomputePlan, VariantInfo, early_stop_decision,
+                                       params_from_config, plan_request)
 from cachecraft.policy.loading import CostModel
 from cachecraft.prefix_cache import PrefixCache
 from cachecraft.prompt import PromptPieces, builder_for
@@ -98,7 +98,7 @@ class Pipeline:
         self.store = store or TieredStore(config)
         self.catalog = self.store.catalog
         self.builder = builder_for(self.lm.tokenizer, config)
-        self.policy = policy or PolicyParams(alpha=config.policy_alpha)
+        self.policy = policy or params_from_config(config)
         self.prefix_cache = PrefixCache(self.lm.fingerprint, budget_bytes=config.cpu_budget_bytes)
         self._seconds_per_token: float | None = None
         self.cost_model: CostModel | None = None  # measured on first use

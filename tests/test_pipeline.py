@@ -107,3 +107,24 @@ def test_loading_controller_raises_recompute_on_a_slow_tier(pipeline):
     before = sum(planned.chunks[i].fraction * planned.chunks[i].tokens for i in fixed)
     after = sum(raised.chunks[i].fraction * raised.chunks[i].tokens for i in fixed)
     assert before < 0.5 * tokens <= after + 1e-6
+
+
+def test_policy_comes_from_config_and_early_stop_is_recorded(cache_dir):
+    from cachecraft.config import ConfigError
+
+    config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 3, "kv_dtype": "float32",
+                                    "policy_alpha": 1.0, "policy_check_layer": 1, "early_stop_layers": "1, 2",
+                                    "early_stop_share": 1.0}, environ={})
+    assert config.early_stop_layer_list == (1, 2)
+    with pytest.raises(ConfigError, match="early_stop_layers"):
+        Config.from_mapping({"early_stop_layers": "one"})
+    with TieredStore(config, tiers=("cpu",)) as store:
+        pipe = Pipeline(config, lm=tiny_model("llama"), store=store)
+        assert pipe.policy.early_stop_layers == (1, 2) and pipe.policy.alpha == 1.0
+        pipe.answer(CHUNKS, QUESTION)
+        answer = pipe.answer(list(reversed(CHUNKS)), QUESTION)
+        stopped = [c for c in answer.chunks if c.stop_layer is not None]
+        assert stopped, "with share 1.0 every chunk below an even share stops early"
+        assert all(c.stop_layer in (2, 3) for c in stopped)
+        record = pipe.catalog.get_request(answer.request_id)
+        assert [c.stop_layer for c in record.chunks] == [c.stop_layer for c in answer.chunks]

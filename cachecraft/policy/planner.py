@@ -84,6 +84,12 @@ class RecomputePlan:
         return sum(c.count for c in self.chunks) / total if total else 0.0
 
 
+def params_from_config(config) -> PolicyParams:
+    """The policy parameters a :class:`~cachecraft.config.Config` sets."""
+    return PolicyParams(alpha=config.policy_alpha, check_layer=config.policy_check_layer,
+                        early_stop_layers=config.early_stop_layer_list, early_stop_share=config.early_stop_share)
+
+
 def choose_variant(variants: Sequence[VariantInfo], new_prefix: Sequence[str],
                    params: PolicyParams) -> tuple[VariantInfo, VariantScore] | None:
     """The variant with the lowest CFO for a chunk preceded by ``new_prefix``."""
