@@ -37,7 +37,8 @@ class Embedder:
             self.model = SentenceTransformer(resolve_embedder(name), device=device)
         except (OSError, ValueError) as exc:
             raise EmbedderError(f"cannot load embedder {name!r}: {str(exc).splitlines()[0]}") from None
-        self.dim = int(self.model.get_sentence_embedding_dimension())
+        dimension = getattr(self.model, "get_embedding_dimension", None) or self.model.get_sentence_embedding_dimension
+        self.dim = int(dimension())
 
     def embed(self, texts: Sequence[str], batch_size: int = 32) -> np.ndarray:
         """``[n, dim]`` float32, rows of unit length."""
