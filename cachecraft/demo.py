@@ -13,7 +13,7 @@ from cachecraft.dataset import load_items
 from cachecraft.engine import create_chunk_cache
 from cachecraft.methods import MethodSpec
 from cachecraft.metrics import first_line
-from cachecraft.model.loader import _DTYPES, LoadedModel
+from cachecraft.model.loader import DTYPES, LoadedModel
 from cachecraft.prompt import PromptBuilder, builder_for
 
 
@@ -21,7 +21,7 @@ def run_demo(lm: LoadedModel, config: Config, questions: Path, limit: int, conso
     """Answer ``limit`` questions from ``questions`` with ``full`` and ``cacheblend``."""
     items = load_items(questions, limit)
     builder = builder_for(lm.tokenizer, config)
-    kv_dtype = _DTYPES[config.kv_dtype]
+    kv_dtype = DTYPES[config.kv_dtype]
     specs = [MethodSpec("full"), MethodSpec("cacheblend", config.cacheblend_ratio, config.check_layer)]
     prefix_kv = None
     for item in items:

