@@ -102,6 +102,7 @@ class Pipeline:
         self.prefix_cache = PrefixCache(self.lm.fingerprint, budget_bytes=config.cpu_budget_bytes)
         self._seconds_per_token: float | None = None
         self.cost_model: CostModel | None = None  # measured on first use
+        self._token_counts: dict[str, int] = {}
 
     # -- public ------------------------------------------------------------------------
     def answer(self, chunk_texts: Sequence[str], question: str, *, method: str = "cachecraft",
@@ -132,7 +133,7 @@ class Pipeline:
         token_layers = result.token_layers + self._lookahead_work(spec, segments)
         new_ids = generate_from(self.lm.model, self.lm.tokenizer, result,
                                 max_new_tokens=max_new_tokens or self.config.max_new_tokens, streamer=streamer)
-        self._save(to_save, pieces)
+        self._save(to_save)
         answer = Answer(self.lm.tokenizer.decode(new_ids, skip_special_tokens=True), spec.label, ttft,
                         pieces.num_tokens, len(new_ids), recompute,
                         self._report(pieces, keys, segments, plan, used, tiers, stops, recomputed_mask),
@@ -287,8 +288,13 @@ class Pipeline:
         return infos
 
     def _chunk_tokens(self, key: str) -> int:
-        record = self.catalog.chunk(key)
-        return record.num_tokens if record is not None else 1
+        # A chunk's token count never changes: ask the catalog once per key.
+        if key not in self._token_counts:
+            record = self.catalog.chunk(key)
+            if record is None:
+                return 1
+            self._token_counts[key] = record.num_tokens
+        return self._token_counts[key]
 
     # -- saving and recording ----------------------------------------------------------------
     def _variants_to_keep(self, spec, segments, result, plan) -> list[ChunkKV]:
@@ -316,7 +322,7 @@ class Pipeline:
                                 prefix_tokens=tuple(len(s.token_ids) for s in segments[:index])))
         return keep
 
-    def _save(self, kvs: Sequence[ChunkKV], pieces: PromptPieces) -> None:
+    def _save(self, kvs: Sequence[ChunkKV]) -> None:
         for kv in kvs:
             if not self.store.contains(kv.variant):
                 self._put(kv)

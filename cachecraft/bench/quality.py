@@ -154,5 +154,4 @@ def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[Method
             log.info("item %d %s ttft %.2fs", index, spec.label, run.ttft_s)
         if on_item:
             on_item(index + 1, len(items))
-    labels = [full_spec.label] + [s.label for s in specs if s.name != "full"]
-    return {"items": rows, "methods": {label: aggregate(rows, label) for label in labels}}
+    return {"items": rows, "methods": {s.label: aggregate(rows, s.label) for s in order}}

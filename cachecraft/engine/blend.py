@@ -308,6 +308,7 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
                 ck, cv = seg.cached.layer(layer)
                 keys[:, lo:hi] = ck.to(device=device, dtype=dtype)
                 values[:, lo:hi] = cv.to(device=device, dtype=dtype)
+        keep = None
         if deviation_check is not None and layer == deviation_check.layer:
             candidates = (fixable & ~forced & ~must)[active]
             cand_idx = candidates.nonzero().squeeze(1)
@@ -318,8 +319,7 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
             keep = (must | forced)[active]
             keep[cand_idx[picked]] = True
             recomputed[active[cand_idx[picked]]] = True
-        else:
-            keep = None
+            deviation_check = None
         keys[:, active] = k
         values[:, active] = v
         for i in saved_k:
@@ -330,10 +330,7 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
             # Fresh K/V of every token were computed at the check layer and are kept;
             # from here on only the selected tokens run.
             q, active, hidden = q[:, keep], active[keep], hidden[keep]
-            deviation_check = None
             plan = None
-        elif deviation_check is not None and layer == deviation_check.layer:
-            deviation_check = None
 
         keys = adapter.rotate(keys, cos_all, sin_all)
         q = adapter.rotate(q, cos_all[active], sin_all[active])
