@@ -91,7 +91,7 @@ def test_calibrate_cli_defaults_to_the_cache_dir_config(dataset, cache_dir, monk
         return CalibrationResult(rows, chosen, target, reached, full_ttft_s=2.0)
 
     monkeypatch.setattr(calibrate_module, "calibrate", fake_calibrate)
-    monkeypatch.setattr(cli_app, "_load_model", lambda config: None)
+    monkeypatch.setattr(cli_app, "load_model_quietly", lambda config: None)
     result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.2,0.5,0.7",
                                  "--target", "0.99"])
     assert result.exit_code == 0, result.output

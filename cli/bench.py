@@ -1,0 +1,183 @@
+"""``cachecraft bench ...``: benchmarks that write JSON results and print a table."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from .common import (CONTEXT, UserError, console, ensure_dir, err_console, friendly, load_config,
+                     load_model_quietly)
+
+bench_app = typer.Typer(help="Benchmarks that write JSON results and print a table.",
+                        context_settings=CONTEXT, no_args_is_help=True)
+
+
+@bench_app.command("quality")
+@friendly
+def bench_quality_cmd(
+    ctx: typer.Context,
+    dataset: Path = typer.Option(..., help="MuSiQue-format JSON file (list of {ctxs, question, answers})."),
+    out: Path = typer.Option(Path("benchmarks/results/quality.json"), help="Where to write the JSON result."),
+    limit: int = typer.Option(10, min=1, help="Use the first N items."),
+    methods: str = typer.Option("full,reuse,cacheblend",
+                                help="Comma-separated methods: full, prefix, reuse, cacheblend, inter, firstk, "
+                                     "qguided, cachecraft; name@ratio sets a ratio (alpha for cachecraft), "
+                                     "e.g. cacheblend@0.3."),
+    ratio: Optional[float] = typer.Option(None, min=0.0, max=1.0,
+                                          help="Default recompute ratio (default: config cacheblend_ratio, 0.15)."),
+    max_new_tokens: int = typer.Option(32, min=1, help="Answer length for agreement and gold F1."),
+    model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
+) -> None:
+    """Compare methods on the same requests: time to first token, recompute fraction,
+    first-token KL and answer agreement against `full`, and gold F1."""
+    from rich.progress import Progress
+
+    from cachecraft.bench.common import write_result
+    from cachecraft.bench.quality import run_quality
+    from cachecraft.dataset import load_items
+    from cachecraft.methods import parse_methods
+    from cachecraft.model.loader import DTYPES
+    from cachecraft.store import TieredStore
+
+    config = load_config(ctx, model=model)
+    specs = parse_methods(methods, config.cacheblend_ratio if ratio is None else ratio, config.policy_alpha)
+    items = load_items(dataset, limit)
+    lm = load_model_quietly(config)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-quality-", dir=ensure_dir(config.cache_dir)))
+    try:
+        with TieredStore(config.replace(cache_dir=scratch), tiers=("cpu",)) as store, \
+                Progress(console=err_console, transient=True) as progress:
+            task = progress.add_task("requests", total=len(items))
+            result = run_quality(lm, items, specs, system_prompt=config.system_prompt,
+                                 question_template=config.question_template,
+                                 kv_dtype=DTYPES[config.kv_dtype], max_new_tokens=max_new_tokens,
+                                 on_item=lambda done, total: progress.update(task, completed=done), store=store)
+            store.close(persist=False)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    command = "cachecraft bench quality " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "cachecraft bench quality"
+    payload = {"benchmark": "quality", "command": command, "model": lm.name,
+               "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""),
+               "kv_dtype": config.kv_dtype, "dataset": str(dataset), "limit": len(items), **result}
+    write_result(out, payload)
+    print_quality_table(result["methods"])
+    console.print(f"wrote {out}")
+
+
+@bench_app.command("workload")
+@friendly
+def bench_workload_cmd(
+    ctx: typer.Context,
+    dataset: Path = typer.Option(..., help="MuSiQue-format JSON file; all its passages form the corpus."),
+    requests: int = typer.Option(40, min=1, help="Requests in the trace."),
+    out: Path = typer.Option(Path("benchmarks/results/workload.json"), help="Where to write the JSON result."),
+    limit: int = typer.Option(20, min=1, help="Items of the dataset to pool (10 passages each)."),
+    top_k: int = typer.Option(5, help="Chunks retrieved per request."),
+    methods: str = typer.Option("full,prefix,reuse,cacheblend,cachecraft", help="Methods to replay the trace with."),
+    cpu_budget: str = typer.Option("256MiB", help="CPU tier budget per method (far below the corpus' KV)."),
+    disk_budget: str = typer.Option("1GiB", help="Disk tier budget per method."),
+    zipf: float = typer.Option(1.2, min=0.0, help="Zipf exponent of item popularity."),
+    seed: int = typer.Option(0, help="Trace seed."),
+    max_new_tokens: int = typer.Option(32, min=1, help="Answer length."),
+) -> None:
+    """Replay a RAG trace (Zipf popularity, top-k retrieval over the pooled corpus) with
+    each method: TTFT mean/p95, throughput, recompute, hit rate per tier, and compute
+    saved against `full` and `prefix`."""
+    from rich.progress import Progress
+
+    from cachecraft.bench.common import write_result
+    from cachecraft.bench.workload import build_trace, run_workload
+    from cachecraft.config import parse_bytes
+    from cachecraft.dataset import load_items
+    from cachecraft.methods import MethodSpec
+    from cachecraft.retrieval.embed import Embedder
+
+    config = load_config(ctx)
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    for name in names:
+        MethodSpec(name)  # unknown names fail here, before any work
+    budgets = {"cpu": parse_bytes(cpu_budget), "disk": parse_bytes(disk_budget)}
+    items = load_items(dataset, limit)
+    ensure_dir(config.cache_dir)
+    with console.status("embedding the corpus ..."):
+        embedder = Embedder()
+        try:
+            trace, corpus = build_trace(items, requests, top_k, zipf_s=zipf, seed=seed, embed=embedder.embed)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    lm = load_model_quietly(config)
+    with Progress(console=err_console, transient=True) as progress:
+        task = progress.add_task("requests", total=requests * (len(set(names) | {"full"})))
+        done = {"n": 0}
+
+        def tick(method: str, n: int, total: int) -> None:
+            done["n"] += 1
+            progress.update(task, completed=done["n"], description=f"{method} {n}/{total}")
+
+        result = run_workload(lm, config, trace, names, budgets=budgets, max_new_tokens=max_new_tokens,
+                              on_request=tick)
+    command = "cachecraft bench workload " + " ".join(sys.argv[3:])
+    write_result(out, {"benchmark": "workload", "command": command, "model": lm.name, "dataset": str(dataset),
+                       "items": len(items), "corpus_chunks": corpus, "unique_requests": len(set(trace)),
+                       "top_k": top_k, "budgets": budgets, **result})
+    table = Table(title=f"workload: {requests} requests, corpus of {corpus} chunks, top-{top_k}")
+    for column in ("method", "TTFT mean (s)", "TTFT p95 (s)", "req/s", "recompute", "hit rate",
+                   "compute saved vs full", "vs prefix", "agreement F1"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for name, m in result["methods"].items():
+        table.add_row(name, f"{m['ttft_s_mean']:.2f}", f"{m['ttft_s_p95']:.2f}", f"{m['throughput_rps']:.2f}",
+                      f"{m['recompute_fraction_mean']:.3f}", f"{m['hit_rate']:.2f}",
+                      f"{m['compute_reduction_vs_full']:.0%}",
+                      f"{m['compute_reduction_vs_prefix']:.0%}" if "compute_reduction_vs_prefix" in m else "-",
+                      f"{m['agreement_f1_mean']:.3f}")
+    console.print(table)
+    console.print(f"wrote {out}")
+
+
+def print_quality_table(methods: dict[str, dict]) -> None:
+    """The aggregates of ``bench quality`` as a table."""
+    table = Table(title="quality vs full prefill (same requests)")
+    for column in ("method", "TTFT median (s)", "speedup", "recompute", "KL", "agreement F1",
+                   "exact match", "gold F1", "RSS growth / KV (MB)"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for label, m in methods.items():
+        if not m:
+            continue
+        table.add_row(label, f"{m['ttft_s_median']:.2f}", f"{m['speedup_vs_full_median']:.1f}x",
+                      f"{m['recompute_fraction_mean']:.3f}", f"{m['kl_mean']:.4f}",
+                      f"{m['agreement_f1_mean']:.3f}", f"{m['exact_match_rate']:.2f}",
+                      f"{m['gold_f1_mean']:.3f}",
+                      f"{m.get('rss_growth_mb_max', float('nan')):.0f} / {m['kv_mb_mean']:.0f}")
+    console.print(table)
+
+
+
+@bench_app.command("store")
+@friendly
+def bench_store_cmd(ctx: typer.Context,
+                    out: Path = typer.Option(Path("benchmarks/results/store.json"), help="Where to write the JSON result."),
+                    chunks: int = typer.Option(8, min=1, help="Chunks per measurement."),
+                    tokens: int = typer.Option(600, min=1, help="Tokens per chunk (SmolLM2 passages are ~600)."),
+                    repeats: int = typer.Option(3, min=1, help="Best of this many runs.")) -> None:
+    """Put/get throughput per store tier, in GB/s, for SmolLM2-sized chunks."""
+    from cachecraft.store import run_store_benchmark
+    config = load_config(ctx)
+    with console.status("measuring store throughput ..."):
+        result = run_store_benchmark(out, cache_dir=config.cache_dir, num_chunks=chunks, num_tokens=tokens,
+                                     kv_dtype=config.kv_dtype, repeats=repeats)
+    table = Table(title="store throughput (GB/s)")
+    tiers = result.get("tiers", {})
+    metrics = sorted({m for t in tiers.values() for m in t if m.endswith("gbps")})
+    table.add_column("tier")
+    for m in metrics:
+        table.add_column(m, justify="right")
+    for tier, values in tiers.items():
+        table.add_row(tier, *(f"{values[m]:.2f}" if isinstance(values.get(m), (int, float)) else "-" for m in metrics))
+    console.print(table)
+    console.print(f"wrote {out}")

@@ -1,0 +1,84 @@
+"""Shared pieces of the ``cachecraft`` command: consoles, config loading, error handling."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import typer
+from rich.console import Console
+
+from cachecraft.config import Config, ConfigError
+
+CONTEXT = {"help_option_names": ["-h", "--help"]}
+console = Console()
+err_console = Console(stderr=True)
+
+
+class UserError(Exception):
+    """An error the user can fix; shown as one line."""
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from cachecraft.dataset import DatasetError
+    from cachecraft.engine import PromptError
+    from cachecraft.methods import UnknownMethod
+    from cachecraft.model.adapter import UnsupportedArchitecture
+    from cachecraft.model.loader import ModelLoadError
+    from cachecraft.catalog import CatalogError
+    from cachecraft.prompt import PromptInputError
+    from cachecraft.store import StoreError
+    return (UserError, ConfigError, DatasetError, PromptError, UnknownMethod, UnsupportedArchitecture,
+            ModelLoadError, PromptInputError, StoreError, CatalogError, FileNotFoundError, PermissionError)
+
+
+def friendly(func: Callable) -> Callable:
+    """Turn known user errors into one line on stderr and exit code 1."""
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except _user_errors() as exc:
+            err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def load_config(ctx: typer.Context, **overrides: Any) -> Config:
+    """The effective config for this invocation."""
+    obj = ctx.obj or {}
+    merged = {**obj.get("overrides", {}), **overrides}
+    return Config.load(obj.get("config_path"), overrides=merged)
+
+
+def ensure_dir(path: Path) -> Path:
+    """Create ``path`` (and parents) or fail with a user error."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create the cache directory {path}: {exc.strerror}") from None
+    return path
+
+
+def load_model_quietly(config: Config, name: str | None = None):
+    """Load the configured (or named) model behind a spinner."""
+    from cachecraft.model.loader import load_model
+    with console.status(f"loading model {name or config.model} ..."):
+        return load_model(name, config)
