@@ -56,5 +56,21 @@ def test_replay_counts_compute_and_compares_with_full(cache_dir):
     assert methods["cachecraft"]["token_layers"] < full["token_layers"]
     assert methods["cachecraft"]["hit_rate"] > 0
     assert len(result["requests"]) == 32
+    full_rows = [r for r in result["requests"] if r["method"] == "full"]
+    replayed = [r for r in full_rows if r.get("replayed")]
+    assert len(replayed) == len(trace) - len(set(trace)) > 0  # each distinct request ran once
+    assert all(set(r["store_bytes"]) == {"cpu", "disk"} for r in result["requests"])
     for name, m in methods.items():
         assert m["store_usage"]["cpu"]["bytes"] <= (1 << 20) or name in ("full", "prefix")
+
+
+def test_eviction_policies_replay_cachecraft_under_each(cache_dir):
+    config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32"}, environ={})
+    cache_dir.mkdir(parents=True)
+    trace, _ = build_trace(ITEMS, 6, 3, embed=fake_embed, seed=3)
+    result = run_workload(tiny_model("llama"), config, trace, ["cachecraft"], evictions=["lru", "pgdsf"],
+                          budgets={"cpu": 1 << 18, "disk": 1 << 19}, max_new_tokens=2)
+    assert list(result["methods"]) == ["full", "cachecraft", "cachecraft[lru]", "cachecraft[pgdsf]"]
+    for label in ("cachecraft[lru]", "cachecraft[pgdsf]"):
+        m = result["methods"][label]
+        assert m["requests"] == 6 and m["store_usage"]["cpu"]["bytes"] <= 1 << 18

@@ -76,50 +76,75 @@ def build_trace(items: Sequence[QAItem], requests: int, top_k: int, *, zipf_s: f
 
 
 def run_workload(lm: LoadedModel, config: Config, trace: Sequence[TraceRequest], methods: Sequence[str], *,
-                 budgets: dict[str, int], max_new_tokens: int = 32,
+                 budgets: dict[str, int], max_new_tokens: int = 32, evictions: Sequence[str] = (),
                  on_request: Callable[[str, int, int], None] | None = None) -> dict:
-    """Replay ``trace`` with each method (``full`` first); per-request rows and aggregates."""
-    from cachecraft.pipeline import Pipeline
+    """Replay ``trace`` with each method (``full`` first); per-request rows and aggregates.
 
-    order = ["full"] + [m for m in methods if m != "full"]
+    ``evictions`` adds a ``cachecraft`` run per eviction policy, labelled ``cachecraft[policy]``.
+    A full prefill does not depend on what came before, so ``full`` runs each distinct
+    request once and repeats its measured row for the trace's repeats (``replayed``)."""
+    runs = [(m, m, config.eviction) for m in ["full"] + [m for m in methods if m != "full"]]
+    runs += [(f"cachecraft[{e}]", "cachecraft", e) for e in evictions]
     rows: list[dict] = []
     usage: dict[str, dict] = {}
     reference: dict[int, str] = {}
-    for method in order:
-        scratch = Path(tempfile.mkdtemp(prefix=f"workload-{method}-", dir=config.cache_dir))
-        method_config = config.replace(cache_dir=scratch, cpu_budget_bytes=budgets["cpu"],
-                                       disk_budget_bytes=budgets["disk"], max_new_tokens=max_new_tokens)
-        try:
-            with TieredStore(method_config, tiers=("cpu", "disk")) as store:
-                pipeline = Pipeline(method_config, lm=lm, store=store)
-                for n, request in enumerate(trace):
-                    start = time.perf_counter()
-                    answer = pipeline.answer(list(request.chunks), request.question, method=method)
-                    total = time.perf_counter() - start
-                    reference.setdefault(n, answer.text)
-                    tiers = [c.tier for c in answer.chunks]
-                    rows.append({"method": method, "request": n, "item": request.item,
-                                 "prompt_tokens": answer.prompt_tokens, "ttft_s": answer.ttft_s,
-                                 "request_s": total, "recompute_fraction": answer.recompute_fraction,
-                                 "token_layers": answer.token_layers, "hits": {t: tiers.count(t) for t in set(tiers)},
-                                 "chunks": len(tiers),
-                                 "agreement_f1": token_f1(first_line(answer.text), first_line(reference[n])),
-                                 "answer": answer.text})
-                    if on_request:
-                        on_request(method, n + 1, len(trace))
-                usage[method] = {tier: {"entries": state.entries, "bytes": state.bytes, "budget": state.budget}
-                                 for tier, state in store.usage().items()}
-                store.close(persist=False)
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    summary = {m: summarize([r for r in rows if r["method"] == m]) for m in order}
-    for m in order:
+    for label, method, eviction in runs:
+        method_config = config.replace(cpu_budget_bytes=budgets["cpu"], disk_budget_bytes=budgets["disk"],
+                                       max_new_tokens=max_new_tokens, eviction=eviction)
+        method_rows, usage[label] = _replay(lm, method_config, trace, label, method, reference, on_request)
+        rows += method_rows
+    labels = [label for label, _, _ in runs]
+    summary = {m: summarize([r for r in rows if r["method"] == m]) for m in labels}
+    for m in labels:
         work = summary[m]["token_layers"]
         summary[m]["compute_reduction_vs_full"] = 1 - work / summary["full"]["token_layers"]
         if "prefix" in summary:
             summary[m]["compute_reduction_vs_prefix"] = 1 - work / summary["prefix"]["token_layers"]
         summary[m]["store_usage"] = usage.get(m, {})
     return {"requests": rows, "methods": summary}
+
+
+def _replay(lm: LoadedModel, config: Config, trace: Sequence[TraceRequest], label: str, method: str,
+            reference: dict[int, str], on_request: Callable[[str, int, int], None] | None) -> tuple[list[dict], dict]:
+    """One method's pass over the trace in a scratch store; its rows and final tier usage."""
+    from cachecraft.pipeline import Pipeline
+
+    scratch = Path(tempfile.mkdtemp(prefix=f"workload-{method}-", dir=config.cache_dir))
+    rows: list[dict] = []
+    first_row: dict[TraceRequest, dict] = {}
+    try:
+        with TieredStore(config.replace(cache_dir=scratch), tiers=("cpu", "disk")) as store:
+            pipeline = Pipeline(config.replace(cache_dir=scratch), lm=lm, store=store)
+            for n, request in enumerate(trace):
+                if method == "full" and request in first_row:
+                    row = {**first_row[request], "request": n, "replayed": True}
+                else:
+                    row = _measure(pipeline, request, method)
+                    first_row.setdefault(request, row)
+                reference.setdefault(n, row["answer"])
+                row.update(method=label, request=n, item=request.item,
+                           agreement_f1=token_f1(first_line(row["answer"]), first_line(reference[n])),
+                           store_bytes={tier: state.bytes for tier, state in store.usage().items()})
+                rows.append(row)
+                if on_request:
+                    on_request(label, n + 1, len(trace))
+            usage = {tier: {"entries": state.entries, "bytes": state.bytes, "budget": state.budget}
+                     for tier, state in store.usage().items()}
+            store.close(persist=False)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return rows, usage
+
+
+def _measure(pipeline, request: TraceRequest, method: str) -> dict:
+    """Answer one request; the measured part of its row."""
+    start = time.perf_counter()
+    answer = pipeline.answer(list(request.chunks), request.question, method=method)
+    total = time.perf_counter() - start
+    tiers = [c.tier for c in answer.chunks]
+    return {"prompt_tokens": answer.prompt_tokens, "ttft_s": answer.ttft_s, "request_s": total,
+            "recompute_fraction": answer.recompute_fraction, "token_layers": answer.token_layers,
+            "hits": {t: tiers.count(t) for t in set(tiers)}, "chunks": len(tiers), "answer": answer.text}
 
 
 def summarize(rows: list[dict]) -> dict:
