@@ -90,6 +90,10 @@ class Config:
     cpu_budget_bytes: int = 4 * 2**30
     disk_budget_bytes: int = 50 * 2**30
     eviction: str = "cachecraft"
+    embedder: str = "minilm"  # bundled all-MiniLM-L6-v2, or a sentence-transformers dir or id
+    chunk_tokens: int = 256  # generator tokens per ingested chunk, title included
+    chunk_overlap: int = 0
+    top_k: int = 3
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -114,6 +118,11 @@ class Config:
             self.early_stop_layer_list
         except ValueError:
             raise ConfigError(f"early_stop_layers must be comma-separated layer numbers, got {self.early_stop_layers!r}") from None
+        check(bool(str(self.embedder).strip()), "embedder must not be empty")
+        check(self.chunk_tokens >= 16, f"chunk_tokens must be >= 16, got {self.chunk_tokens}")
+        check(0 <= self.chunk_overlap <= self.chunk_tokens // 2,
+              f"chunk_overlap must be within [0, chunk_tokens / 2], got {self.chunk_overlap}")
+        check(self.top_k >= 1, f"top_k must be >= 1, got {self.top_k}")
         for name in ("gpu_budget_bytes", "cpu_budget_bytes", "disk_budget_bytes"):
             check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
 
@@ -126,6 +135,11 @@ class Config:
     def models_dir(self) -> Path:
         """Where converted models live (a subfolder of the cache directory)."""
         return self.cache_dir / "models"
+
+    @property
+    def corpus_dir(self) -> Path:
+        """Where the ingested corpus lives (a subfolder of the cache directory)."""
+        return self.cache_dir / "corpus"
 
     def to_dict(self) -> dict[str, Any]:
         """The effective values, JSON-friendly."""

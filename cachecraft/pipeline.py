@@ -1,8 +1,9 @@
-"""One request end to end: plan -> load -> blend -> generate -> record.
+"""One request end to end: retrieve -> plan -> load -> blend -> generate -> record.
 
-The :class:`Pipeline` owns the model, the store (and its catalog), the policy and a
-prefix cache for the ``prefix`` baseline. Retrieval happens before it: ``answer`` takes
-the retrieved chunk texts in prompt order.
+The :class:`Pipeline` owns the model, the store (and its catalog), the policy, the
+ingested corpus and a prefix cache for the ``prefix`` baseline. ``answer`` takes
+chunk texts in prompt order; ``query`` retrieves them from the corpus first
+(``ingest`` fills it, ``warm_corpus`` makes its chunk-caches ahead of time).
 
 Chunk-caches are keyed by (model fingerprint, token ids). A chunk computed in a
 request is saved as a variant under that request's prefix (the system prefix and the
@@ -16,7 +17,8 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -31,13 +33,19 @@ from cachecraft.policy.planner import (PolicyParams, RecomputePlan, VariantInfo,
                                        params_from_config, plan_request)
 from cachecraft.policy.loading import CostModel
 from cachecraft.prefix_cache import PrefixCache
-from cachecraft.prompt import PromptPieces, builder_for
+from cachecraft.prompt import PromptInputError, PromptPieces, builder_for
+from cachecraft.retrieval.chunking import Chunker
+from cachecraft.retrieval.corpus import Corpus, IngestReport
+from cachecraft.retrieval.documents import DocumentError, read_documents
+from cachecraft.retrieval.snapshot import CorpusError
 from cachecraft.store import CorruptEntryError, TieredStore
 
 log = logging.getLogger(__name__)
 
 MAX_VARIANTS_PER_CHUNK = 4
 KEEP_FIXED_FRACTION = 0.5  # a fixed chunk is kept as a variant only if mostly fresh
+
+Progress = Callable[[int, int], None]
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,26 @@ class ChunkReport:
     stop_layer: int | None
 
 
+@dataclass(frozen=True)
+class Source:
+    """A retrieved corpus chunk that went into the prompt (same order as the chunk reports)."""
+
+    id: str
+    title: str
+    source: str
+    score: float
+    text: str
+
+
+@dataclass(frozen=True)
+class WarmReport:
+    """What one warm pass over (a shard of) the corpus did."""
+
+    made: int
+    skipped: int
+    total: int
+
+
 @dataclass
 class Answer:
     """The answer and the cache report of one request."""
@@ -71,6 +99,8 @@ class Answer:
     full_prefill_estimate_s: float | None = None
     logits: torch.Tensor | None = None
     token_layers: int = 0  # prefill work, look-ahead included
+    sources: list[Source] = field(default_factory=list)
+    retrieval_s: float | None = None
 
     @property
     def saved_s(self) -> float | None:
@@ -85,7 +115,8 @@ class Answer:
                 "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
                 "recompute_fraction": self.recompute_fraction, "request_id": self.request_id,
                 "full_prefill_estimate_s": self.full_prefill_estimate_s, "saved_s": self.saved_s,
-                "chunks": [c.__dict__ for c in self.chunks]}
+                "retrieval_s": self.retrieval_s, "chunks": [c.__dict__ for c in self.chunks],
+                "sources": [s.__dict__ for s in self.sources]}
 
 
 class Pipeline:
@@ -103,6 +134,14 @@ class Pipeline:
         self._seconds_per_token: float | None = None
         self.cost_model: CostModel | None = None  # measured on first use
         self._token_counts: dict[str, int] = {}
+        self._corpus: Corpus | None = None
+
+    @property
+    def corpus(self) -> Corpus:
+        """The ingested corpus of the cache directory (opened on first use)."""
+        if self._corpus is None:
+            self._corpus = Corpus(self.config.corpus_dir, self.config.embedder)
+        return self._corpus
 
     # -- public ------------------------------------------------------------------------
     def answer(self, chunk_texts: Sequence[str], question: str, *, method: str = "cachecraft",
@@ -137,7 +176,7 @@ class Pipeline:
         answer = Answer(self.lm.tokenizer.decode(new_ids, skip_special_tokens=True), spec.label, ttft,
                         pieces.num_tokens, len(new_ids), recompute,
                         self._report(pieces, keys, segments, plan, used, tiers, stops, recomputed_mask),
-                        full_prefill_estimate_s=self._estimate_full(pieces.num_tokens), logits=logits,
+                        full_prefill_estimate_s=self._estimate_request(pieces.num_tokens), logits=logits,
                         token_layers=token_layers)
         if record:
             answer.request_id = self._record(question, answer)
@@ -160,6 +199,64 @@ class Pipeline:
             self._put(kv)
             made += 1
         return made
+
+    def ingest(self, paths: Iterable[str | Path], progress: Progress | None = None) -> IngestReport:
+        """Read ``.txt``/``.md`` files and directories, chunk them in the generator's tokens
+        and add them to the corpus (a changed file's chunks are replaced)."""
+        paths = list(paths)
+        documents = read_documents(paths)
+        chunker = Chunker(self.builder.encode, self.config.chunk_tokens, self.config.chunk_overlap)
+        steps = 2 * len(documents)  # chunking, then embedding
+        files = {}
+        for i, doc in enumerate(documents):
+            files[str(doc.path)] = chunker.split(doc.text, doc.title)
+            if progress:
+                progress(i + 1, steps)
+        if not any(files.values()):
+            raise DocumentError(f"no text found in {', '.join(map(str, paths))}")
+        settings = {"model": self.lm.name, "chunk_tokens": self.config.chunk_tokens,
+                    "chunk_overlap": self.config.chunk_overlap}
+        embed_progress = (lambda done, total: progress(len(documents) + done, steps)) if progress else None
+        return self.corpus.ingest(files, scopes=[p for p in paths if Path(p).is_dir()], settings=settings,
+                                  progress=embed_progress)
+
+    def warm_corpus(self, progress: Progress | None = None, shard: tuple[int, int] = (0, 1)) -> WarmReport:
+        """Make the chunk-cache of every ingested chunk not cached yet (after the system prefix
+        alone). ``shard=(i, n)`` takes the i-th of n disjoint parts, for parallel workers."""
+        index, count = shard
+        if not 0 <= index < count:
+            raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {shard}")
+        self._require_corpus()
+        chunks = [c for c in self.corpus.chunks() if int(c.id[:12], 16) % count == index]
+        made = 0
+        for i, chunk in enumerate(chunks):
+            made += self.warm([chunk.prompt_text])
+            if progress:
+                progress(i + 1, len(chunks))
+        return WarmReport(made, len(chunks) - made, len(chunks))
+
+    def query(self, question: str, top_k: int | None = None, method: str = "cachecraft", streamer=None,
+              **options) -> Answer:
+        """Retrieve the ``top_k`` chunks most similar to ``question`` (best first) and answer
+        over them; ``options`` go to :meth:`answer`. The answer lists its ``sources``."""
+        if not question or not question.strip():
+            raise PromptInputError("the question is empty")
+        self._require_corpus()
+        if self.cost_model is None:  # measured here, outside the TTFT clock; it also estimates savings
+            self.cost_model = CostModel.measure(self.lm, kv_dtype=self.store.stored_dtype)
+        self.corpus.load_embedder()  # retrieval time excludes loading the model
+        start = time.perf_counter()
+        hits = self.corpus.search(question, self.config.top_k if top_k is None else top_k)
+        retrieval_s = time.perf_counter() - start
+        answer = self.answer([h.chunk.prompt_text for h in hits], question, method=method, streamer=streamer,
+                             **options)
+        answer.sources = [Source(h.chunk.id, h.chunk.title, h.chunk.source, h.score, h.chunk.text) for h in hits]
+        answer.retrieval_s = retrieval_s
+        return answer
+
+    def _require_corpus(self) -> None:
+        if not len(self.corpus):
+            raise CorpusError(f"the corpus in {self.corpus.directory} is empty: run `cachecraft ingest PATH` first")
 
     def close(self) -> None:
         """Persist memory tiers to disk and release the store."""
@@ -365,4 +462,11 @@ class Pipeline:
 
     def _estimate_full(self, tokens: int) -> float | None:
         return None if self._seconds_per_token is None else self._seconds_per_token * tokens
+
+    def _estimate_request(self, tokens: int) -> float | None:
+        """A full prefill's time: learned from full prefills, else from the measured cost model."""
+        estimate = self._estimate_full(tokens)
+        if estimate is None and self.cost_model is not None:
+            estimate = self.cost_model.prefill_s_per_token * tokens
+        return estimate
 

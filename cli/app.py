@@ -36,7 +36,8 @@ def main_options(
                                              help="Cache directory (else $CACHECRAFT_CACHE_DIR or the user cache dir)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress details."),
 ) -> None:
-    """Chunk-cache manager for RAG. Start with `cachecraft demo` or `cachecraft check-model smollm2`."""
+    """Chunk-cache manager for RAG. Try `cachecraft demo`, or your own documents:
+    `cachecraft ingest docs/`, `cachecraft warm`, `cachecraft query "QUESTION"`."""
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(name)s: %(message)s")
     quiet_libraries()
     ctx.obj = {"config_path": config, "overrides": {"cache_dir": cache_dir}}
@@ -149,6 +150,152 @@ def demo_cmd(
     config = load_config(ctx)
     lm = load_model_quietly(config)
     run_demo(lm, config, questions, limit, console)
+
+
+@app.command("ingest")
+@friendly
+def ingest_cmd(
+    ctx: typer.Context,
+    paths: list[Path] = typer.Argument(..., help="Files (.txt, .md, .markdown) or directories (read recursively, "
+                                                 "hidden files skipped)."),
+    model: Optional[str] = typer.Option(None, help="Generator whose tokenizer measures chunks (default: config model)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+) -> None:
+    """Add documents to the corpus in the cache directory: split each into chunks of at
+    most chunk_tokens generator tokens (at paragraphs, else sentences, else words), embed
+    them (embedder, default the bundled MiniLM) and index them for `cachecraft query`.
+    Identical chunks are stored once; ingesting a changed file again replaces its chunks,
+    and a directory ingested again also drops the files gone from it.
+
+    Example: cachecraft ingest docs/ notes.md   (then: cachecraft warm)
+    """
+    from .product import open_pipeline, progress_bar
+    config = load_config(ctx, model=model)
+    with open_pipeline(config) as pipe, progress_bar() as bar:
+        task = bar.add_task("ingesting", total=None)
+        report = pipe.ingest(paths, progress=lambda done, total: bar.update(task, completed=done, total=total))
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return
+    console.print(f"chunks added {report.added}, unchanged {report.unchanged}, removed {report.removed} "
+                  f"({report.files} file(s) read); corpus: {report.chunks} chunks from {report.corpus_files} "
+                  "file(s)", highlight=False)
+
+
+@app.command("warm")
+@friendly
+def warm_cmd(
+    ctx: typer.Context,
+    workers: int = typer.Option(1, "--workers", "-w", min=1, help="Processes, each warming a disjoint share of "
+                                "the chunks with cores // N torch threads."),
+    model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+) -> None:
+    """Make the chunk-cache of every ingested chunk ahead of time (after the system prompt
+    alone), so a query that retrieves it starts from a hit. Chunks already cached are
+    skipped and each cache is on disk as soon as it is made, so an interrupted warm
+    resumes where it stopped; run it again after each ingest.
+
+    Example: cachecraft warm --workers 2
+    """
+    from .product import warm_in_process, warm_in_workers
+    config = load_config(ctx, model=model)
+    totals = warm_in_process(config) if workers == 1 else warm_in_workers(config, workers)
+    if as_json:
+        print(json.dumps(totals.__dict__, indent=2))
+        return
+    console.print(f"chunk-caches made {totals.made}, skipped {totals.skipped} (already cached), "
+                  f"of {totals.total} chunks", highlight=False)
+
+
+@app.command("query")
+@friendly
+def query_cmd(
+    ctx: typer.Context,
+    question: str = typer.Argument(..., help="The question, in quotes."),
+    method: str = typer.Option("cachecraft", help="full (prefill everything), prefix (reuse an identical prompt "
+                               "prefix kept in this process's memory), reuse (cached chunks as they are), "
+                               "cacheblend (fixed 15% recompute) or cachecraft (the policy)."),
+    top_k: Optional[int] = typer.Option(None, "--top-k", "-k", min=1, help="Chunks to retrieve (default: config "
+                                        "top_k, 3)."),
+    max_new_tokens: Optional[int] = typer.Option(None, min=1, help="Answer length limit (default: config)."),
+    model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document (no streaming, no table)."),
+) -> None:
+    """Answer QUESTION from the ingested corpus: retrieve the top-k chunks, reuse their
+    chunk-caches (recomputing only what the method decides), stream the answer as it is
+    generated, then report the sources with their scores, what the cache did for each
+    chunk, the time to first token and the estimated prefill time saved.
+
+    Example: cachecraft query "Who founded the company?" --top-k 4
+    """
+    from .product import QUERY_METHODS, open_pipeline, print_report, streamer_for
+    if not question.strip():
+        raise UserError("the question is empty")
+    if method not in QUERY_METHODS:
+        raise UserError(f"unknown method {method!r}; choose from {', '.join(QUERY_METHODS)}")
+    config = load_config(ctx, model=model)
+    _require_corpus(config)
+    with open_pipeline(config) as pipe:
+        streamer = None if as_json else streamer_for(pipe.lm.tokenizer)
+        answer = pipe.query(question, top_k=top_k, method=method, streamer=streamer, max_new_tokens=max_new_tokens)
+    if as_json:
+        print(json.dumps(answer.to_dict(), indent=2))
+        return
+    print_report(answer)
+
+
+def _require_corpus(config) -> None:
+    """Fail before loading a model when there is nothing to retrieve from."""
+    from cachecraft.retrieval.corpus import Corpus
+    if not len(Corpus(config.corpus_dir, config.embedder)):
+        raise UserError(f"nothing ingested in {config.cache_dir}: run `cachecraft ingest PATH` first")
+
+
+@app.command("evict")
+@friendly
+def evict_cmd(
+    ctx: typer.Context,
+    chunk: Optional[str] = typer.Option(None, help="Chunk key, or its first characters (the 'cache key' column "
+                                        "of `cachecraft query`, or `cachecraft explain`): drop all its variants."),
+    tier: Optional[str] = typer.Option(None, help="gpu, cpu or disk: drop that tier's entries."),
+    everything: bool = typer.Option(False, "--all", help="Drop every chunk-cache."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+) -> None:
+    """Drop chunk-caches from the store. The catalog keeps their history (hits, requests);
+    a dropped chunk is computed again, in context, the next time it is retrieved.
+
+    Example: cachecraft evict --chunk 3fa2c1d09b7e
+    """
+    from .cleanup import evict
+    report = evict(load_config(ctx), chunk, tier, everything)
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2))
+        return
+    console.print(report.note or f"evicted {len(report.removed)} chunk-cache variant(s)", highlight=False)
+
+
+@app.command("clear")
+@friendly
+def clear_cmd(
+    ctx: typer.Context,
+    corpus: bool = typer.Option(False, "--corpus", help="Also delete the ingested corpus and its index."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+) -> None:
+    """Delete every chunk-cache and the catalog (requests, statistics) of the cache
+    directory. Converted models, the config file and, unless --corpus, the ingested corpus
+    stay. Other cachecraft processes using the directory must be stopped first.
+
+    Example: cachecraft clear --yes
+    """
+    from .cleanup import clear
+    config = load_config(ctx)
+    what = "every chunk-cache and the catalog" + (" and the corpus" if corpus else "")
+    if not yes:
+        typer.confirm(f"Delete {what} in {config.cache_dir}?", abort=True)
+    removed = clear(config, corpus)
+    console.print(f"deleted {what} in {config.cache_dir}" if removed else f"nothing to delete in {config.cache_dir}",
+                  highlight=False)
 
 
 @app.command("verify")

@@ -29,9 +29,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from cachecraft.model.loader import ModelLoadError
     from cachecraft.catalog import CatalogError
     from cachecraft.prompt import PromptInputError
+    from cachecraft.retrieval.documents import DocumentError
+    from cachecraft.retrieval.embed import EmbedderError
+    from cachecraft.retrieval.snapshot import CorpusError
     from cachecraft.store import StoreError
     return (UserError, ConfigError, DatasetError, PromptError, UnknownMethod, UnsupportedArchitecture,
-            ModelLoadError, PromptInputError, StoreError, CatalogError, FileNotFoundError, PermissionError)
+            ModelLoadError, PromptInputError, StoreError, CatalogError, DocumentError, CorpusError,
+            EmbedderError, FileNotFoundError, PermissionError)
 
 
 def friendly(func: Callable) -> Callable:

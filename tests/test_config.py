@@ -33,7 +33,8 @@ def test_unknown_keys_list_the_known_ones(tmp_path):
 
 @pytest.mark.parametrize("key,value", [("device", "tpu"), ("cacheblend_ratio", 1.5), ("max_new_tokens", 0),
                                        ("cpu_budget_bytes", 0), ("disk_budget_bytes", "-5MB"),
-                                       ("check_layer", "one"), ("eviction", "random")])
+                                       ("check_layer", "one"), ("eviction", "random"), ("chunk_tokens", 8),
+                                       ("chunk_overlap", 200), ("top_k", 0), ("embedder", " ")])
 def test_bad_values_are_rejected_with_the_key_named(key, value):
     with pytest.raises(ConfigError, match=key.split("_")[0]):
         Config.from_mapping({key: value})
@@ -76,3 +77,10 @@ def test_config_toml_in_the_cache_dir_is_read_when_no_file_is_given(tmp_path):
     chosen = Config.load(explicit, environ=env)
     assert chosen.policy_alpha == 0.15 and chosen.max_new_tokens == 6  # an explicit file replaces it
     assert Config.load(overrides={"cache_dir": tmp_path / "empty"}, environ={}).policy_alpha == 0.15
+
+
+def test_retrieval_settings_have_defaults_and_env_overrides(tmp_path):
+    config = Config.load(environ={"CACHECRAFT_CACHE_DIR": str(tmp_path), "CACHECRAFT_TOP_K": "5",
+                                  "CACHECRAFT_CHUNK_TOKENS": "128"})
+    assert (config.embedder, config.chunk_tokens, config.chunk_overlap, config.top_k) == ("minilm", 128, 0, 5)
+    assert config.corpus_dir == tmp_path / "corpus"

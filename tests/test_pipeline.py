@@ -128,3 +128,51 @@ def test_policy_comes_from_config_and_early_stop_is_recorded(cache_dir):
         assert all(c.stop_layer in (2, 3) for c in stopped)
         record = pipe.catalog.get_request(answer.request_id)
         assert [c.stop_layer for c in record.chunks] == [c.stop_layer for c in answer.chunks]
+
+
+def _write_docs(root):
+    words = lambda start, n: " ".join(f"w{i}" for i in range(start, start + n))  # noqa: E731
+    root.mkdir()
+    (root / "a.md").write_text(f"# w5 w6\n\n{words(10, 12)}.\n\n{words(30, 20)}\n", encoding="utf-8")
+    (root / "b.txt").write_text(f"{words(60, 15)}\n\n{words(80, 25)}\n", encoding="utf-8")
+    return root
+
+
+@pytest.fixture
+def corpus_pipeline(cache_dir):
+    config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 4, "kv_dtype": "float32",
+                                    "chunk_tokens": 24, "top_k": 2}, environ={})
+    with TieredStore(config, tiers=("cpu", "disk")) as store:
+        yield Pipeline(config, lm=tiny_model("llama"), store=store)
+
+
+def test_ingest_warm_then_query_hits_every_warmed_chunk(corpus_pipeline, tmp_path):
+    pipe = corpus_pipeline
+    report = pipe.ingest([_write_docs(tmp_path / "docs")])
+    assert report.added == report.chunks == len(pipe.corpus) >= 4 and report.files == 2
+    assert all(len(pipe.builder.encode(c.prompt_text)) <= 24 for c in pipe.corpus.chunks())
+    first, second = pipe.warm_corpus(shard=(0, 2)), pipe.warm_corpus(shard=(1, 2))
+    assert first.made + second.made == len(pipe.corpus)
+    assert pipe.warm_corpus().skipped == len(pipe.corpus)  # resumable: nothing left to make
+    for method in ("reuse", "cachecraft"):
+        answer = pipe.query("w12 w13 w14", method=method)
+        assert len(answer.chunks) == len(answer.sources) == 2
+        assert all(c.tier != "miss" and c.variant is not None for c in answer.chunks), method
+    assert answer.sources[0].score >= answer.sources[1].score
+    data = answer.to_dict()
+    assert data["sources"][0]["id"] == answer.sources[0].id and data["sources"][0]["text"]
+    assert data["full_prefill_estimate_s"] is not None and data["retrieval_s"] >= 0
+    record = pipe.catalog.get_request(answer.request_id)
+    assert [c.tier for c in record.chunks] == [c.tier for c in answer.chunks]
+
+
+def test_query_errors_before_ingest_and_on_an_empty_question(corpus_pipeline):
+    from cachecraft.prompt import PromptInputError
+    from cachecraft.retrieval.snapshot import CorpusError
+
+    with pytest.raises(PromptInputError, match="question is empty"):
+        corpus_pipeline.query("   ")
+    with pytest.raises(CorpusError, match="cachecraft ingest"):
+        corpus_pipeline.query("w1 w2")
+    with pytest.raises(CorpusError, match="cachecraft ingest"):
+        corpus_pipeline.warm_corpus()

@@ -1,1 +1,1 @@
-"""cachecraft retrieval."""
+"""cachecraft retrieval: documents, chunking, embeddings, the FAISS index and the persistent corpus."""

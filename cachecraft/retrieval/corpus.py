@@ -1,0 +1,213 @@
+"""The persistent corpus: chunk records, their embeddings and a FAISS index.
+
+Chunks are deduplicated by content (id = sha256 of the text). Ingesting a file again
+replaces that file's chunks; ingesting a directory again also drops files that are no
+longer in it. Every write publishes a new generation (see :mod:`snapshot`), so readers
+in other processes always see a whole corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from cachecraft.retrieval.chunking import TextChunk
+from cachecraft.retrieval.index import ChunkIndex
+from cachecraft.retrieval.snapshot import CorpusChunk, CorpusError, Snapshot, SnapshotStore
+
+Progress = Callable[[int, int], None]
+
+
+def chunk_id(text: str) -> str:
+    """A chunk's id: the sha256 of its text."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def embedding_text(chunk: CorpusChunk | TextChunk) -> str:
+    """What gets embedded for a chunk: its title and text."""
+    return f"{chunk.title}\n{chunk.text}" if chunk.title else chunk.text
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    """One retrieved chunk and its cosine similarity to the question."""
+
+    chunk: CorpusChunk
+    score: float
+
+
+@dataclass(frozen=True)
+class IngestReport:
+    """What one ingest changed."""
+
+    added: int
+    unchanged: int
+    removed: int
+    files: int  # files read in this ingest
+    chunks: int  # corpus size after it
+    corpus_files: int
+
+    def to_dict(self) -> dict:
+        """JSON-friendly counts."""
+        return dict(self.__dict__)
+
+
+class Corpus:
+    """The corpus in ``directory``, embedded with ``embedder`` (a name for :class:`Embedder`).
+
+    ``embed`` replaces the embedding model (texts -> unit vectors), for tests.
+    """
+
+    def __init__(self, directory: str | Path, embedder: str = "minilm",
+                 embed: Callable[[Sequence[str]], np.ndarray] | None = None, lock_timeout_s: float = 600.0):
+        self.directory = Path(directory)
+        self.embedder = embedder
+        self.snapshots = SnapshotStore(self.directory, lock_timeout_s)
+        self._embed = embed
+        self._cached: Snapshot | None = None
+
+    # -- reading ---------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """The live corpus (re-read only when another process published a new one)."""
+        if self._cached is None or self._cached.generation != self.snapshots.current():
+            self._cached = self.snapshots.read()
+        return self._cached
+
+    def __len__(self) -> int:
+        return len(self.snapshot())
+
+    def chunks(self) -> list[CorpusChunk]:
+        """Every chunk, by source file and position."""
+        return sorted(self.snapshot().chunks.values(), key=lambda c: (c.source, c.position, c.id))
+
+    def search(self, question: str, k: int) -> list[SearchHit]:
+        """The ``k`` chunks most similar to ``question``, best first (``k`` capped at the corpus size)."""
+        if not question or not question.strip():
+            raise CorpusError("the question is empty")
+        if k < 1:
+            raise CorpusError(f"top_k must be at least 1, got {k}")
+        snap = self.snapshot()
+        if not snap.chunks:
+            raise CorpusError(f"the corpus in {self.directory} is empty: run `cachecraft ingest PATH` first")
+        self._check_embedder(snap)
+        hits = snap.index.search(self.embed([question.strip()])[0], min(k, len(snap)))
+        return [SearchHit(snap.chunks[h.source], h.score) for h in hits]
+
+    # -- writing ---------------------------------------------------------------------------
+    def ingest(self, files: Mapping[str, Sequence[TextChunk]], *, scopes: Iterable[str | Path] = (),
+               settings: Mapping | None = None, progress: Progress | None = None) -> IngestReport:
+        """Add or replace the chunks of each source file in ``files``.
+
+        ``scopes``: directories that were read whole; corpus files under them that are
+        not in ``files`` are dropped. ``settings`` (chunking, model) are recorded."""
+        with self.snapshots.writing() as old:
+            self._check_embedder(old)
+            sources = _merge_files(old.files, files, scopes)
+            chunks = _records(sources, old.chunks, files)
+            index = self._index(old, chunks, progress, len(files))
+            new = Snapshot(self.embedder, dict(settings or old.settings), sources, chunks, index)
+            if _same(old, new):
+                new = old
+            else:
+                self.snapshots.publish(new)
+            self._cached = new
+        given = {chunk_id(c.text) for group in files.values() for c in group}
+        return IngestReport(len(chunks.keys() - old.chunks.keys()), len(given & old.chunks.keys()),
+                            len(old.chunks.keys() - chunks.keys()), len(files), len(chunks), len(sources))
+
+    def erase(self) -> None:
+        """Delete every chunk and the index."""
+        with self.snapshots.writing():
+            self.snapshots.erase()
+        self._cached = None
+
+    # -- helpers ---------------------------------------------------------------------------
+    def load_embedder(self) -> None:
+        """Load the embedding model now (otherwise it loads on first use)."""
+        if self._embed is None:
+            from cachecraft.retrieval.embed import Embedder
+            self._embed = Embedder(self.embedder).embed
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """Unit vectors for ``texts``."""
+        self.load_embedder()
+        return self._embed(list(texts))
+
+    def _check_embedder(self, snap: Snapshot) -> None:
+        if snap.embedder is not None and snap.chunks and snap.embedder != self.embedder:
+            raise CorpusError(f"the corpus in {self.directory} was embedded with {snap.embedder!r}, not "
+                              f"{self.embedder!r}; set embedder = {snap.embedder!r} (CACHECRAFT_EMBEDDER), "
+                              "or start over with `cachecraft clear --corpus --yes`")
+
+    def _index(self, old: Snapshot, chunks: dict[str, CorpusChunk], progress: Progress | None,
+               steps: int) -> ChunkIndex:
+        """The index over ``chunks``: old vectors kept, new chunks embedded (progress per source)."""
+        vectors = _old_vectors(old, chunks)
+        fresh = [c for c in chunks.values() if c.id not in vectors]
+        by_source: dict[str, list[CorpusChunk]] = {}
+        for c in fresh:
+            by_source.setdefault(c.source, []).append(c)
+        done = steps - len(by_source)
+        if progress:
+            progress(done, steps)
+        for group in by_source.values():
+            vectors.update(zip((c.id for c in group), self.embed([embedding_text(c) for c in group])))
+            done += 1
+            if progress:
+                progress(done, steps)
+        ordered = sorted(chunks.values(), key=lambda c: (c.source, c.position, c.id))
+        dim = next(iter(vectors.values())).shape[0] if vectors else (old.index.dim if old.index else 1)
+        index = ChunkIndex(dim)
+        if ordered:
+            index.add(np.stack([vectors[c.id] for c in ordered]), [c.text for c in ordered],
+                      [c.id for c in ordered])
+        return index
+
+
+def _merge_files(old: Mapping[str, list[str]], files: Mapping[str, Sequence[TextChunk]],
+                 scopes: Iterable[str | Path]) -> dict[str, list[str]]:
+    roots = [Path(s).resolve() for s in scopes]
+    merged = {src: ids for src, ids in old.items()
+              if src in files or not any(Path(src).is_relative_to(r) for r in roots)}
+    for src, chunks in files.items():
+        merged[src] = list(dict.fromkeys(chunk_id(c.text) for c in chunks))
+    return dict(sorted(merged.items()))
+
+
+def _records(sources: Mapping[str, list[str]], old: Mapping[str, CorpusChunk],
+             files: Mapping[str, Sequence[TextChunk]]) -> dict[str, CorpusChunk]:
+    """One record per referenced chunk id, naming a file that still holds it."""
+    new: dict[tuple[str, str], TextChunk] = {}
+    for src, chunks in files.items():
+        for c in chunks:
+            new.setdefault((src, chunk_id(c.text)), c)
+    held = {src: set(ids) for src, ids in sources.items()}
+    out: dict[str, CorpusChunk] = {}
+    for src, ids in sources.items():
+        for pos, cid in enumerate(ids):
+            kept = old.get(cid)
+            if cid in out:
+                continue
+            if kept is not None and cid in held.get(kept.source, ()):
+                out[cid] = kept
+                continue
+            c = new.get((src, cid))
+            text, title = (c.text, c.title) if c is not None else (kept.text, kept.title)
+            out[cid] = CorpusChunk(cid, text, title, src, c.position if c is not None else pos)
+    return out
+
+
+def _old_vectors(old: Snapshot, chunks: Mapping[str, CorpusChunk]) -> dict[str, np.ndarray]:
+    if old.index is None or not len(old.index):
+        return {}
+    matrix = old.index.index.reconstruct_n(0, len(old.index))
+    return {cid: matrix[i] for i, cid in enumerate(old.index.sources) if cid in chunks}
+
+
+def _same(old: Snapshot, new: Snapshot) -> bool:
+    return (old.generation is not None and old.files == new.files and old.chunks == new.chunks
+            and old.settings == new.settings and old.embedder == new.embedder)

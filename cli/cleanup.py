@@ -1,0 +1,104 @@
+"""`evict` and `clear`: drop chunk-caches through the store, or the whole cache state."""
+
+from __future__ import annotations
+
+import shutil
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from cachecraft.catalog import CATALOG_FILE
+from cachecraft.config import Config
+from cachecraft.store import TieredStore, store_paths
+from cachecraft.store.locks import FileLock, owner_alive
+from cachecraft.store.store import MAINTENANCE_LOCK
+
+from .common import UserError
+
+MEMORY_TIERS = ("gpu", "cpu")
+MIN_PREFIX = 6
+
+
+@dataclass
+class EvictReport:
+    """Variant keys removed, and a note when nothing could be."""
+
+    removed: list[str] = field(default_factory=list)
+    note: str | None = None
+
+    def to_dict(self) -> dict:
+        """JSON-friendly report."""
+        return {"removed": len(self.removed), "variants": self.removed, "note": self.note}
+
+
+def evict(config: Config, chunk: str | None, tier: str | None, everything: bool) -> EvictReport:
+    """Remove the variants of one chunk, of one tier, or all of them (catalog rows stay, as evicted)."""
+    if (chunk is not None) + (tier is not None) + bool(everything) != 1:
+        raise UserError("give exactly one of --chunk ID, --tier TIER or --all")
+    if tier is not None and tier not in (*MEMORY_TIERS, "disk"):
+        raise UserError(f"unknown tier {tier!r}; choose from gpu, cpu, disk")
+    if tier in MEMORY_TIERS:
+        return _memory_tier_note(config, tier)
+    with TieredStore(config) as store:
+        keys = _variants_of_chunk(store, chunk) if chunk is not None else store.keys("disk")
+        return EvictReport([key for key in keys if store.delete(key)])
+
+
+def _memory_tier_note(config: Config, tier: str) -> EvictReport:
+    from cachecraft.catalog import Catalog
+
+    with Catalog(config.cache_dir) as catalog, catalog.read() as tx:
+        rows = tx.entries(tier=tier)
+    owners = len({r.owner for r in rows})
+    return EvictReport(note=f"the {tier} tier lives inside each running cachecraft process ({len(rows)} "
+                            f"entries in {owners} process(es)); it moves to disk when they exit: evict "
+                            "with --tier disk then")
+
+
+def _variants_of_chunk(store: TieredStore, prefix: str) -> list[str]:
+    """Stored variant keys of the chunk whose key (or a variant's key) starts with ``prefix``."""
+    prefix = prefix.strip().lower()
+    if len(prefix) < MIN_PREFIX:
+        raise UserError(f"give at least {MIN_PREFIX} characters of the chunk key (see `cachecraft query` "
+                        "or `cachecraft explain`)")
+    with store.catalog.read() as tx:
+        stored = {row.variant_key for row in tx.entries()}
+        records = [tx.variant(key) for key in sorted(stored)]
+    chunks = {r.chunk_key for r in records if r is not None and
+              (r.chunk_key.startswith(prefix) or r.key.startswith(prefix))}
+    if not chunks:
+        raise UserError(f"no cached chunk matches {prefix!r}")
+    if len(chunks) > 1:
+        raise UserError(f"{prefix!r} matches {len(chunks)} chunks; give more characters")
+    return [r.key for r in records if r is not None and r.chunk_key in chunks]
+
+
+def clear(config: Config, corpus: bool) -> list[str]:
+    """Delete every chunk-cache and the catalog (and the corpus with ``corpus``); converted
+    models and the config file stay. Refuses while another process has the store open."""
+    root, _, locks = store_paths(config.cache_dir)
+    busy = [p for p in locks.glob("owner-*.lock") if owner_alive(locks, p.stem.removeprefix("owner-"))]
+    if busy:
+        raise UserError(f"{len(busy)} other cachecraft process(es) are using {config.cache_dir}; "
+                        "stop them, then run clear again")
+    removed = []
+    lock = FileLock(locks / MAINTENANCE_LOCK).exclusive(10.0) if locks.is_dir() else nullcontext(True)
+    with lock as got:
+        if not got:
+            raise UserError(f"another process is writing to {root}; stop it, then run clear again")
+        if root.exists():
+            shutil.rmtree(root)
+            removed.append(str(root))
+        for suffix in ("", "-wal", "-shm"):
+            path = Path(config.cache_dir) / (CATALOG_FILE + suffix)
+            if path.exists():
+                path.unlink()
+                removed.append(str(path))
+    if corpus:
+        from cachecraft.retrieval.corpus import Corpus
+
+        if config.corpus_dir.exists():
+            Corpus(config.corpus_dir, config.embedder).erase()
+            removed.append(str(config.corpus_dir))
+    return removed
+

@@ -1,0 +1,153 @@
+"""What `ingest`, `warm` and `query` need besides argument parsing: opening the
+pipeline, progress bars, parallel warm workers and the query report."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue as queue_module
+from dataclasses import dataclass
+from typing import Sequence
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from cachecraft.config import Config
+
+from .common import UserError, console, err_console, load_model_quietly
+
+QUERY_METHODS = ("full", "prefix", "reuse", "cacheblend", "cachecraft")
+
+
+def open_pipeline(config: Config, tiers: Sequence[str] | None = None):
+    """Model (behind a spinner) + store + catalog, as a :class:`Pipeline` to close after use."""
+    from cachecraft.pipeline import Pipeline
+    from cachecraft.store import TieredStore
+
+    lm = load_model_quietly(config)
+    return Pipeline(config, lm=lm, store=TieredStore(config, tiers=tiers))
+
+
+def progress_bar() -> Progress:
+    """A transient progress bar on stderr (stdout stays clean for answers and JSON)."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    console=err_console, transient=True)
+
+
+# -- warm ------------------------------------------------------------------------------------
+
+@dataclass
+class WarmTotals:
+    """made / skipped / total over every worker."""
+
+    made: int = 0
+    skipped: int = 0
+    total: int = 0
+
+
+def warm_in_process(config: Config) -> WarmTotals:
+    """Warm every chunk in this process, with a progress bar."""
+    with open_pipeline(config, tiers=("disk",)) as pipe, progress_bar() as bar:
+        task = bar.add_task("warming chunks", total=None)
+        report = pipe.warm_corpus(progress=lambda done, total: bar.update(task, completed=done, total=total))
+    return WarmTotals(report.made, report.skipped, report.total)
+
+
+def warm_in_workers(config: Config, workers: int) -> WarmTotals:
+    """Warm with ``workers`` processes, each a shard of the corpus and cores // workers torch threads."""
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    context = multiprocessing.get_context("spawn")
+    messages = context.Queue()
+    procs = [context.Process(target=_warm_worker, args=(config, (i, workers), threads, messages), daemon=True)
+             for i in range(workers)]
+    for proc in procs:
+        proc.start()
+    try:
+        return _collect(procs, messages)
+    finally:
+        for proc in procs:  # only on an error or an interrupt are any still running
+            if proc.is_alive():
+                proc.terminate()
+            proc.join()
+
+
+def _collect(procs: list, messages) -> WarmTotals:
+    totals, seen, finished = WarmTotals(), {}, set()
+    with progress_bar() as bar:
+        task = bar.add_task(f"warming chunks ({len(procs)} workers)", total=None)
+        while len(finished) < len(procs):
+            try:
+                kind, shard, *rest = messages.get(timeout=0.5)
+            except queue_module.Empty:
+                _check_alive(procs, finished)
+                continue
+            if kind == "error":
+                raise UserError(f"warm worker {shard}: {rest[0]}")
+            if kind == "progress":
+                seen[shard] = rest
+            else:
+                finished.add(shard)
+                totals.made, totals.skipped = totals.made + rest[0], totals.skipped + rest[1]
+                totals.total += rest[2]
+            known = len(seen) == len(procs)
+            bar.update(task, completed=sum(d for d, _ in seen.values()),
+                       total=sum(t for _, t in seen.values()) if known else None)
+    return totals
+
+
+def _check_alive(procs: list, finished: set) -> None:
+    for shard, proc in enumerate(procs):
+        if shard not in finished and proc.exitcode is not None:
+            raise UserError(f"warm worker {shard} stopped (exit code {proc.exitcode}) before it finished; "
+                            "run `cachecraft warm` again to resume")
+
+
+def _warm_worker(config: Config, shard: tuple[int, int], threads: int, messages) -> None:
+    """One warm process: its shard of the corpus, reported through ``messages``."""
+    import torch
+
+    from .common import _user_errors, quiet_libraries
+
+    quiet_libraries()
+    torch.set_num_threads(threads)
+    index = shard[0]
+    try:
+        from cachecraft.model.loader import load_model
+        from cachecraft.pipeline import Pipeline
+        from cachecraft.store import TieredStore
+
+        with Pipeline(config, lm=load_model(None, config), store=TieredStore(config, tiers=("disk",))) as pipe:
+            report = pipe.warm_corpus(progress=lambda done, total: messages.put(("progress", index, done, total)),
+                                      shard=shard)
+        messages.put(("done", index, report.made, report.skipped, report.total))
+    except _user_errors() as exc:
+        messages.put(("error", index, str(exc)))
+    except Exception as exc:  # the parent shows one line; the worker's traceback goes to its stderr
+        messages.put(("error", index, f"{type(exc).__name__}: {exc}"))
+        raise
+
+
+# -- query -----------------------------------------------------------------------------------
+
+def streamer_for(tokenizer):
+    """Prints answer tokens to stdout as generate makes them."""
+    from transformers import TextStreamer
+
+    return TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
+def print_report(answer) -> None:
+    """Sources with scores and what the cache did for each chunk, then the timings."""
+    table = Table(title=f"{answer.method}: {len(answer.sources)} source(s)")
+    for column in ("#", "score", "title", "file", "cache key", "tier", "variant", "recompute"):
+        table.add_column(column, justify="right" if column in ("#", "score", "recompute") else "left",
+                         overflow="fold")
+    for i, (source, chunk) in enumerate(zip(answer.sources, answer.chunks)):
+        table.add_row(str(i + 1), f"{source.score:.3f}", source.title, os.path.basename(source.source),
+                      chunk.chunk[:12], chunk.tier, (chunk.variant or "-")[:12], f"{chunk.fraction:.0%}")
+    console.print(table)
+    saved = "-" if answer.saved_s is None else f"{answer.saved_s:.2f} s"
+    retrieval = "-" if answer.retrieval_s is None else f"{answer.retrieval_s:.2f} s"
+    console.print(f"TTFT {answer.ttft_s:.2f} s (retrieval {retrieval} apart); {answer.prompt_tokens} prompt "
+                  f"tokens, {answer.new_tokens} new; recomputed {answer.recompute_fraction:.0%} of the context; "
+                  f"estimated prefill time saved {saved}; request {answer.request_id}", highlight=False)

@@ -1,0 +1,137 @@
+"""ingest, warm, query, evict and clear through the CLI on a tiny local model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cachecraft.catalog import Catalog
+from cli.app import app
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def words(start: int, n: int) -> str:
+    return " ".join(f"w{i}" for i in range(start, start + n))
+
+
+@pytest.fixture
+def env(tiny_dir, cache_dir, monkeypatch):
+    """The tiny model, small chunks, short answers; returns the variables for subprocesses."""
+    values = {"CACHECRAFT_MODEL": str(tiny_dir), "CACHECRAFT_CHUNK_TOKENS": "24", "CACHECRAFT_MAX_NEW_TOKENS": "4",
+              "CACHECRAFT_CACHE_DIR": str(cache_dir), "HF_HUB_OFFLINE": "1"}
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+    return {**os.environ, **values}
+
+
+@pytest.fixture
+def docs(tmp_path):
+    root = tmp_path / "docs"
+    (root / "more").mkdir(parents=True)
+    (root / "a.md").write_text(f"# w5 w6\n\n{words(10, 12)}.\n\n{words(30, 20)}\n", encoding="utf-8")
+    (root / "b.md").write_text(f"# w7\n\n{words(60, 15)}\n\n{words(80, 18)}\n", encoding="utf-8")
+    (root / "more" / "c.markdown").write_text(f"{words(120, 10)}\n", encoding="utf-8")
+    return root
+
+
+def invoke(*args: str):
+    result = runner.invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def one_line_error(result, needle: str) -> None:
+    assert result.exit_code == 1, result.output
+    assert "Traceback" not in result.output
+    assert needle in result.output and result.output.strip().count("\n") <= 1, result.output
+
+
+def test_ingest_warm_query_end_to_end(env, docs, cache_dir):
+    assert "chunks added" in invoke("ingest", str(docs)).output
+    again = json.loads(invoke("ingest", str(docs), "--json").output)
+    assert again["added"] == 0 and again["unchanged"] == again["chunks"] > 0
+    warmed = json.loads(invoke("warm", "--json").output)
+    assert warmed["made"] == warmed["total"] == again["chunks"]
+    assert json.loads(invoke("warm", "--json").output)["skipped"] == again["chunks"]
+
+    first = json.loads(invoke("query", "w12 w13 w14", "--json").output)
+    second = json.loads(invoke("query", "w12 w13 w14", "--json", "--top-k", "2").output)
+    assert len(second["sources"]) == len(second["chunks"]) == 2
+    assert all(c["tier"] != "miss" and c["variant"] for c in first["chunks"] + second["chunks"])
+    assert second["sources"][0]["source"].endswith("a.md") and second["sources"][0]["title"] == "w5 w6"
+    with Catalog(cache_dir) as catalog:
+        with catalog.read() as tx:
+            assert tx.request_ids() == [second["request_id"], first["request_id"]]
+        record = catalog.get_request(second["request_id"])
+    assert [c.tier for c in record.chunks] == [c["tier"] for c in second["chunks"]]
+    assert all(c.variant_key for c in record.chunks)
+
+    shown = invoke("query", "w12 w13 w14", "--method", "reuse")
+    assert "source(s)" in shown.output and "TTFT" in shown.output and "a.md" in shown.output
+    assert invoke("stats", "--json").output
+
+
+def test_evict_and_clear(env, docs, cache_dir):
+    invoke("ingest", str(docs))
+    invoke("warm")
+    answer = json.loads(invoke("query", "w12 w13", "--json", "--method", "reuse").output)
+    key = answer["chunks"][0]["chunk"]
+    evicted = json.loads(invoke("evict", "--chunk", key[:10], "--json").output)
+    assert evicted["removed"] >= 1
+    after = json.loads(invoke("query", "w12 w13", "--json", "--method", "reuse").output)
+    assert after["chunks"][0]["tier"] == "miss"
+    assert "cpu tier lives inside" in invoke("evict", "--tier", "cpu").output
+    one_line_error(runner.invoke(app, ["evict", "--chunk", "zzzzzzzz"]), "no cached chunk matches")
+    one_line_error(runner.invoke(app, ["evict"]), "give exactly one of")
+
+    assert runner.invoke(app, ["clear"], input="n\n").exit_code == 1  # not confirmed: nothing deleted
+    assert (cache_dir / "store").exists()
+    assert "deleted" in invoke("clear", "--yes").output
+    assert not (cache_dir / "store").exists() and not (cache_dir / "catalog.sqlite").exists()
+    assert json.loads(invoke("warm", "--json").output)["made"] > 0  # the corpus survived
+    invoke("clear", "--corpus", "--yes")
+    one_line_error(runner.invoke(app, ["query", "w12"]), "cachecraft ingest PATH")
+
+
+def test_bad_input_is_one_line(env, docs, tmp_path):
+    one_line_error(runner.invoke(app, ["query", "w1 w2"]), "nothing ingested")
+    one_line_error(runner.invoke(app, ["warm"]), "cachecraft ingest PATH")
+    one_line_error(runner.invoke(app, ["ingest", str(tmp_path / "missing")]), "no such file or directory")
+    (tmp_path / "x.pdf").write_bytes(b"%PDF")
+    one_line_error(runner.invoke(app, ["ingest", str(tmp_path / "x.pdf")]), "unsupported file type")
+    invoke("ingest", str(docs))
+    one_line_error(runner.invoke(app, ["query", "  "]), "the question is empty")
+    one_line_error(runner.invoke(app, ["query", "w1", "--method", "fancy"]), "unknown method 'fancy'")
+    one_line_error(runner.invoke(app, ["--config", str(tmp_path / "none.toml"), "query", "w1"]), "config file not found")
+
+
+def test_help_teaches_with_examples():
+    for command in ("ingest", "warm", "query", "evict", "clear"):
+        result = runner.invoke(app, [command, "--help"])
+        assert result.exit_code == 0 and "Example" in result.output, command
+
+
+def test_concurrent_queries_and_warm_leave_a_consistent_cache(env, docs, cache_dir):
+    invoke("ingest", str(docs))
+    cli = [sys.executable, "-m", "cli.app"]
+    run = dict(cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(cli + ["warm", "--workers", "2", "--json"], **run)]
+    procs += [subprocess.Popen(cli + ["query", question, "--json"], **run) for question in ("w12 w13", "w61 w62")]
+    outputs = [proc.communicate(timeout=600) for proc in procs]
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err
+        json.loads(out)
+    assert json.loads(outputs[0][0])["total"] == json.loads(invoke("ingest", str(docs), "--json").output)["chunks"]
+    report = json.loads(invoke("verify", "--json").output)
+    assert report["consistent"] and not report["problems"]
+    assert json.loads(invoke("warm", "--json").output)["made"] == 0
+    with Catalog(cache_dir) as catalog, catalog.read() as tx:
+        assert len(tx.request_ids()) == 2

@@ -1,0 +1,131 @@
+"""The persistent corpus: dedupe, persistence, replacement, locking, search."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import numpy as np
+import pytest
+
+from cachecraft.retrieval.chunking import TextChunk
+from cachecraft.retrieval.corpus import Corpus, chunk_id
+from cachecraft.retrieval.snapshot import CorpusBusyError, CorpusError
+
+
+def bag_of_words(texts):
+    """A deterministic stand-in embedder: hashed word counts, unit length."""
+    out = np.zeros((len(texts), 64), dtype=np.float32)
+    for row, text in enumerate(texts):
+        for word in text.replace(".", " ").split():
+            out[row, int(hashlib.md5(word.encode()).hexdigest(), 16) % 64] += 1.0
+    return out / np.maximum(np.linalg.norm(out, axis=1, keepdims=True), 1e-9)
+
+
+def chunks(*texts, title="t"):
+    return [TextChunk(text, title, i) for i, text in enumerate(texts)]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return Corpus(tmp_path / "corpus", "fake", embed=bag_of_words)
+
+
+def test_ingest_dedupes_and_persists(corpus, tmp_path):
+    report = corpus.ingest({"/d/a.md": chunks("alpha beta", "gamma delta", "alpha beta"),
+                            "/d/b.md": chunks("gamma delta", "epsilon")})
+    assert (report.added, report.unchanged, report.removed, report.chunks) == (3, 0, 0, 3)
+    again = Corpus(tmp_path / "corpus", "fake", embed=bag_of_words)
+    assert len(again) == 3 and again.snapshot().files["/d/a.md"] == [chunk_id("alpha beta"), chunk_id("gamma delta")]
+    record = again.snapshot().chunks[chunk_id("epsilon")]
+    assert (record.text, record.title, record.source, record.position) == ("epsilon", "t", "/d/b.md", 1)
+    hits = again.search("epsilon", 10)
+    assert len(hits) == 3 and hits[0].chunk.text == "epsilon"  # k capped at the corpus size
+    assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+
+
+def test_reingesting_the_same_files_changes_nothing(corpus):
+    corpus.ingest({"/d/a.md": chunks("alpha", "beta")})
+    generation = corpus.snapshots.current()
+    report = corpus.ingest({"/d/a.md": chunks("alpha", "beta")})
+    assert (report.added, report.unchanged, report.removed) == (0, 2, 0)
+    assert corpus.snapshots.current() == generation
+
+
+def test_a_changed_file_replaces_its_chunks(corpus, tmp_path):
+    corpus.ingest({"/d/a.md": chunks("alpha", "shared"), "/d/b.md": chunks("shared", "beta")})
+    report = corpus.ingest({"/d/a.md": chunks("alpha two")})
+    assert (report.added, report.unchanged, report.removed) == (1, 0, 1)
+    texts = {c.text: c for c in Corpus(tmp_path / "corpus", "fake", embed=bag_of_words).chunks()}
+    assert set(texts) == {"alpha two", "shared", "beta"}
+    assert texts["shared"].source == "/d/b.md"  # still held by the other file
+    assert corpus.search("alpha two", 1)[0].chunk.text == "alpha two"
+    assert len(corpus.snapshot().index) == 3
+
+
+def test_a_directory_ingested_again_drops_its_deleted_files(corpus, tmp_path):
+    docs = tmp_path / "docs"
+    a, b, outside = str(docs / "a.md"), str(docs / "b.md"), str(tmp_path / "other.md")
+    corpus.ingest({a: chunks("alpha"), b: chunks("beta"), outside: chunks("gamma")})
+    report = corpus.ingest({a: chunks("alpha")}, scopes=[docs])
+    assert report.removed == 1 and set(corpus.snapshot().files) == {a, outside}
+
+
+def test_embedder_mismatch_is_refused(corpus, tmp_path):
+    corpus.ingest({"/d/a.md": chunks("alpha")})
+    other = Corpus(tmp_path / "corpus", "another-model", embed=bag_of_words)
+    with pytest.raises(CorpusError, match="embedded with 'fake', not 'another-model'"):
+        other.search("alpha", 1)
+    with pytest.raises(CorpusError, match="CACHECRAFT_EMBEDDER"):
+        other.ingest({"/d/b.md": chunks("beta")})
+
+
+def test_empty_corpus_and_bad_questions(corpus):
+    with pytest.raises(CorpusError, match="run `cachecraft ingest PATH` first"):
+        corpus.search("anything", 3)
+    corpus.ingest({"/d/a.md": chunks("alpha")})
+    with pytest.raises(CorpusError, match="question is empty"):
+        corpus.search("  ", 3)
+    with pytest.raises(CorpusError, match="top_k must be at least 1"):
+        corpus.search("alpha", 0)
+    corpus.erase()
+    assert len(corpus) == 0 and not list(corpus.directory.glob("gen-*"))
+
+
+def test_a_second_writer_waits_then_gives_up(tmp_path):
+    first = Corpus(tmp_path / "corpus", "fake", embed=bag_of_words)
+    second = Corpus(tmp_path / "corpus", "fake", embed=bag_of_words, lock_timeout_s=0.2)
+    with first.snapshots.writing():
+        with pytest.raises(CorpusBusyError, match="another process is writing the corpus"):
+            second.ingest({"/d/a.md": chunks("alpha")})
+    assert second.ingest({"/d/a.md": chunks("alpha")}).added == 1
+
+
+def test_readers_always_see_a_whole_corpus(corpus, tmp_path):
+    corpus.ingest({"/d/a.md": chunks("w0")})
+    errors, stop = [], threading.Event()
+
+    def read():
+        reader = Corpus(tmp_path / "corpus", "fake", embed=bag_of_words)
+        while not stop.is_set():
+            snap = reader.snapshots.read()
+            if len(snap.index) != len(snap.chunks) or set(snap.chunks) != set(snap.files["/d/a.md"]):
+                errors.append(snap.generation)
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    try:
+        for n in range(2, 12):
+            corpus.ingest({"/d/a.md": chunks(*(f"w{i}" for i in range(n)))})
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors
+    assert len(list(corpus.directory.glob("gen-*"))) == 1  # old generations are deleted
+
+
+def test_real_embedder_ranks_the_matching_chunk_first(tmp_path):
+    corpus = Corpus(tmp_path / "corpus")  # the bundled MiniLM
+    corpus.ingest({"/d/a.md": chunks("The Eiffel Tower is in Paris.", "Bananas are yellow fruit.",
+                                     "Mount Everest is the highest mountain.")})
+    assert corpus.search("Which is the tallest mountain on Earth?", 2)[0].chunk.text.startswith("Mount Everest")
