@@ -1,48 +1,100 @@
-"""The demo behind ``make demo``: full prefill and CacheBlend side by side."""
+"""The demo behind ``make demo``: ingest the sample manual, warm its chunk-caches, then
+answer sample questions with ``cachecraft`` and ``full`` side by side.
+
+The demo keeps its corpus and caches in ``<cache_dir>/demo`` so it never mixes the
+sample manual into a user's own corpus; the model is the configured one.
+"""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
-from cachecraft.bench.quality import run_method, warm_chunks
 from cachecraft.config import Config
 from cachecraft.dataset import load_items
-from cachecraft.engine import create_chunk_cache
-from cachecraft.methods import MethodSpec
 from cachecraft.metrics import first_line
-from cachecraft.model.loader import DTYPES, LoadedModel
-from cachecraft.prompt import PromptBuilder, builder_for
+from cachecraft.model.loader import LoadedModel
+
+DEMO_METHODS = ("cachecraft", "full")
 
 
-def run_demo(lm: LoadedModel, config: Config, questions: Path, limit: int, console: Console) -> None:
-    """Answer ``limit`` questions from ``questions`` with ``full`` and ``cacheblend``."""
+def demo_config(config: Config) -> Config:
+    """The demo's own cache directory under the configured one."""
+    return config.replace(cache_dir=config.cache_dir / "demo")
+
+
+def run_demo(lm: LoadedModel, config: Config, corpus: Path, questions: Path, limit: int,
+             console: Console) -> list[dict]:
+    """Ingest ``corpus``, warm it, answer ``limit`` questions of ``questions`` with each of
+    :data:`DEMO_METHODS`; prints tables and returns one row per question."""
+    from cachecraft.pipeline import Pipeline
+
     items = load_items(questions, limit)
-    builder = builder_for(lm.tokenizer, config)
-    kv_dtype = DTYPES[config.kv_dtype]
-    specs = [MethodSpec("full"), MethodSpec("cacheblend", config.cacheblend_ratio, config.check_layer)]
-    prefix_kv = None
-    for item in items:
-        chunks = [PromptBuilder.chunk_text(text, title) for title, text in item.passages]
-        pieces = builder.build(chunks, item.question, max_tokens=lm.max_context)
-        if prefix_kv is None:
-            prefix_kv = create_chunk_cache(lm.adapter, [], pieces.prefix, fingerprint=lm.fingerprint,
-                                           collect_stats=False).to(kv_dtype)
-        with console.status(f"warming {len(chunks)} chunk-caches ..."):
-            chunk_kvs = warm_chunks(lm, pieces, prefix_kv, kv_dtype)
-        with console.status(f"answering: {item.question}"):
-            full, blend = [run_method(lm, spec, pieces, prefix_kv, chunk_kvs, config.max_new_tokens)
-                           for spec in specs]
-        table = Table(title=f"{item.question}  ({pieces.num_tokens} prompt tokens, {len(chunks)} chunks)",
-                      title_justify="left")
-        table.add_column("method")
-        table.add_column("TTFT (s)", justify="right")
-        table.add_column("recompute", justify="right")
-        table.add_column("answer", overflow="fold")
-        for spec, run in zip(specs, (full, blend)):
-            table.add_row(spec.label, f"{run.ttft_s:.2f}", f"{run.recompute_fraction:.0%}", first_line(run.answer))
-        console.print(table)
-        console.print(f"cacheblend reached the first token [bold]{full.ttft_s / blend.ttft_s:.1f}x[/bold] "
-                      f"sooner than full prefill.\n")
+    with Pipeline(demo_config(config), lm=lm) as pipe:
+        _prepare(pipe, corpus, console)
+        rows = [_ask(pipe, item.question, item.answers, console) for item in items]
+        last = rows[-1]["answers"]["cachecraft"]
+    _print_summary(rows, console)
+    _print_report(last, console)
+    return rows
+
+
+def _prepare(pipe, corpus: Path, console: Console) -> None:
+    with _bar(console) as bar:
+        task = bar.add_task(f"ingesting {corpus}", total=None)
+        report = pipe.ingest([corpus], progress=lambda done, total: bar.update(task, completed=done, total=total))
+    console.print(f"corpus: {report.chunks} chunks from {report.corpus_files} files "
+                  f"({report.added} added, {report.unchanged} unchanged)")
+    with _bar(console) as bar:
+        task = bar.add_task("warming chunk-caches", total=None)
+        warm = pipe.warm_corpus(progress=lambda done, total: bar.update(task, completed=done, total=total))
+    console.print(f"chunk-caches: {warm.made} made, {warm.skipped} already cached\n")
+
+
+def _ask(pipe, question: str, gold: tuple[str, ...], console: Console) -> dict:
+    with console.status(f"answering: {question}"):
+        answers = {method: pipe.query(question, method=method) for method in DEMO_METHODS}
+    cc, full = answers["cachecraft"], answers["full"]
+    table = Table(title=f"{question}  ({cc.prompt_tokens} prompt tokens, {len(cc.chunks)} chunks; "
+                        f"expected: {gold[0] if gold else '-'})", title_justify="left")
+    for column in ("method", "TTFT (s)", "recompute", "cache hits", "answer"):
+        table.add_column(column, justify="left" if column in ("method", "answer") else "right",
+                         overflow="fold")
+    for method, answer in answers.items():
+        hits = sum(c.tier != "miss" for c in answer.chunks) if method != "full" else 0
+        table.add_row(method, f"{answer.ttft_s:.2f}", f"{answer.recompute_fraction:.0%}",
+                      f"{hits}/{len(answer.chunks)}", first_line(answer.text))
+    console.print(table)
+    console.print(f"cachecraft reached the first token [bold]{full.ttft_s / cc.ttft_s:.1f}x[/bold] "
+                  "sooner than full prefill.\n")
+    return {"question": question, "answers": answers, "speedup": full.ttft_s / cc.ttft_s}
+
+
+def _print_summary(rows: list[dict], console: Console) -> None:
+    speedups = [r["speedup"] for r in rows]
+    same = sum(first_line(r["answers"]["cachecraft"].text) == first_line(r["answers"]["full"].text) for r in rows)
+    console.print(f"[bold]{len(rows)} questions:[/bold] median speedup {statistics.median(speedups):.1f}x "
+                  f"(min {min(speedups):.1f}x, max {max(speedups):.1f}x); cachecraft's answer equals full's "
+                  f"on {same} of {len(rows)}.")
+
+
+def _print_report(answer, console: Console) -> None:
+    table = Table(title="cache report of the last cachecraft answer", title_justify="left")
+    for column in ("source", "score", "tier", "variant", "CFO", "recompute"):
+        table.add_column(column, justify="left" if column in ("source", "tier", "variant") else "right")
+    for source, chunk in zip(answer.sources, answer.chunks):
+        table.add_row(source.title, f"{source.score:.3f}", chunk.tier, (chunk.variant or "-")[:12],
+                      "-" if chunk.cfo is None else f"{chunk.cfo:.3f}", f"{chunk.fraction:.0%}")
+    console.print(table)
+    saved = "-" if answer.saved_s is None else f"{answer.saved_s:.2f} s"
+    console.print(f"estimated prefill time saved on this request: {saved}. "
+                  "Try `cachecraft query \"...\"` and `cachecraft stats` next.", highlight=False)
+
+
+def _bar(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
+                    transient=True)

@@ -140,16 +140,22 @@ def calibrate_cmd(
 @friendly
 def demo_cmd(
     ctx: typer.Context,
-    questions: Path = typer.Option(Path("data/demo.json"),
-                                   help="MuSiQue-format file with sample passages and questions."),
-    limit: int = typer.Option(3, min=1, help="How many questions to answer."),
+    corpus: Path = typer.Option(Path("data/kestrel"), help="Folder of .md/.txt documents to ingest."),
+    questions: Path = typer.Option(Path("data/kestrel_questions.json"),
+                                   help="MuSiQue-format file; its questions (and gold answers) are asked."),
+    limit: int = typer.Option(4, min=1, help="How many questions to answer."),
 ) -> None:
-    """Answer a few questions over sample passages with `full` and `cacheblend` side by
-    side, printing each one's time to first token and answer."""
+    """Ingest the sample manual, warm its chunk-caches, then answer a few questions with
+    `cachecraft` and `full` side by side: time to first token, recompute, cache hits,
+    answers, and the cache report of the last answer. Uses <cache_dir>/demo, so your own
+    corpus is left alone.
+
+    Example: cachecraft demo --limit 2
+    """
     from cachecraft.demo import run_demo
     config = load_config(ctx)
     lm = load_model_quietly(config)
-    run_demo(lm, config, questions, limit, console)
+    run_demo(lm, config, corpus, questions, limit, console)
 
 
 @app.command("ingest")

@@ -1,0 +1,58 @@
+"""The demo of `make demo`: ingest, warm, then cachecraft and full side by side."""
+
+from __future__ import annotations
+
+import io
+import json
+
+from rich.console import Console
+from typer.testing import CliRunner
+
+from cachecraft.catalog import Catalog
+from cachecraft.config import Config
+from cachecraft.demo import DEMO_METHODS, demo_config, run_demo
+from cli.app import app
+from tests.conftest import tiny_model
+
+
+def words(start: int, n: int) -> str:
+    return " ".join(f"w{i}" for i in range(start, start + n))
+
+
+def sample(tmp_path):
+    corpus = tmp_path / "manual"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"{i}.md").write_text(f"# w{200 + i}\n\n{words(20 * i, 15)}\n", encoding="utf-8")
+    questions = tmp_path / "questions.json"
+    questions.write_text(json.dumps([{"question": words(5 * i, 3), "answers": [f"w{i}"],
+                                      "ctxs": [{"title": "t", "text": "unused"}]} for i in range(3)]))
+    return corpus, questions
+
+
+def test_demo_answers_over_warmed_caches_in_its_own_directory(tmp_path, cache_dir):
+    corpus, questions = sample(tmp_path)
+    config = Config.load(overrides={"cache_dir": cache_dir, "top_k": 2, "max_new_tokens": 3,
+                                    "chunk_tokens": 32}, environ={})
+    out = io.StringIO()
+    rows = run_demo(tiny_model("llama"), config, corpus, questions, 2, Console(file=out, width=200))
+    assert [r["question"] for r in rows] == [words(0, 3), words(5, 3)]
+    for row in rows:
+        assert set(row["answers"]) == set(DEMO_METHODS)
+        cached = row["answers"]["cachecraft"]
+        assert cached.chunks and all(c.tier != "miss" for c in cached.chunks)  # warmed before asking
+        assert row["answers"]["full"].recompute_fraction == 1.0
+    text = out.getvalue()
+    assert "chunk-caches: 3 made" in text and "median speedup" in text
+    home = demo_config(config).cache_dir
+    assert (home / "corpus").is_dir() and not (cache_dir / "corpus").exists()  # the user's corpus untouched
+    with Catalog(home) as catalog, catalog.read() as tx:
+        assert len(tx.request_ids()) == 2 * len(DEMO_METHODS)
+
+
+def test_demo_command_rejects_a_missing_corpus(tmp_path, cache_dir, tiny_dir, monkeypatch):
+    monkeypatch.setenv("CACHECRAFT_MODEL", str(tiny_dir))
+    _, questions = sample(tmp_path)
+    result = CliRunner().invoke(app, ["demo", "--corpus", str(tmp_path / "nope"), "--questions", str(questions)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "nope" in result.output
