@@ -395,17 +395,54 @@ def stats_cmd(ctx: typer.Context, top: int = typer.Option(10, min=1, help="How m
     if as_json:
         print(json.dumps(data, indent=2, default=str))
         return
-    counts = data["counts"]
+    _print_stats(data)
+
+
+def _print_stats(data: dict) -> None:
+    counts, rates = data["counts"], data["hit_rates"]
     console.print(f"{counts['chunks']} chunks, {counts['variants']} variants ({counts['live_variants']} stored), "
                   f"{counts['requests']} requests")
-    table = Table(title="tiers")
-    for column in ("tier", "entries", "bytes", "budget"):
-        table.add_column(column, justify="left" if column == "tier" else "right")
+    tiers = _table("bytes per tier", "tier", "entries", "bytes", "budget", "used", "hits", "hit share")
     for tier, usage in data["tiers"].items():
-        table.add_row(tier, str(usage.get("entries", 0)), _size(usage.get("bytes", 0)), _size(usage["budget_bytes"]))
-    console.print(table)
-    console.print_json(json.dumps({k: data[k] for k in ("hit_rates", "recompute_fraction", "prefill_time_saved")},
-                                  default=str))
+        budget = usage["budget_bytes"]
+        used = f"{usage['bytes'] / budget:.0%}" if budget else "-"
+        tiers.add_row(tier, str(usage["entries"]), _size(usage["bytes"]), _size(budget), used,
+                      str(rates["hits_by_tier"].get(tier, 0)), f"{rates['hit_rate_by_tier'].get(tier, 0):.0%}")
+    tiers.add_row("miss", "", "", "", "", str(rates["misses"]), f"{1 - rates['hit_rate']:.0%}" if rates["chunks"] else "-")
+    console.print(tiers)
+    methods = _table("requests by method", "method", "requests", "chunk hit rate", "recompute (mean)",
+                     "TTFT (mean)", "prefill time saved")
+    for row in data["by_method"]:
+        methods.add_row(row["method"], str(row["requests"]), _fraction(row["hit_rate"]),
+                        _fraction(row["recompute_mean"]),
+                        "-" if row["ttft_s_mean"] is None else f"{row['ttft_s_mean']:.2f} s", f"{row['saved_s']:.1f} s")
+    console.print(methods)
+    top = _table("top chunks", "chunk", "hits", "variants (stored)", "tokens", "source / preview")
+    for chunk in data["top_chunks"]:
+        top.add_row(chunk["chunk_key"][:12], str(chunk["hits"]), f"{chunk['variants']} ({chunk['live_variants']})",
+                    str(chunk["num_tokens"]), " ".join((chunk["source"] or chunk["preview"] or "").split())[:60])
+    console.print(top)
+    dist = data["recompute_fraction"]
+    histogram = _table("recompute fraction per request", "range", "requests", "")
+    widest = max((n for _, _, n in dist["histogram"]), default=0) or 1
+    for low, high, n in dist["histogram"]:
+        histogram.add_row(f"{low:.1f}-{high:.1f}", str(n), "#" * round(30 * n / widest))
+    console.print(histogram)
+    saved = data["prefill_time_saved"]
+    console.print(f"estimated prefill time saved: {saved['saved_s']:.1f} s over {saved['requests']} requests "
+                  f"({saved['full_prefill_s']:.1f} s of full prefill estimated, {saved['ttft_s']:.1f} s spent)",
+                  highlight=False)
+
+
+def _table(title: str, *columns: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    for i, column in enumerate(columns):
+        table.add_column(column, justify="left" if i == 0 or column.startswith("source") else "right")
+    return table
+
+
+def _fraction(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def _size(n: int | None) -> str:

@@ -181,14 +181,21 @@ def test_statistics_match_hand_computed_values(catalog):
     assert [b[2] for b in dist.histogram] == [1, 1, 0, 2]  # 0.3 in [0.25, 0.5); 1.0 in the last bin
     assert stats.recompute_distribution(catalog, method="nope").count == 0
 
-    saved = stats.prefill_time_saved(catalog)  # the request without a TTFT is left out
-    assert (saved.requests, saved.full_prefill_s, saved.ttft_s, saved.saved_s) == (3, 11.0, 6.0, 5.0)
+    saved = stats.prefill_time_saved(catalog)  # the request without a TTFT and the `full` one are left out
+    assert (saved.requests, saved.full_prefill_s, saved.ttft_s, saved.saved_s) == (2, 8.0, 3.0, 5.0)
     assert stats.prefill_time_saved(catalog, method="cachecraft").saved_s == 5.0
 
     doc = stats.summary(catalog)
     json.dumps(doc)  # JSON-serialisable as is
     assert doc["counts"] == {"chunks": 3, "variants": 4, "live_variants": 3, "requests": 4}
-    assert doc["hit_rates"]["hit_rate"] == pytest.approx(0.5)
+    assert doc["hit_rates"]["hit_rate"] == pytest.approx(3 / 5)  # the `full` request looks up no cache
+    assert stats.hit_rates(catalog, cached_only=True).requests == 3
+    rows = {r["method"]: r for r in doc["by_method"]}
+    assert [r["method"] for r in doc["by_method"]] == ["cachecraft", "full"]
+    assert rows["cachecraft"]["requests"] == 3 and rows["cachecraft"]["hit_rate"] == pytest.approx(3 / 5)
+    assert rows["cachecraft"]["recompute_mean"] == pytest.approx((0.1 + 0.3 + 0.95) / 3)
+    assert rows["cachecraft"]["saved_s"] == pytest.approx(5.0) and rows["full"]["hit_rate"] is None
+    assert rows["full"]["saved_s"] == 0.0
 
 
 def test_statistics_on_an_empty_catalog(catalog):

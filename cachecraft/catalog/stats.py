@@ -94,17 +94,23 @@ class PrefillSaved:
         return self.full_prefill_s - self.ttft_s
 
 
+CACHE_FREE_METHODS = ("full", "prefix")  # these never look up chunk-caches
+
+
 def _method_filter(query, method: str | None):
     return query if method is None else query.where(Request.method == method)
 
 
-def hit_rates(catalog: Catalog, *, method: str | None = None) -> HitRates:
-    """Hit rate overall and per tier over recorded requests (optionally of one method)."""
+def hit_rates(catalog: Catalog, *, method: str | None = None, cached_only: bool = False) -> HitRates:
+    """Hit rate overall and per tier over recorded requests (optionally of one method, or
+    with ``cached_only`` of the methods that look up chunk-caches)."""
     query = _method_filter(select(func.count(Request.id), func.coalesce(func.sum(Request.num_chunks), 0),
                                   func.coalesce(func.sum(Request.hits_gpu), 0),
                                   func.coalesce(func.sum(Request.hits_cpu), 0),
                                   func.coalesce(func.sum(Request.hits_disk), 0),
                                   func.coalesce(func.sum(Request.misses), 0)), method)
+    if cached_only:
+        query = query.where(Request.method.not_in(CACHE_FREE_METHODS))
     with catalog.read() as tx:
         n, chunks, gpu, cpu, disk, misses = tx.session.execute(query).one()
     return HitRates(int(n), int(chunks), {"gpu": int(gpu), "cpu": int(cpu), "disk": int(disk)}, int(misses))
@@ -162,13 +168,33 @@ def recompute_distribution(catalog: Catalog, *, bins: int = 10, method: str | No
 
 
 def prefill_time_saved(catalog: Catalog, *, method: str | None = None) -> PrefillSaved:
-    """Sum over requests that recorded both a full-prefill estimate and a TTFT."""
+    """Sum over requests that recorded both a full-prefill estimate and a TTFT (``full``
+    requests left out: they save nothing by definition)."""
     query = _method_filter(select(func.count(Request.id), func.coalesce(func.sum(Request.full_prefill_s), 0.0),
                                   func.coalesce(func.sum(Request.ttft_s), 0.0))
-                           .where(Request.full_prefill_s.is_not(None), Request.ttft_s.is_not(None)), method)
+                           .where(Request.full_prefill_s.is_not(None), Request.ttft_s.is_not(None),
+                                  Request.method != "full"), method)
     with catalog.read() as tx:
         n, full, ttft = tx.session.execute(query).one()
     return PrefillSaved(int(n), float(full), float(ttft))
+
+
+def by_method(catalog: Catalog) -> list[dict[str, Any]]:
+    """Per method: requests, chunk hit rate (None for methods without chunk-caches), mean
+    recompute fraction, mean TTFT and prefill time saved; most requests first."""
+    query = (select(Request.method, func.count(Request.id), func.sum(Request.num_chunks),
+                    func.sum(Request.misses), func.avg(Request.recompute_fraction), func.avg(Request.ttft_s),
+                    func.sum(case((Request.full_prefill_s.is_not(None) & Request.ttft_s.is_not(None)
+                                   & (Request.method != "full"),
+                                   Request.full_prefill_s - Request.ttft_s), else_=0.0)))
+             .group_by(Request.method).order_by(func.count(Request.id).desc(), Request.method))
+    with catalog.read() as tx:
+        rows = tx.session.execute(query).all()
+    return [{"method": m, "requests": int(n),
+             "hit_rate": None if m in CACHE_FREE_METHODS or not chunks else 1 - int(misses or 0) / int(chunks),
+             "recompute_mean": None if recompute is None else float(recompute),
+             "ttft_s_mean": None if ttft is None else float(ttft), "saved_s": float(saved or 0.0)}
+            for m, n, chunks, misses, recompute, ttft, saved in rows]
 
 
 def summary(catalog: Catalog, *, top: int = 10) -> dict[str, Any]:
@@ -182,7 +208,8 @@ def summary(catalog: Catalog, *, top: int = 10) -> dict[str, Any]:
     saved = prefill_time_saved(catalog)
     return {
         "counts": counts,
-        "hit_rates": hit_rates(catalog).to_dict(),
+        "hit_rates": hit_rates(catalog, cached_only=True).to_dict(),
+        "by_method": by_method(catalog),
         "tiers": {t: dataclasses.asdict(u) for t, u in tier_usage(catalog).items()},
         "top_chunks": [dataclasses.asdict(c) for c in top_chunks(catalog, top)],
         "variants_per_chunk": {str(k): v for k, v in variants_per_chunk(catalog).items()},
