@@ -85,6 +85,8 @@ def bench_workload_cmd(
     zipf: float = typer.Option(1.2, min=0.0, help="Zipf exponent of item popularity."),
     seed: int = typer.Option(0, help="Trace seed."),
     max_new_tokens: int = typer.Option(32, min=1, help="Answer length."),
+    evictions: str = typer.Option("", help="Also replay `cachecraft` under these eviction policies, e.g. "
+                                          "lru,lfu,pgdsf,cachecraft (labelled cachecraft[lru] ...)."),
 ) -> None:
     """Replay a RAG trace (Zipf popularity, top-k retrieval over the pooled corpus) with
     each method: TTFT mean/p95, throughput, recompute, hit rate per tier, and compute
@@ -102,6 +104,9 @@ def bench_workload_cmd(
     names = [m.strip() for m in methods.split(",") if m.strip()]
     for name in names:
         MethodSpec(name)  # unknown names fail here, before any work
+    policies = [e.strip() for e in evictions.split(",") if e.strip()]
+    for policy in policies:
+        config.replace(eviction=policy)  # unknown policies fail here
     budgets = {"cpu": parse_bytes(cpu_budget), "disk": parse_bytes(disk_budget)}
     items = load_items(dataset, limit)
     ensure_dir(config.cache_dir)
@@ -113,7 +118,7 @@ def bench_workload_cmd(
             raise UserError(str(exc)) from None
     lm = load_model_quietly(config)
     with Progress(console=err_console, transient=True) as progress:
-        task = progress.add_task("requests", total=requests * (len(set(names) | {"full"})))
+        task = progress.add_task("requests", total=requests * (len(set(names) | {"full"}) + len(policies)))
         done = {"n": 0}
 
         def tick(method: str, n: int, total: int) -> None:
@@ -121,7 +126,7 @@ def bench_workload_cmd(
             progress.update(task, completed=done["n"], description=f"{method} {n}/{total}")
 
         result = run_workload(lm, config, trace, names, budgets=budgets, max_new_tokens=max_new_tokens,
-                              on_request=tick)
+                              evictions=policies, on_request=tick)
     command = "cachecraft bench workload " + " ".join(sys.argv[3:])
     write_result(out, {"benchmark": "workload", "command": command, "model": lm.name, "dataset": str(dataset),
                        "items": len(items), "corpus_chunks": corpus, "unique_requests": len(set(trace)),
@@ -181,3 +186,141 @@ def bench_store_cmd(ctx: typer.Context,
         table.add_row(tier, *(f"{values[m]:.2f}" if isinstance(values.get(m), (int, float)) else "-" for m in metrics))
     console.print(table)
     console.print(f"wrote {out}")
+
+
+def _invocation(name: str) -> str:
+    """The command line that ran ``cachecraft bench NAME``, for the result file."""
+    import shlex
+
+    args = sys.argv[1:]
+    rest = args[args.index(name) + 1:] if name in args else []
+    return " ".join(["cachecraft bench", name, *map(shlex.quote, rest)])
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"{what} must be comma-separated whole numbers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise UserError(f"{what} must be positive, got {text!r}")
+    return values
+
+
+@bench_app.command("scaling")
+@friendly
+def bench_scaling_cmd(
+    ctx: typer.Context,
+    dataset: Path = typer.Option(Path("../shared/data/musique_dev.json"),
+                                 help="MuSiQue-format JSON file whose passages make the contexts."),
+    out: Path = typer.Option(Path("benchmarks/results/scaling.json"), help="Where to write the JSON result."),
+    contexts: str = typer.Option("1000,2000,4000,7900",
+                                 help="Prompt lengths in tokens for the context sweep ('' skips it)."),
+    chunks: str = typer.Option("2,5,10,20", help="Chunk counts for the chunk sweep ('' skips it)."),
+    fixed_context: int = typer.Option(4000, min=16, help="Prompt length of the chunk sweep."),
+    chunk_tokens: int = typer.Option(512, min=16, help="Tokens per chunk in the context sweep."),
+    repeats: int = typer.Option(2, min=1, help="Questions per point (averaged)."),
+    methods: str = typer.Option("full,prefix,reuse,cacheblend,cachecraft",
+                                help="Methods; name@ratio sets a ratio (alpha for cachecraft)."),
+    prefix_shared: int = typer.Option(1, min=0, help="Chunks the `prefix` method's earlier request shared."),
+    tier: str = typer.Option("cpu", help="Store tier the chunk-caches are loaded from: cpu or disk."),
+    max_new_tokens: int = typer.Option(32, min=1, help="Answer length for agreement."),
+    model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
+) -> None:
+    """TTFT and peak memory against context length and number of chunks, per method,
+    with agreement against `full` on the same request."""
+    from rich.progress import Progress
+
+    from cachecraft.bench.common import write_result
+    from cachecraft.bench.scaling import run_scaling
+    from cachecraft.dataset import load_items
+    from cachecraft.methods import parse_methods
+
+    config = load_config(ctx, model=model)
+    specs = parse_methods(methods, config.cacheblend_ratio, config.policy_alpha)
+    if tier not in ("cpu", "disk"):
+        raise UserError(f"tier must be cpu or disk, got {tier!r}")
+    context_list, chunk_list = _ints(contexts, "--contexts"), _ints(chunks, "--chunks")
+    items = load_items(dataset)
+    ensure_dir(config.cache_dir)
+    lm = load_model_quietly(config)
+    with Progress(console=err_console, transient=True) as progress:
+        task = progress.add_task("warming up", total=None)
+        try:
+            result = run_scaling(lm, config, items, specs, contexts=context_list, chunk_counts=chunk_list,
+                                 fixed_context=fixed_context, chunk_tokens=chunk_tokens, repeats=repeats,
+                                 prefix_shared=prefix_shared, max_new_tokens=max_new_tokens, tier=tier,
+                                 on_step=lambda what, done, total: progress.update(
+                                     task, description=what, completed=done, total=total))
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    write_result(out, {"benchmark": "scaling", "command": _invocation("scaling"), "model": lm.name,
+                       "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""),
+                       "kv_dtype": config.kv_dtype, "dataset": str(dataset), **result})
+    print_scaling_table(result)
+    console.print(f"wrote {out}")
+
+
+def print_scaling_table(result: dict) -> None:
+    """The rows of ``bench scaling`` as one table per sweep, and the goal line."""
+    from rich import box
+
+    titles = {"context": "scaling with context length", "chunks": "scaling with the number of chunks"}
+    for sweep, title in titles.items():
+        rows = [r for r in result["scaling"] if r["sweep"] == sweep]
+        if not rows:
+            continue
+        table = Table(title=f"{title} (mean over {rows[0].get('repeats', 1)} questions)", box=box.SIMPLE_HEAD,
+                      pad_edge=False, collapse_padding=True)
+        table.add_column("method", no_wrap=True)
+        for column in ("tokens", "chunks", "TTFT s", "speedup", "agree", "KL", "recomp", "RSS MB"):
+            table.add_column(column, justify="right")
+        for r in rows:
+            table.add_row(r["method"], str(r["context_tokens"]), str(r["n_chunks"]), f"{r['ttft_s']:.2f}",
+                          f"{r['speedup_vs_full']:.1f}x", f"{r['agreement_f1']:.2f}", f"{r['kl']:.3f}",
+                          f"{r['recompute_fraction']:.2f}", f"{r['peak_rss_mb']:.0f}")
+        console.print(table)
+    summary = result.get("summary") or {}
+    if summary.get("speedup_at_max_context") is not None:
+        goal = summary["goal"]
+        console.print(f"{summary['method']} at {summary['max_context_tokens']} tokens: "
+                      f"{summary['speedup_at_max_context']:.1f}x faster than full, agreement "
+                      f"{summary['agreement_at_max_context']:.3f} (goal >= {goal['speedup']:g}x at >= "
+                      f"{goal['agreement_f1']:g}: {'met' if goal['met'] else 'not met'})")
+
+
+@bench_app.command("report")
+@friendly
+def bench_report_cmd(
+    ctx: typer.Context,
+    out: Path = typer.Option(Path("benchmarks/report"), help="Folder for report.md and the PNG plots."),
+    quality: Path = typer.Option(Path("benchmarks/results/quality_report.json"), help="`bench quality` result."),
+    workload: Path = typer.Option(Path("benchmarks/results/workload.json"), help="`bench workload` result."),
+    scaling: Path = typer.Option(Path("benchmarks/results/scaling.json"), help="`bench scaling` result."),
+    gpu_json: Optional[Path] = typer.Option(None, help="A result measured on a GPU, for the GPU section."),
+    run: bool = typer.Option(False, "--run", help="Run the missing benchmarks first (long: see the report's "
+                                                  "commands)."),
+    dataset: Path = typer.Option(Path("../shared/data/musique_dev.json"), help="Dataset for --run."),
+) -> None:
+    """Plots and a Markdown report (quality vs TTFT, per-method figures, the workload,
+    eviction policies, scaling, where cachecraft loses) from the benchmark JSONs."""
+    import re
+
+    from cachecraft.bench.report import write_report
+    from cachecraft.bench.runs import RUNS
+
+    sources = {"quality": quality, "workload": workload, "scaling": scaling}
+    missing = [name for name, path in sources.items() if not path.is_file()]
+    if run and missing:
+        config = load_config(ctx)
+        ensure_dir(config.cache_dir)
+        lm = load_model_quietly(config)
+        for name in missing:
+            with console.status(f"running bench {name} ...") as status:
+                RUNS[name](lm, config, dataset, sources[name], on_progress=lambda what: status.update(what))
+            console.print(f"wrote {sources[name]}")
+    elif missing:
+        err_console.print(f"missing (their sections say how to make them, or pass --run): {', '.join(missing)}")
+    path = write_report(out, sources, gpu_json)
+    plots = re.findall(r"\]\(([^)]+\.png)\)", path.read_text(encoding="utf-8"))
+    console.print(f"wrote {path} and {len(plots)} plots")

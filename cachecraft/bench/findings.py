@@ -1,0 +1,147 @@
+"""Where cachecraft loses, read off the benchmark JSONs (for ``bench report``).
+
+Each function returns Markdown bullet lines; none judges beyond the numbers given.
+"""
+
+from __future__ import annotations
+
+from cachecraft.bench.plots import EVICTION, family, ratio
+
+AGREEMENT_BAR = 0.95  # the agreement with full we aim to keep
+TOLERANCE = 0.01  # agreement differences smaller than this are noise at these sample sizes
+KL_MARGIN = 0.95  # a KL counts as lower only when at least 5% lower
+
+
+def _craft(methods: dict) -> dict[str, dict]:
+    return {k: v for k, v in methods.items() if v and family(k) == "cachecraft" and not EVICTION.match(k)}
+
+
+def quality_losses(data: dict | None) -> list[str]:
+    """Baselines faster than every cachecraft setting, better agreement or KL, and ratios that degrade."""
+    methods = {k: v for k, v in ((data or {}).get("methods") or {}).items() if v}
+    crafts = _craft(methods)
+    if not methods:
+        return []
+    if not crafts:
+        return ["Quality: the quality JSON has no `cachecraft` run to compare."]
+    lines = []
+    fastest = min(crafts, key=lambda k: crafts[k]["ttft_s_median"])
+    best = max(crafts, key=lambda k: (crafts[k]["agreement_f1_mean"], -crafts[k]["ttft_s_median"]))
+    for label, m in methods.items():
+        if label in crafts or label == "full":
+            continue
+        if m["ttft_s_median"] < crafts[fastest]["ttft_s_median"]:
+            lines.append(f"Quality: `{label}` is faster than every cachecraft setting (median TTFT "
+                         f"{m['ttft_s_median']:.2f} s vs {crafts[fastest]['ttft_s_median']:.2f} s for `{fastest}`), "
+                         f"at agreement {m['agreement_f1_mean']:.3f} vs {crafts[fastest]['agreement_f1_mean']:.3f} "
+                         f"and KL {m['kl_mean']:.4f} vs {crafts[fastest]['kl_mean']:.4f}.")
+        if m["agreement_f1_mean"] > crafts[best]["agreement_f1_mean"] + TOLERANCE:
+            lines.append(f"Quality: `{label}` agrees with full better than the best cachecraft setting "
+                         f"({m['agreement_f1_mean']:.3f} vs {crafts[best]['agreement_f1_mean']:.3f} for `{best}`), "
+                         f"at median TTFT {m['ttft_s_median']:.2f} s vs {crafts[best]['ttft_s_median']:.2f} s.")
+        lowest_kl = min(c["kl_mean"] for c in crafts.values())
+        if m["kl_mean"] < KL_MARGIN * lowest_kl and m["recompute_fraction_mean"] < 1.0:
+            lines.append(f"Quality: `{label}` has a lower first-token KL ({m['kl_mean']:.4f}) than any cachecraft "
+                         f"setting (best {lowest_kl:.4f}).")
+    lines += _ratio_losses(methods)
+    return lines
+
+
+def _ratio_losses(methods: dict) -> list[str]:
+    """Per ratio family: settings below the agreement bar, and a larger ratio doing worse."""
+    lines = []
+    families: dict[str, list[tuple[float, str]]] = {}
+    for label in methods:
+        if ratio(label) is not None:
+            families.setdefault(family(label), []).append((ratio(label), label))
+    for name, settings in families.items():
+        settings.sort()
+        low = [(r, methods[label]["agreement_f1_mean"]) for r, label in settings
+               if methods[label]["agreement_f1_mean"] < AGREEMENT_BAR]
+        if low:
+            shown = ", ".join(f"{r:g} ({a:.3f})" for r, a in low)
+            lines.append(f"Quality: `{name}` stays below {AGREEMENT_BAR} agreement with full at ratio {shown}.")
+        for (r1, l1), (r2, l2) in zip(settings, settings[1:]):
+            a1, a2 = methods[l1]["agreement_f1_mean"], methods[l2]["agreement_f1_mean"]
+            if a2 < a1 - TOLERANCE:
+                lines.append(f"Quality: `{name}` agrees less at ratio {r2:g} ({a2:.3f}) than at {r1:g} ({a1:.3f}): "
+                             "recomputing more did not help here.")
+    return lines
+
+
+def workload_losses(data: dict | None) -> list[str]:
+    """Methods with lower mean or p95 TTFT, more compute saved, or better agreement than cachecraft."""
+    methods = (data or {}).get("methods") or {}
+    crafts = _craft(methods)
+    if not methods:
+        return []
+    if not crafts:
+        return ["Workload: the workload JSON has no `cachecraft` run to compare."]
+    craft_label, craft = next(iter(crafts.items()))
+    lines = []
+    checks = (("ttft_s_mean", "mean TTFT", "{:.2f} s", -1), ("ttft_s_p95", "p95 TTFT", "{:.2f} s", -1),
+              ("compute_reduction_vs_full", "compute saved vs full", "{:.0%}", 1),
+              ("agreement_f1_mean", "agreement with full", "{:.3f}", 1))
+    for label, m in methods.items():
+        if label in crafts or label == "full" or EVICTION.match(label):
+            continue
+        for key, what, fmt, sign in checks:
+            if key not in m or key not in craft:
+                continue
+            margin = TOLERANCE if key == "agreement_f1_mean" else 0.0
+            if sign * (m[key] - craft[key]) > margin:
+                lines.append(f"Workload: `{label}` beats `{craft_label}` on {what}: "
+                             f"{fmt.format(m[key])} vs {fmt.format(craft[key])}.")
+    policies = {k: v for k, v in methods.items() if EVICTION.match(k)}
+    own = next((v for k, v in policies.items() if EVICTION.match(k)["policy"] == "cachecraft"), None)
+    if own:
+        for label, m in policies.items():
+            if m is not own and m.get("hit_rate", 0) > own.get("hit_rate", 0):
+                lines.append(f"Workload: eviction `{label}` gets a higher hit rate than cachecraft's own policy "
+                             f"({m['hit_rate']:.2f} vs {own['hit_rate']:.2f}).")
+    return lines
+
+
+def scaling_losses(data: dict | None) -> list[str]:
+    """Points where another method is faster than cachecraft, cachecraft is slower than
+    full, or its agreement falls below the bar; and the goal at the longest context."""
+    rows = (data or {}).get("scaling") or []
+    if not rows:
+        return []
+    lines = []
+    points: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        points.setdefault((r["sweep"], r["target_tokens"], r["n_chunks"]), {})[r["method"]] = r
+    crafts = list(dict.fromkeys(r["method"] for r in rows if family(r["method"]) == "cachecraft"))
+    for craft_label in crafts:
+        faster: dict[str, list[str]] = {}
+        slow, low = [], []
+        for (sweep, _, n_chunks), by_method in points.items():
+            craft = by_method.get(craft_label)
+            if craft is None:
+                continue
+            where = f"{craft['context_tokens']} tok/{n_chunks} chunks"
+            for k, v in by_method.items():
+                if family(k) not in ("cachecraft", "full") and v["ttft_s"] < craft["ttft_s"]:
+                    faster.setdefault(k, []).append(
+                        f"{where} ({v['ttft_s']:.2f} s vs {craft['ttft_s']:.2f} s, "
+                        f"agreement {v['agreement_f1']:.3f} vs {craft['agreement_f1']:.3f})")
+            if craft["speedup_vs_full"] < 1.0:
+                slow.append(f"{where} ({craft['speedup_vs_full']:.2f}x)")
+            if craft["agreement_f1"] < AGREEMENT_BAR:
+                low.append(f"{where} ({craft['agreement_f1']:.3f})")
+        for k, where in faster.items():
+            lines.append(f"Scaling: `{k}` is faster than `{craft_label}` at {len(where)} of {len(points)} points: "
+                         + "; ".join(where) + ".")
+        if slow:
+            lines.append(f"Scaling: `{craft_label}` is slower than full prefill at " + "; ".join(slow) + ".")
+        if low:
+            lines.append(f"Scaling: `{craft_label}` agrees with full below {AGREEMENT_BAR} at " + "; ".join(low) + ".")
+    summary = data.get("summary") or {}
+    goal = summary.get("goal") or {}
+    if summary.get("speedup_at_max_context") is not None and not goal.get("met"):
+        lines.append(f"Scaling: the goal ({goal.get('speedup', 10):g}x faster than full at agreement >= "
+                     f"{goal.get('agreement_f1', AGREEMENT_BAR):g} at the longest context) is not met: "
+                     f"`{summary['method']}` is {summary['speedup_at_max_context']:.1f}x at agreement "
+                     f"{summary['agreement_at_max_context']:.3f} with {summary['max_context_tokens']} tokens.")
+    return lines

@@ -1,0 +1,392 @@
+"""PNG plots of the benchmark JSONs (matplotlib, Agg backend).
+
+Each function takes one result (the parsed JSON) and a path, writes the plot and
+returns the path, or returns ``None`` when the result lacks what the plot needs.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+from pathlib import Path
+from typing import Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator  # noqa: E402
+
+COLORS = {"full": "#222222", "prefix": "#8c8c8c", "reuse": "#ff7f0e", "cacheblend": "#1f77b4",
+          "cachecraft": "#2ca02c", "qguided": "#9467bd", "inter": "#8c564b", "firstk": "#e377c2"}
+TIER_COLORS = {"gpu": "#d62728", "cpu": "#1f77b4", "disk": "#ff7f0e", "all": "#222222"}
+STYLE = {"font.size": 12, "axes.titlesize": 14, "axes.labelsize": 12, "legend.fontsize": 10,
+         "xtick.labelsize": 10, "ytick.labelsize": 10, "axes.grid": True, "grid.alpha": 0.3,
+         "figure.dpi": 100, "savefig.bbox": "tight"}
+MARKERS = "osD^vPX*"
+EVICTION = re.compile(r"^(?P<method>[\w-]+)\[(?P<policy>[\w-]+)\]$")
+
+
+def family(label: str) -> str:
+    """``cacheblend@0.15`` -> ``cacheblend``; ``cachecraft[lru]`` -> ``cachecraft``."""
+    return re.split(r"[@\[]", label, maxsplit=1)[0]
+
+
+def color(label: str) -> str:
+    return COLORS.get(family(label), "#17becf")
+
+
+def ratio(label: str) -> float | None:
+    """The ``@ratio`` of a label, if any."""
+    _, sep, value = label.partition("@")
+    try:
+        return float(value) if sep else None
+    except ValueError:
+        return None
+
+
+def _log_axis(ax, which: str) -> None:
+    """Log scale with plain tick labels (0.5, 1, 2, 5, 10) rather than powers of ten."""
+    axis = ax.xaxis if which == "x" else ax.yaxis
+    (ax.set_xscale if which == "x" else ax.set_yscale)("log")
+    axis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _family_legend(ax, labels: Sequence[str], **kwargs) -> None:
+    from matplotlib.patches import Patch
+    families = list(dict.fromkeys(family(label) for label in labels))
+    ax.legend(handles=[Patch(color=COLORS.get(f, "#17becf"), label=f) for f in families], **kwargs)
+
+
+# -- quality ----------------------------------------------------------------------------------
+
+def quality_tradeoff(data: dict, path: Path) -> Path | None:
+    """Agreement and first-token KL against median TTFT, one point per method and ratio."""
+    methods = {k: v for k, v in (data.get("methods") or {}).items() if v}
+    if not methods:
+        return None
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+        for ax, key, ylabel in ((axes[0], "agreement_f1_mean", "answer agreement with full (token F1)"),
+                                (axes[1], "kl_mean", "first-token KL(full || method) (nats)")):
+            groups: dict[str, list[tuple[float, float, str]]] = {}
+            for label, m in methods.items():
+                groups.setdefault(family(label), []).append((m["ttft_s_median"], m[key], label))
+            for name, points in groups.items():
+                points.sort(key=lambda p: (ratio(p[2]) or 0.0, p[0]))
+                xs, ys = [p[0] for p in points], [p[1] for p in points]
+                ax.plot(xs, ys, "o-" if len(points) > 1 else "o", color=COLORS.get(name, "#17becf"),
+                        markersize=8, linewidth=1.5, label=name)
+                for x, y, label in points:
+                    if ratio(label) is not None:
+                        ax.annotate(f"{ratio(label):g}", (x, y), textcoords="offset points", xytext=(6, 5),
+                                    fontsize=9, color=COLORS.get(name, "#17becf"))
+            _log_axis(ax, "x")
+            ax.set_xlabel("median time to first token (s, log scale)")
+            ax.set_ylabel(ylabel)
+        axes[0].set_title("Answer agreement (higher is better)")
+        axes[1].set_title("First-token KL (lower is better)")
+        handles, names = axes[0].get_legend_handles_labels()
+        fig.legend(handles, names, loc="lower center", ncol=len(names), title="method (point labels: ratio / alpha)",
+                   bbox_to_anchor=(0.5, -0.01))
+        fig.suptitle(f"Quality against TTFT, {data.get('model', '?')}, {data.get('limit', '?')} requests", fontsize=15)
+        fig.tight_layout(rect=(0, 0.13, 1, 1))
+        return _save(fig, path)
+
+
+def quality_bars(data: dict, path: Path) -> Path | None:
+    """One horizontal bar per method for TTFT, recompute, KL, agreement and gold F1."""
+    methods = {k: v for k, v in (data.get("methods") or {}).items() if v}
+    if not methods:
+        return None
+    panels = (("ttft_s_median", "median TTFT", "seconds"),
+              ("recompute_fraction_mean", "recompute fraction", "recomputed / context tokens"),
+              ("kl_mean", "first-token KL vs full", "nats"),
+              ("agreement_f1_mean", "answer agreement with full", "token F1 (0-1)"),
+              ("gold_f1_mean", "gold-answer F1", "token F1 (0-1)"))
+    labels = list(methods)
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(2, 3, figsize=(16, 4 + 0.45 * len(labels)))
+        for ax, (key, title, unit) in zip(axes.flat, panels):
+            values = [methods[label].get(key, float("nan")) for label in labels]
+            ax.barh(range(len(labels)), values, color=[color(label) for label in labels])
+            ax.set_yticks(range(len(labels)), labels)
+            ax.invert_yaxis()
+            ax.set_title(title)
+            ax.set_xlabel(unit)
+            for i, v in enumerate(values):
+                ax.annotate(f"{v:.3g}", (v, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=9)
+            ax.margins(x=0.18)
+        legend_ax = axes.flat[-1]
+        legend_ax.axis("off")
+        _family_legend(legend_ax, labels, loc="center", title="method", fontsize=12)
+        fig.suptitle(f"Methods on the same requests, {data.get('model', '?')}", fontsize=15)
+        fig.tight_layout()
+        return _save(fig, path)
+
+
+# -- workload ---------------------------------------------------------------------------------
+
+def _plain_methods(data: dict) -> dict[str, dict]:
+    return {k: v for k, v in (data.get("methods") or {}).items() if not EVICTION.match(k)}
+
+
+def workload_compute(data: dict, path: Path) -> Path | None:
+    """Compute saved (token-layers) against ``full`` and ``prefix``, per method."""
+    methods = _plain_methods(data)
+    if not methods:
+        return None
+    labels = list(methods)
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(max(8, 1.5 * len(labels)), 5))
+        width = 0.38
+        for offset, key, name, hatch in ((-width / 2, "compute_reduction_vs_full", "vs full", ""),
+                                         (width / 2, "compute_reduction_vs_prefix", "vs prefix", "//")):
+            values = [100 * methods[m].get(key, float("nan")) for m in labels]
+            bars = ax.bar([i + offset for i in range(len(labels))], values, width, label=name, hatch=hatch,
+                          color=[color(m) for m in labels], edgecolor="white")
+            ax.bar_label(bars, fmt="%.0f%%", fontsize=9, padding=2)
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(labels)), labels)
+        ax.set_ylabel("prefill compute saved (% of token-layers)")
+        ax.set_title("Workload: compute saved against full prefill (plain) and prefix caching (hatched)")
+        ax.legend(title="reduction")
+        return _save(fig, path)
+
+
+def workload_ttft(data: dict, path: Path) -> Path | None:
+    """TTFT distribution per method over the trace (box: quartiles; marker: p95)."""
+    rows = data.get("requests") or []
+    labels = [m for m in _plain_methods(data) if any(r["method"] == m for r in rows)]
+    if not labels:
+        return None
+    samples = [[r["ttft_s"] for r in rows if r["method"] == m] for m in labels]
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(max(8, 1.5 * len(labels)), 5.5))
+        box = ax.boxplot(samples, patch_artist=True, widths=0.55, medianprops={"color": "black"})
+        for patch, label in zip(box["boxes"], labels):
+            patch.set_facecolor(color(label))
+            patch.set_alpha(0.6)
+        p95 = [sorted(s)[min(len(s) - 1, round(0.95 * (len(s) - 1)))] for s in samples]
+        ax.plot(range(1, len(labels) + 1), p95, "v", color="#d62728", markersize=10, label="p95")
+        ax.plot(range(1, len(labels) + 1), [statistics.fmean(s) for s in samples], "D", color="white",
+                markeredgecolor="black", markersize=7, label="mean")
+        ax.plot([], [], color="black", label="median (box line)")
+        ax.set_xticks(range(1, len(labels) + 1), labels)
+        _log_axis(ax, "y")
+        ax.set_ylabel("time to first token (s, log scale)")
+        ax.set_title(f"Workload: TTFT per request over a {len(samples[0])}-request trace")
+        ax.legend(loc="best")
+        return _save(fig, path)
+
+
+def _cumulative_hits(rows: list[dict]) -> dict[str, list[float]]:
+    tiers = sorted({t for r in rows for t in r.get("hits", {}) if t != "miss"})
+    chunks, counts = 0, {t: 0 for t in tiers}
+    curves: dict[str, list[float]] = {t: [] for t in [*tiers, "all"]}
+    for r in sorted(rows, key=lambda r: r["request"]):
+        chunks += r["chunks"]
+        for t in tiers:
+            counts[t] += r["hits"].get(t, 0)
+            curves[t].append(counts[t] / chunks if chunks else 0.0)
+        curves["all"].append(sum(counts.values()) / chunks if chunks else 0.0)
+    return curves
+
+
+def workload_hits(data: dict, path: Path) -> Path | None:
+    """Cumulative chunk hit rate by tier against request number, one panel per method."""
+    rows = data.get("requests") or []
+    labels = [m for m in (data.get("methods") or {})
+              if any(r["method"] == m and set(r.get("hits", {})) - {"miss"} for r in rows)]
+    if not labels:
+        return None
+    cols = min(3, len(labels))
+    nrows = -(-len(labels) // cols)
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False, sharey=True)
+        for ax, label in zip(axes.flat, labels):
+            curves = _cumulative_hits([r for r in rows if r["method"] == label])
+            for tier, ys in curves.items():
+                total = tier == "all"  # drawn wide and underneath, so a tier that holds every hit shows on it
+                ax.plot(range(1, len(ys) + 1), ys, color=TIER_COLORS.get(tier, "#17becf"),
+                        linewidth=4 if total else 1.8, linestyle="-" if total else "--", alpha=0.5 if total else 1,
+                        zorder=2 if total else 3, label="any tier" if total else tier)
+            ax.set_title(label)
+            ax.set_xlabel("request number")
+            ax.set_ylabel("cumulative hit rate (share of chunks)")
+            ax.set_ylim(0, 1.05)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if ax is axes.flat[0]:
+                ax.legend(loc="upper left", ncol=2)
+        for ax in list(axes.flat)[len(labels):]:
+            ax.axis("off")
+        fig.suptitle("Workload: where chunk-caches were found, cumulative over the trace", fontsize=15)
+        fig.tight_layout()
+        return _save(fig, path)
+
+
+def workload_bytes(data: dict, path: Path) -> Path | None:
+    """Bytes held per tier against the budgets: over the trace when the rows carry
+    ``store_bytes``, else the final usage per method."""
+    rows = [r for r in data.get("requests") or [] if r.get("store_bytes")]
+    budgets = data.get("budgets") or {}
+    if rows:
+        return _bytes_over_trace(rows, budgets, path)
+    usage = {m: v["store_usage"] for m, v in (data.get("methods") or {}).items() if v.get("store_usage")}
+    if not usage:
+        return None
+    tiers = sorted({t for u in usage.values() for t in u})
+    labels = list(usage)
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(labels)), 5))
+        width = 0.8 / len(tiers)
+        for k, tier in enumerate(tiers):
+            xs = [i + (k - (len(tiers) - 1) / 2) * width for i in range(len(labels))]
+            ax.bar(xs, [usage[m].get(tier, {}).get("bytes", 0) / 2**20 for m in labels], width,
+                   color=TIER_COLORS.get(tier, "#17becf"), label=f"{tier} bytes held")
+            budget = budgets.get(tier) or next((u[tier]["budget"] for u in usage.values() if tier in u), None)
+            if budget:
+                ax.axhline(budget / 2**20, color=TIER_COLORS.get(tier, "#17becf"), linestyle=":",
+                           label=f"{tier} budget ({budget / 2**20:.0f} MiB)")
+        ax.set_xticks(range(len(labels)), labels)
+        ax.margins(y=0.12)
+        ax.set_ylabel("MiB held")
+        ax.set_title("Workload: store bytes per tier at the end of the trace, against the budgets")
+        ax.legend(loc="best")
+        return _save(fig, path)
+
+
+def _bytes_over_trace(rows: list[dict], budgets: dict, path: Path) -> Path:
+    labels = list(dict.fromkeys(r["method"] for r in rows))
+    cols = min(3, len(labels))
+    nrows = -(-len(labels) // cols)
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.2 * nrows), squeeze=False, sharey=True)
+        for ax, label in zip(axes.flat, labels):
+            mine = sorted((r for r in rows if r["method"] == label), key=lambda r: r["request"])
+            tiers = sorted({t for r in mine for t in r["store_bytes"]})
+            for tier in tiers:
+                c = TIER_COLORS.get(tier, "#17becf")
+                ax.plot([r["request"] + 1 for r in mine], [r["store_bytes"].get(tier, 0) / 2**20 for r in mine],
+                        color=c, linewidth=2, label=f"{tier} held")
+                if budgets.get(tier):
+                    ax.axhline(budgets[tier] / 2**20, color=c, linestyle=":", label=f"{tier} budget")
+            ax.set_title(label)
+            ax.set_xlabel("request number")
+            ax.set_ylabel("MiB held")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if ax is axes.flat[0]:
+                ax.legend(loc="best")
+        for ax in list(axes.flat)[len(labels):]:
+            ax.axis("off")
+        fig.suptitle("Workload: bytes per tier over the trace, against the budgets", fontsize=15)
+        fig.tight_layout()
+        return _save(fig, path)
+
+
+def workload_evictions(data: dict, path: Path) -> Path | None:
+    """Hit rate and compute saved per eviction policy (methods labelled ``name[policy]``)."""
+    methods = {k: v for k, v in (data.get("methods") or {}).items() if EVICTION.match(k)}
+    if not methods:
+        return None
+    labels = list(methods)
+    policies = [EVICTION.match(label)["policy"] for label in labels]
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+        palette = plt.get_cmap("tab10")
+        for ax, key, title in ((axes[0], "hit_rate", "chunk hit rate (share of chunks)"),
+                               (axes[1], "compute_reduction_vs_full", "compute saved vs full (%)")):
+            scale = 100 if key.startswith("compute") else 1
+            values = [scale * methods[m].get(key, float("nan")) for m in labels]
+            bars = ax.bar(range(len(labels)), values, color=[palette(i) for i in range(len(labels))],
+                          label=policies)
+            ax.axhline(0, color="black", linewidth=0.8)
+            ax.bar_label(bars, fmt="%.0f%%" if scale == 100 else "%.2f", fontsize=9, padding=2)
+            ax.set_xticks(range(len(labels)), policies)
+            ax.set_xlabel("eviction policy")
+            ax.set_ylabel(title)
+            ax.set_title(title.split(" (")[0])
+            ax.margins(y=0.15)
+        handles, names = axes[0].get_legend_handles_labels()
+        fig.legend(handles, names, title="eviction policy", loc="lower center", ncol=len(names))
+        fig.suptitle(f"Eviction policies on the same trace ({family(labels[0])}, same budgets)", fontsize=15)
+        fig.tight_layout(rect=(0, 0.12, 1, 1))
+        return _save(fig, path)
+
+
+# -- scaling ----------------------------------------------------------------------------------
+
+def _scaling_lines(ax, rows: list[dict], x: str, y: str) -> None:
+    # distinct markers keep methods apart where their lines coincide (agreement 1.0 for full and prefix)
+    for i, label in enumerate(dict.fromkeys(r["method"] for r in rows)):
+        mine = sorted((r for r in rows if r["method"] == label), key=lambda r: r[x])
+        ax.plot([r[x] for r in mine], [r[y] for r in mine], "-", marker=MARKERS[i % len(MARKERS)],
+                color=color(label), linewidth=2, markersize=9 - i, alpha=0.9, label=label)
+
+
+def _legend_right(ax) -> None:
+    ax.legend(title="method", loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
+def scaling_context(data: dict, path: Path) -> Path | None:
+    """TTFT (log) and agreement against context length, per method."""
+    rows = [r for r in data.get("scaling") or [] if r["sweep"] == "context"]
+    if not rows:
+        return None
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+        _scaling_lines(axes[0], rows, "context_tokens", "ttft_s")
+        _log_axis(axes[0], "y")
+        axes[0].set_ylabel("time to first token (s, log scale)")
+        axes[0].set_title("TTFT against context length")
+        _scaling_lines(axes[1], rows, "context_tokens", "agreement_f1")
+        axes[1].set_ylabel("answer agreement with full (token F1)")
+        axes[1].set_ylim(-0.02, 1.05)
+        axes[1].set_title("Agreement against context length")
+        _legend_right(axes[1])
+        for ax in axes:
+            ax.set_xlabel("prompt length (tokens)")
+        fig.suptitle(f"Scaling with context length, {data.get('model', '?')}", fontsize=15)
+        fig.tight_layout()
+        return _save(fig, path)
+
+
+def scaling_chunks(data: dict, path: Path) -> Path | None:
+    """TTFT against the number of chunks at a fixed context length."""
+    rows = [r for r in data.get("scaling") or [] if r["sweep"] == "chunks"]
+    if not rows:
+        return None
+    tokens = round(statistics.fmean(r["context_tokens"] for r in rows))
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        _scaling_lines(ax, rows, "n_chunks", "ttft_s")
+        _log_axis(ax, "y")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        _legend_right(ax)
+        ax.set_xlabel("number of chunks")
+        ax.set_ylabel("time to first token (s, log scale)")
+        ax.set_title(f"TTFT against number of chunks (about {tokens} tokens), {data.get('model', '?')}")
+        return _save(fig, path)
+
+
+def scaling_memory(data: dict, path: Path) -> Path | None:
+    """Peak process RSS during the request against context length."""
+    rows = [r for r in data.get("scaling") or [] if r["sweep"] == "context"]
+    if not rows:
+        return None
+    with plt.rc_context(STYLE):
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        _scaling_lines(ax, rows, "context_tokens", "peak_rss_mb")
+        _legend_right(ax)
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel("peak resident memory of the process (MB)")
+        ax.set_title(f"Peak memory against context length, {data.get('model', '?')}")
+        return _save(fig, path)

@@ -1,0 +1,201 @@
+"""``cachecraft bench report``: one Markdown page with PNG plots from the benchmark JSONs.
+
+Reads the results of ``bench quality``, ``bench workload`` and ``bench scaling``
+(any may be missing: its section then says how to make it) and an optional GPU
+result, and writes ``report.md`` and the plots into one folder.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Callable
+
+from cachecraft.bench import findings, plots
+from cachecraft.bench.runs import command
+
+SMALL_MODEL_GOLD = 0.15  # gold F1 below this for every method, full included, says the model cannot answer
+
+
+def gold_note(methods: dict) -> str:
+    """What gold-answer F1 says here: near zero with a model too small for MuSiQue."""
+    gold = [m["gold_f1_mean"] for m in methods.values() if m and "gold_f1_mean" in m]
+    if not gold:
+        return "No gold-answer F1 in this result."
+    if max(gold) < SMALL_MODEL_GOLD:
+        return (f"Gold-answer F1 is near zero for every method, full prefill included (at most {max(gold):.3f}): "
+                "the bundled 135M model is too small to answer MuSiQue's multi-hop questions. Agreement with "
+                "full's answer and first-token KL against full are the quality figures that carry signal here; "
+                "gold F1 matters with larger models.")
+    return (f"Gold-answer F1 reaches {max(gold):.3f}; read it next to agreement with full, which isolates what "
+            "cache reuse changes.")
+
+
+def load_result(path: Path | None) -> dict | None:
+    """A result JSON, or ``None`` when the file does not exist."""
+    if path is None or not Path(path).is_file():
+        return None
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def provenance(data: dict, source: Path) -> list[str]:
+    """Where a result came from: file, command, model, dataset, machine, date."""
+    m = data.get("machine") or {}
+    machine = f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, torch {m.get('torch', '?')}"
+    machine += f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU"
+    return [f"- result: `{source}`", f"- command: `{data.get('command', '?')}`", f"- model: {data.get('model', '?')}",
+            f"- dataset: {data.get('dataset', '?')}", f"- machine: {machine}", f"- date: {data.get('date', '?')}", ""]
+
+
+def _plots(out: Path, data: dict, makers: list[tuple[str, Callable, str]]) -> list[str]:
+    lines = []
+    for name, make, caption in makers:
+        if make(data, out / name) is not None:
+            lines += [f"![{caption}]({name})", ""]
+        else:
+            lines += [f"_{caption}: not in this result._", ""]
+    return lines
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(r) + " |" for r in rows), ""]
+
+
+def quality_section(data: dict, source: Path, out: Path) -> list[str]:
+    lines = ["## Quality and speed on the same requests", "", *provenance(data, source)]
+    lines += _plots(out, data, [("quality_tradeoff.png", plots.quality_tradeoff, "quality against TTFT"),
+                                ("quality_bars.png", plots.quality_bars, "figures per method")])
+    rows = [[label, f"{m['ttft_s_median']:.2f}", f"{m.get('speedup_vs_full_median', float('nan')):.1f}x",
+             f"{m['recompute_fraction_mean']:.3f}", f"{m['kl_mean']:.4f}", f"{m['agreement_f1_mean']:.3f}",
+             f"{m.get('exact_match_rate', float('nan')):.2f}", f"{m.get('gold_f1_mean', float('nan')):.3f}"]
+            for label, m in (data.get("methods") or {}).items() if m]
+    lines += _table(["method", "TTFT median (s)", "speedup vs full", "recompute", "KL vs full", "agreement F1",
+                     "exact match vs full", "gold F1"], rows)
+    return lines + [f"Note: {gold_note(data.get('methods') or {})}", ""]
+
+
+def workload_section(data: dict, source: Path, out: Path) -> list[str]:
+    lines = ["## Workload: a RAG trace with repeats and overlapping retrievals", "", *provenance(data, source)]
+    budgets = data.get("budgets") or {}
+    if budgets:
+        lines += ["Budgets: " + ", ".join(f"{t} {b / 2**20:.0f} MiB" for t, b in budgets.items()), ""]
+    lines += _plots(out, data, [("workload_compute.png", plots.workload_compute, "compute saved"),
+                                ("workload_ttft.png", plots.workload_ttft, "TTFT distribution"),
+                                ("workload_hits.png", plots.workload_hits, "cumulative hit rate per tier"),
+                                ("workload_bytes.png", plots.workload_bytes, "bytes per tier against budgets")])
+    rows = []
+    for label, m in (data.get("methods") or {}).items():
+        if plots.EVICTION.match(label):
+            continue
+        vs_prefix = f"{m['compute_reduction_vs_prefix']:.0%}" if "compute_reduction_vs_prefix" in m else "-"
+        rows.append([label, f"{m['ttft_s_mean']:.2f}", f"{m['ttft_s_median']:.2f}", f"{m['ttft_s_p95']:.2f}",
+                     f"{m.get('throughput_rps', float('nan')):.3f}", f"{m['recompute_fraction_mean']:.3f}",
+                     f"{m['hit_rate']:.2f}", f"{m['compute_reduction_vs_full']:.0%}", vs_prefix,
+                     f"{m['agreement_f1_mean']:.3f}"])
+    lines += _table(["method", "TTFT mean (s)", "median (s)", "p95 (s)", "requests/s", "recompute", "hit rate",
+                     "compute saved vs full", "vs prefix", "agreement F1"], rows)
+    lines += ["### Eviction policies on the same trace", ""]
+    policies = {k: v for k, v in (data.get("methods") or {}).items() if plots.EVICTION.match(k)}
+    if not policies:
+        return lines + ["_No eviction-policy runs in this result (methods labelled like `cachecraft[lru]`)._", ""]
+    lines += _plots(out, data, [("workload_evictions.png", plots.workload_evictions, "eviction policies")])
+    return lines + _table(["policy", "hit rate", "compute saved vs full", "TTFT mean (s)", "agreement F1"],
+                          [[label, f"{m.get('hit_rate', float('nan')):.2f}",
+                            f"{m.get('compute_reduction_vs_full', float('nan')):.0%}",
+                            f"{m.get('ttft_s_mean', float('nan')):.2f}",
+                            f"{m.get('agreement_f1_mean', float('nan')):.3f}"]
+                           for label, m in policies.items()])
+
+
+def scaling_section(data: dict, source: Path, out: Path) -> list[str]:
+    lines = ["## Scaling: context length and number of chunks", "", *provenance(data, source)]
+    setup = data.get("setup") or {}
+    for key in ("chunk_caches", "prefix"):
+        if key in setup:
+            lines.append(f"- setup, {key.replace('_', ' ')}: {setup[key]}")
+    lines.append("")
+    lines += _plots(out, data, [("scaling_context.png", plots.scaling_context, "TTFT and agreement against context"),
+                                ("scaling_chunks.png", plots.scaling_chunks, "TTFT against number of chunks"),
+                                ("scaling_memory.png", plots.scaling_memory, "peak memory against context")])
+    rows = [[r["sweep"], r["method"], str(r["context_tokens"]), str(r["n_chunks"]), f"{r['ttft_s']:.2f}",
+             f"{r['speedup_vs_full']:.1f}x", f"{r['work_ratio_vs_full']:.1f}x" if "work_ratio_vs_full" in r else "-",
+             f"{r['agreement_f1']:.3f}", f"{r.get('kl', float('nan')):.4f}",
+             f"{r['recompute_fraction']:.3f}", f"{r['peak_rss_mb']:.0f}"] for r in data.get("scaling") or []]
+    lines += _table(["sweep", "method", "tokens", "chunks", "TTFT (s)", "speedup vs full", "less work than full",
+                     "agreement F1", "KL", "recompute", "peak RSS (MB)"], rows)
+    lines += ["\"Less work than full\" is full's prefill token-layers over the method's (look-ahead included): "
+              "the speedup that compute alone predicts, unaffected by other load on the machine.", ""]
+    return lines + _goal_line(data.get("summary") or {})
+
+
+def _goal_line(summary: dict) -> list[str]:
+    if summary.get("speedup_at_max_context") is None:
+        return []
+    goal = summary["goal"]
+    return [f"At the longest context ({summary['max_context_tokens']} tokens) `{summary['method']}` is "
+            f"**{summary['speedup_at_max_context']:.1f}x** faster than full prefill at agreement "
+            f"{summary['agreement_at_max_context']:.3f}; goal >= {goal['speedup']:g}x at >= "
+            f"{goal['agreement_f1']:g}: **{'met' if goal['met'] else 'not met'}**.", ""]
+
+
+def gpu_section(gpu: dict | None, source: Path | None, others: list[dict]) -> list[str]:
+    lines = ["## GPU", ""]
+    if gpu is not None:
+        name = (gpu.get("machine") or {}).get("gpu", "unknown GPU")
+        lines += [f"GPU results exist: `{source}` ({gpu.get('benchmark', 'benchmark')} on {name}).", "",
+                  *provenance(gpu, source)]
+        num = lambda v: f"{v:.3f}" if isinstance(v, (int, float)) else "-"  # noqa: E731
+        methods = {k: m for k, m in (gpu.get("methods") or {}).items() if m}
+        if methods:
+            lines += _table(["method", "TTFT median (s)", "TTFT mean (s)", "agreement F1"],
+                            [[label, num(m.get("ttft_s_median")), num(m.get("ttft_s_mean")),
+                              num(m.get("agreement_f1_mean"))] for label, m in methods.items()])
+        lines += _goal_line(gpu.get("summary") or {})
+        return lines
+    on_gpu = [d for d in others if (d.get("machine") or {}).get("gpu")]
+    if on_gpu:
+        return lines + ["Some results above were measured with a GPU: " +
+                        ", ".join(f"{d.get('benchmark')} on {d['machine']['gpu']}" for d in on_gpu) + ".", ""]
+    return lines + ["No GPU run was made on this machine: every figure above is from the CPU. Pass "
+                    "`--gpu-json FILE` to include a result measured on a GPU.", ""]
+
+
+SECTIONS = {"quality": quality_section, "workload": workload_section, "scaling": scaling_section}
+
+
+def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = None) -> Path:
+    """Write ``out/report.md`` and its PNGs from the JSONs at ``sources`` (keys: quality,
+    workload, scaling); returns the Markdown path."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {name: load_result(path) for name, path in sources.items()}
+    gpu = load_result(gpu_source)
+    if gpu_source is not None and gpu is None:
+        raise FileNotFoundError(f"GPU result not found: {gpu_source}")
+    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    lines = ["# cachecraft benchmark report", "", f"Generated {now} by `cachecraft bench report` from:", ""]
+    lines += [f"- {name}: `{path}`" + ("" if results[name] else " (missing)") for name, path in sources.items()]
+    lines.append("")
+    for name, path in sources.items():
+        if results[name] is not None:
+            lines += SECTIONS[name](results[name], path, out)
+        else:
+            lines += [f"## {name.capitalize()}", "", f"_No result at `{path}`. Make it with:_", "",
+                      f"    {command(name, path)}", ""]
+    losses = (findings.quality_losses(results.get("quality")) + findings.workload_losses(results.get("workload"))
+              + findings.scaling_losses(results.get("scaling")))
+    lines += ["## Where cachecraft loses", "",
+              "Read off the results above: every case where another method is faster, closer to full, or saves "
+              "more, and every setting that falls below 0.95 agreement with full.", ""]
+    lines += [f"- {line}" for line in losses] or ["- No such case in these results."]
+    lines.append("")
+    lines += gpu_section(gpu, gpu_source, [r for r in results.values() if r])
+    lines += ["## Reproduce", "", "Each result records the command that made it:", "", "```"]
+    lines += [results[n]["command"] if results[n] else command(n, p) for n, p in sources.items()]
+    lines += [f"cachecraft bench report --out {out}" + "".join(f" --{n} {p}" for n, p in sources.items())
+              + (f" --gpu-json {gpu_source}" if gpu_source else ""), "```", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path

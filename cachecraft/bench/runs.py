@@ -1,0 +1,117 @@
+"""Default runs of the benchmarks, for ``bench report --run``.
+
+They call the functions the ``bench`` commands call (``run_quality``,
+``run_workload``, ``run_scaling``) with the settings of :data:`COMMANDS`, and write
+the same JSON the command would, recording that command.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from cachecraft.bench.common import write_result
+from cachecraft.config import Config
+from cachecraft.model.loader import LoadedModel
+
+DATASET = "../shared/data/musique_dev.json"
+QUALITY_METHODS = ("full,prefix,reuse,cacheblend@0.05,cacheblend@0.15,cacheblend@0.3,cacheblend@0.5,"
+                   "cachecraft@0.05,cachecraft@0.15,cachecraft@0.3,cachecraft@0.6")
+WORKLOAD_METHODS = "full,prefix,reuse,cacheblend,cachecraft"
+EVICTIONS = ("lru", "lfu", "pgdsf", "cachecraft")
+COMMANDS = {
+    "quality": f"cachecraft bench quality --dataset {{dataset}} --limit {{limit}} --methods {QUALITY_METHODS} "
+               "--out {out}",
+    "workload": "cachecraft bench workload --dataset {dataset} --limit {limit} --requests {requests} --top-k {top_k} "
+                f"--evictions {','.join(EVICTIONS)} --out {{out}}",
+    "scaling": "cachecraft bench scaling --dataset {dataset} --out {out}",
+}
+Progress = Callable[[str], None]
+
+
+DEFAULTS = {"quality": {"limit": 10}, "workload": {"limit": 20, "requests": 40, "top_k": 5}, "scaling": {}}
+SCALING_FLAGS = {"chunk_counts": "chunks"}
+
+
+def command(name: str, out: Path, dataset: Path | str = DATASET, **settings) -> str:
+    """The ``bench`` command line that makes result ``name`` at ``out`` with ``settings``."""
+    text = COMMANDS[name].format(dataset=dataset, out=out, **{**DEFAULTS[name], **settings})
+    if name == "scaling":  # its settings are the command's flags
+        for key, value in settings.items():
+            value = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+            text += f" --{SCALING_FLAGS.get(key, key).replace('_', '-')} {shlex.quote(str(value))}"
+    return text
+
+
+def _payload(name: str, lm: LoadedModel, dataset: Path, out: Path, **settings) -> dict:
+    return {"benchmark": name, "command": command(name, out, dataset, **settings), "model": lm.name,
+            "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""), "dataset": str(dataset)}
+
+
+def run_quality_default(lm: LoadedModel, config: Config, dataset: Path, out: Path,
+                        on_progress: Progress | None = None, limit: int = 10) -> Path:
+    """``bench quality`` with the ratio sweep the report's trade-off plot needs."""
+    from cachecraft.bench.quality import run_quality
+    from cachecraft.dataset import load_items
+    from cachecraft.methods import parse_methods
+    from cachecraft.model.loader import DTYPES
+    from cachecraft.store import TieredStore
+
+    items = load_items(dataset, limit)
+    specs = parse_methods(QUALITY_METHODS, config.cacheblend_ratio, config.policy_alpha)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-quality-", dir=config.cache_dir))
+    try:
+        with TieredStore(config.replace(cache_dir=scratch), tiers=("cpu",)) as store:
+            result = run_quality(lm, items, specs, system_prompt=config.system_prompt,
+                                 question_template=config.question_template, kv_dtype=DTYPES[config.kv_dtype],
+                                 store=store, on_item=lambda done, total: on_progress and on_progress(
+                                     f"quality: item {done}/{total}"))
+            store.close(persist=False)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    payload = {**_payload("quality", lm, dataset, out, limit=limit), "kv_dtype": config.kv_dtype,
+               "limit": len(items), **result}
+    return write_result(out, payload)
+
+
+def run_workload_default(lm: LoadedModel, config: Config, dataset: Path, out: Path,
+                         on_progress: Progress | None = None, requests: int = 40, limit: int = 20, top_k: int = 5,
+                         embed: Callable | None = None) -> Path:
+    """``bench workload`` with its default trace and budgets, plus the eviction policies."""
+    from cachecraft.bench.workload import build_trace, run_workload
+    from cachecraft.config import parse_bytes
+    from cachecraft.dataset import load_items
+
+    items = load_items(dataset, limit)
+    if embed is None:
+        from cachecraft.retrieval.embed import Embedder
+        embed = Embedder().embed
+    trace, corpus = build_trace(items, requests, top_k, embed=embed)
+    budgets = {"cpu": parse_bytes("256MiB"), "disk": parse_bytes("1GiB")}
+    result = run_workload(lm, config, trace, WORKLOAD_METHODS.split(","), budgets=budgets, evictions=EVICTIONS,
+                          on_request=lambda method, n, total: on_progress and on_progress(
+                              f"workload: {method} {n}/{total}"))
+    payload = {**_payload("workload", lm, dataset, out, limit=limit, requests=requests, top_k=top_k),
+               "items": len(items), "corpus_chunks": corpus,
+               "unique_requests": len(set(trace)), "top_k": top_k, "budgets": budgets, **result}
+    return write_result(out, payload)
+
+
+def run_scaling_default(lm: LoadedModel, config: Config, dataset: Path, out: Path,
+                        on_progress: Progress | None = None, **settings) -> Path:
+    """``bench scaling`` with its defaults (``settings`` override them, for tests)."""
+    from cachecraft.bench.scaling import run_scaling
+    from cachecraft.dataset import load_items
+    from cachecraft.methods import parse_methods
+
+    specs = parse_methods("full,prefix,reuse,cacheblend,cachecraft", config.cacheblend_ratio, config.policy_alpha)
+    result = run_scaling(lm, config, load_items(dataset), specs, on_step=lambda what, done, total: on_progress and
+                         on_progress(f"scaling: {done}/{total} {what}"), **settings)
+    payload = {**_payload("scaling", lm, dataset, out, **settings), "kv_dtype": config.kv_dtype, **result}
+    return write_result(out, payload)
+
+
+RUNS = {"quality": run_quality_default, "workload": run_workload_default, "scaling": run_scaling_default}

@@ -1,0 +1,296 @@
+"""``cachecraft bench scaling``: time to first token and peak memory as the work grows.
+
+Two sweeps over the same questions: context length (chunks of about ``chunk_tokens``
+tokens, so a longer context has more chunks) and number of chunks at a fixed context
+length. A context is cut from a MuSiQue-format file: the question's own passages,
+then the next items' passages, as one token stream split into equal windows.
+
+``full`` is one plain prefill of the whole prompt. Every other (point, question,
+method) runs in a fresh pipeline over a scratch store, set up as in real use: the
+chunk-caches were made ahead of time (``Pipeline.warm``, after the system prefix
+alone) for the methods that reuse them; ``prefix`` has seen one earlier request
+sharing the system prompt and the first ``prefix_shared`` chunks. TTFT is
+``Pipeline.answer``'s (store loading included); quality is agreement with ``full``'s
+answer (and first-token KL against it) on the same request.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from cachecraft.bench.common import PeakRSS
+from cachecraft.config import Config
+from cachecraft.dataset import QAItem
+from cachecraft.methods import MethodSpec
+from cachecraft.metrics import exact_match, first_line, kl_divergence, token_f1
+from cachecraft.model.loader import LoadedModel
+from cachecraft.prompt import PromptBuilder, builder_for
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CONTEXTS = (1000, 2000, 4000, 7900)  # SmolLM2's window is 8192: room for the answer
+DEFAULT_CHUNK_COUNTS = (2, 5, 10, 20)
+GOAL_SPEEDUP = 10.0
+GOAL_AGREEMENT = 0.95
+EARLIER_QUESTION = "What is this text about?"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One point of a sweep: a prompt of about ``target_tokens`` tokens in ``n_chunks`` chunks."""
+
+    sweep: str  # "context" or "chunks"
+    target_tokens: int
+    n_chunks: int
+
+
+def plan_points(contexts: Sequence[int], chunk_counts: Sequence[int], *, fixed_context: int,
+                chunk_tokens: int) -> list[Point]:
+    """The context sweep (about ``chunk_tokens`` per chunk) then the chunk-count sweep."""
+    points = [Point("context", t, max(1, round(t / chunk_tokens))) for t in contexts]
+    return points + [Point("chunks", fixed_context, n) for n in chunk_counts]
+
+
+def passage_stream(builder: PromptBuilder, items: Sequence[QAItem], start: int, need: int) -> list[int]:
+    """Token ids of the passages of ``items[start]``, then of the items after it (wrapping
+    around), until there are ``need`` tokens."""
+    ids: list[int] = []
+    for step in range(len(items)):
+        for title, text in items[(start + step) % len(items)].passages:
+            ids.extend(builder.encode(PromptBuilder.chunk_text(text, title)))
+        if len(ids) >= need:
+            return ids
+    raise ValueError(f"the dataset's passages hold {len(ids)} tokens, fewer than the {need} a point needs")
+
+
+def cut_chunks(builder: PromptBuilder, stream: Sequence[int], question: str, point: Point) -> list[str]:
+    """Chunk texts that make a prompt of about ``point.target_tokens`` tokens with ``question``."""
+    probe = builder.build(["x"], question)
+    budget = point.target_tokens - (probe.num_tokens - len(probe.chunks[0]))
+    if budget < point.n_chunks:
+        raise ValueError(f"{point.target_tokens} tokens leave no room for {point.n_chunks} chunks "
+                         "after the system prompt and the question")
+    bounds = [round(i * budget / point.n_chunks) for i in range(point.n_chunks + 1)]
+    return [builder.tokenizer.decode(list(stream[a:b])) for a, b in zip(bounds, bounds[1:])]
+
+
+def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs: Sequence[MethodSpec], *,
+                contexts: Sequence[int] = DEFAULT_CONTEXTS, chunk_counts: Sequence[int] = DEFAULT_CHUNK_COUNTS,
+                fixed_context: int = 4000, chunk_tokens: int = 512, repeats: int = 2, prefix_shared: int = 1,
+                max_new_tokens: int = 32, tier: str = "cpu",
+                on_step: Callable[[str, int, int], None] | None = None) -> dict:
+    """Run both sweeps; returns ``{"scaling": [...], "requests": [...], "summary": {...}, "setup": {...}}``.
+    ``on_step(description, done, total)`` is called after each timed request."""
+    points = plan_points(contexts, chunk_counts, fixed_context=fixed_context, chunk_tokens=chunk_tokens)
+    if not points:
+        raise ValueError("nothing to run: give at least one context length or chunk count")
+    longest = max(p.target_tokens for p in points)
+    if longest + max_new_tokens > lm.max_context:
+        raise ValueError(f"a {longest}-token prompt plus {max_new_tokens} answer tokens does not fit the "
+                         f"model's context window of {lm.max_context}")
+    if repeats < 1 or not items:
+        raise ValueError("need at least one item and one repeat")
+    order = [MethodSpec("full")] + [s for s in specs if s.name != "full"]
+    builder = builder_for(lm.tokenizer, config)
+    starts = [(r * len(items)) // repeats for r in range(repeats)]  # questions far apart in the file
+    streams = [passage_stream(builder, items, s, longest) for s in starts]
+    runner = _Runner(lm, config, prefix_shared=prefix_shared, max_new_tokens=max_new_tokens, tier=tier,
+                     needs_cost_model=any(s.name == "cachecraft" for s in order))
+    runner.warm_up(order, [builder.tokenizer.decode(streams[0][i:i + 32]) for i in (0, 32)])
+    total = len(points) * repeats * len(order)
+    rows: list[dict] = []
+    gc.collect()
+    gc.freeze()  # what exists now lives on; each request's collection need not walk it
+    try:
+        for point in points:
+            for row in _run_point(runner, order, builder, items, starts, streams, point):
+                rows.append(row)
+                if on_step:
+                    on_step(f"{point.sweep} {point.target_tokens} tokens x{point.n_chunks} chunks: {row['method']}",
+                            len(rows), total)
+    finally:
+        gc.unfreeze()
+    table = aggregate(rows)
+    setup = {"full": "one plain prefill of the whole prompt in the same engine, nothing saved (the pipeline's "
+                     "full path also stores every chunk's KV and attention statistics, which costs extra time)",
+             "chunk_caches": "made ahead of time by Pipeline.warm, after the system prefix alone, "
+                             f"stored in the {tier} tier and loaded inside the timed request",
+             "prefix": f"one earlier request ({EARLIER_QUESTION!r}) shared the system prompt and the first "
+                       f"{prefix_shared} chunk(s); its blocks were in the prefix cache",
+             "fresh_pipeline_per_request": True, "chunk_tokens": chunk_tokens, "fixed_context": fixed_context,
+             "repeats": repeats, "prefix_shared": prefix_shared, "tier": tier, "max_new_tokens": max_new_tokens,
+             "context_tokens": "whole prompt: system prefix, chunks and question",
+             "peak_rss_mb": "process RSS sampled through the request (prefill and answer), after freed heap "
+                            "was handed back to the OS; model weights included"}
+    return {"scaling": table, "requests": rows, "summary": summarize(table), "setup": setup}
+
+
+def _run_point(runner: "_Runner", order: Sequence[MethodSpec], builder: PromptBuilder, items: Sequence[QAItem],
+               starts: Sequence[int], streams: Sequence[list[int]], point: Point):
+    """Rows of every method on every question of one point (``full`` first on each)."""
+    for repeat, (start, stream) in enumerate(zip(starts, streams)):
+        question = items[start].question
+        chunks = cut_chunks(builder, stream, question, point)
+        reference = None
+        for spec in order:
+            row, run = runner.run(spec, chunks, question, reference)
+            reference = reference or run
+            log.info("%s %d tokens, %d chunks, %s: ttft %.2fs", point.sweep, row["context_tokens"],
+                     point.n_chunks, spec.label, row["ttft_s"])
+            yield {"sweep": point.sweep, "target_tokens": point.target_tokens, "n_chunks": point.n_chunks,
+                   "repeat": repeat, "item": start, **row}
+
+
+class _Runner:
+    """Runs one method on one request: ``full`` as a plain prefill, the others through a
+    fresh pipeline over a scratch store."""
+
+    def __init__(self, lm: LoadedModel, config: Config, *, prefix_shared: int, max_new_tokens: int, tier: str,
+                 needs_cost_model: bool):
+        import torch
+
+        from cachecraft.policy.loading import CostModel
+
+        self.lm, self.tier, self.prefix_shared = lm, tier, prefix_shared
+        self.config = config.replace(max_new_tokens=max_new_tokens)
+        # A server measures its cost model once at start-up; so do we, outside the timed requests.
+        self.cost_model = (CostModel.measure(lm, kv_dtype=getattr(torch, config.kv_dtype))
+                           if needs_cost_model else None)
+
+    def warm_up(self, specs: Sequence[MethodSpec], chunks: list[str]) -> None:
+        """One untimed small request per method, so lazy initialisation is not timed."""
+        for spec in specs:
+            self.run(spec, chunks, EARLIER_QUESTION, None)
+
+    def run(self, spec: MethodSpec, chunks: list[str], question: str, reference) -> tuple[dict, object]:
+        """Time ``spec`` on one request; its row (quality against ``reference``) and its answer."""
+        if spec.name == "full":
+            answer, mem, setup_s = self._plain_prefill(chunks, question)
+        else:
+            answer, mem, setup_s = self._through_pipeline(spec, chunks, question)
+        ref = reference or answer
+        row = {"method": spec.label, "context_tokens": answer.prompt_tokens, "ttft_s": answer.ttft_s,
+               "speedup_vs_full": ref.ttft_s / answer.ttft_s, "recompute_fraction": answer.recompute_fraction,
+               "token_layers": answer.token_layers,
+               "agreement_f1": token_f1(first_line(answer.text), first_line(ref.text)),
+               "exact_match": float(exact_match(answer.text, ref.text)),
+               "kl": kl_divergence(ref.logits, answer.logits),
+               "peak_rss_mb": mem.peak_mb, "rss_growth_mb": mem.growth_mb, "setup_s": setup_s,
+               "cached_chunks": sum(c.tier != "miss" for c in answer.chunks), "answer": answer.text}
+        return row, answer
+
+
+    def _plain_prefill(self, chunks: list[str], question: str):
+        """``full`` as users know it: one prefill of the whole prompt, nothing saved. (The
+        pipeline's ``full`` also stores every chunk's KV and attention statistics for later
+        requests, which makes it slower than a plain prefill.)"""
+        from cachecraft.engine import blended_prefill, generate_from
+        from cachecraft.methods import build_segments
+        from cachecraft.pipeline import Answer
+
+        builder = builder_for(self.lm.tokenizer, self.config)
+        _release_freed_memory()
+        with PeakRSS() as mem:
+            start = time.perf_counter()
+            pieces = builder.build(chunks, question, max_tokens=self.lm.max_context)
+            segments, _ = build_segments(MethodSpec("full"), pieces, None, [None] * len(pieces.chunks))
+            result = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint)
+            int(result.logits.argmax())
+            ttft = time.perf_counter() - start
+            new_ids = generate_from(self.lm.model, self.lm.tokenizer, result,
+                                    max_new_tokens=self.config.max_new_tokens)
+        text = self.lm.tokenizer.decode(new_ids, skip_special_tokens=True)
+        return Answer(text, "full", ttft, pieces.num_tokens, len(new_ids), result.recompute_fraction,
+                      logits=result.logits.float().cpu(), token_layers=result.token_layers), mem, 0.0
+
+    def _through_pipeline(self, spec: MethodSpec, chunks: list[str], question: str):
+        """A fresh pipeline over a scratch store, set up as in real use, then the timed request."""
+        from cachecraft.pipeline import Pipeline
+        from cachecraft.store import TieredStore
+
+        scratch = Path(tempfile.mkdtemp(prefix=f"scaling-{spec.name}-", dir=self.config.cache_dir))
+        config = self.config.replace(cache_dir=scratch)
+        try:
+            with TieredStore(config, tiers=(self.tier,)) as store:
+                pipeline = Pipeline(config, lm=self.lm, store=store)
+                if self.cost_model is not None:
+                    pipeline.cost_model = self.cost_model
+                start = time.perf_counter()
+                if spec.uses_cache:
+                    pipeline.warm(chunks)
+                elif spec.name == "prefix":
+                    earlier = chunks[:self.prefix_shared] or ["An earlier, unrelated passage.\n\n"]
+                    pipeline.answer(earlier, EARLIER_QUESTION, method="prefix", max_new_tokens=1, record=False)
+                setup_s = time.perf_counter() - start
+                _release_freed_memory()
+                with PeakRSS() as mem:
+                    answer = pipeline.answer(chunks, question, method=spec.name, ratio=spec.ratio,
+                                             keep_logits=True, record=False)
+                store.close(persist=False)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return answer, mem, setup_s
+
+
+def _release_freed_memory() -> None:
+    """Collect garbage and hand freed heap back to the OS (glibc), so that a request's
+    peak RSS is not the high-water mark an earlier, larger request left behind."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: peaks may include earlier requests' freed memory
+        pass
+
+
+def aggregate(rows: Sequence[dict]) -> list[dict]:
+    """One row per (sweep, point, method): means over the repeats; speedup from mean TTFTs."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["sweep"], r["target_tokens"], r["n_chunks"], r["method"]), []).append(r)
+    mean = lambda rs, key: statistics.fmean(r[key] for r in rs)  # noqa: E731
+    out = []
+    for (sweep, target, n_chunks, method), mine in groups.items():
+        full = groups.get((sweep, target, n_chunks, "full"), mine)
+        out.append({"sweep": sweep, "method": method, "target_tokens": target,
+                    "context_tokens": round(mean(mine, "context_tokens")), "n_chunks": n_chunks,
+                    "repeats": len(mine), "ttft_s": mean(mine, "ttft_s"),
+                    "ttft_s_min": min(r["ttft_s"] for r in mine), "ttft_s_max": max(r["ttft_s"] for r in mine),
+                    "speedup_vs_full": mean(full, "ttft_s") / mean(mine, "ttft_s"),
+                    # prefill work (token-layers) saved: the speedup a machine free of other load would approach
+                    "work_ratio_vs_full": mean(full, "token_layers") / max(1.0, mean(mine, "token_layers")),
+                    "agreement_f1": mean(mine, "agreement_f1"), "exact_match": mean(mine, "exact_match"),
+                    "kl": mean(mine, "kl"), "recompute_fraction": mean(mine, "recompute_fraction"),
+                    "token_layers": mean(mine, "token_layers"), "peak_rss_mb": max(r["peak_rss_mb"] for r in mine),
+                    "rss_growth_mb": max(r["rss_growth_mb"] for r in mine), "setup_s": mean(mine, "setup_s")})
+    return out
+
+
+def summarize(table: Sequence[dict]) -> dict:
+    """The figures at the longest context: every method's speedup and agreement, and
+    whether ``cachecraft`` meets the goal (>= 10x at agreement >= 0.95)."""
+    context = [r for r in table if r["sweep"] == "context"]
+    if not context:
+        return {}
+    top = max(r["target_tokens"] for r in context)
+    at = {r["method"]: r for r in context if r["target_tokens"] == top}
+    craft = next((label for label in at if label.split("@")[0] == "cachecraft"), None)
+    summary = {"max_context_tokens": next(iter(at.values()))["context_tokens"],
+               "at_max_context": {label: {k: r[k] for k in ("ttft_s", "speedup_vs_full", "agreement_f1", "kl",
+                                                             "recompute_fraction", "peak_rss_mb")}
+                                  for label, r in at.items()},
+               "method": craft, "speedup_at_max_context": None, "agreement_at_max_context": None,
+               "goal": {"speedup": GOAL_SPEEDUP, "agreement_f1": GOAL_AGREEMENT, "met": None}}
+    if craft is not None:
+        speedup, agreement = at[craft]["speedup_vs_full"], at[craft]["agreement_f1"]
+        summary.update(speedup_at_max_context=speedup, agreement_at_max_context=agreement)
+        summary["goal"]["met"] = speedup >= GOAL_SPEEDUP and agreement >= GOAL_AGREEMENT
+    return summary

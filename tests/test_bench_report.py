@@ -1,0 +1,146 @@
+"""``bench report`` from small synthetic result files shaped like the real ones."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib.pyplot as plt
+import pytest
+from typer.testing import CliRunner
+
+from cachecraft.bench.report import write_report
+from cachecraft.cli.app import app
+
+MACHINE = {"cpu": "Test CPU", "cores": 2, "torch": "2.x", "python": "3.11"}
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+QUALITY_CMD = "cachecraft bench quality --dataset d.json --limit 2 --out q.json"
+WORKLOAD_CMD = "cachecraft bench workload --dataset d.json --requests 4 --out w.json"
+SCALING_CMD = "cachecraft bench scaling --dataset d.json --contexts 1000,2000 --out s.json"
+
+
+def quality_result() -> dict:
+    def method(ttft, recompute, kl, agreement):
+        return {"n": 2, "ttft_s_median": ttft, "ttft_s_mean": ttft, "speedup_vs_full_median": 20.0 / ttft,
+                "recompute_fraction_mean": recompute, "kl_mean": kl, "agreement_f1_mean": agreement,
+                "exact_match_rate": agreement, "gold_f1_mean": 0.04, "peak_rss_mb_max": 3000.0, "kv_mb_mean": 260.0}
+    methods = {"full": method(20.0, 1.0, 0.0, 1.0), "prefix": method(21.0, 1.0, 0.0, 1.0),
+               "reuse": method(0.5, 0.0, 0.16, 0.76)}
+    for r, (t, kl, a) in {0.05: (2.0, 0.12, 0.78), 0.15: (4.0, 0.10, 0.80), 0.3: (7.0, 0.06, 0.90),
+                          0.5: (11.0, 0.03, 0.85)}.items():
+        methods[f"cacheblend@{r:g}"] = method(t, r, kl, a)
+    for r, (t, kl, a) in {0.05: (1.5, 0.07, 0.85), 0.15: (2.5, 0.05, 0.92), 0.6: (6.0, 0.01, 0.97)}.items():
+        methods[f"cachecraft@{r:g}"] = method(t, r / 2, kl, a)
+    items = [{"item": i, "method": label, "ttft_s": m["ttft_s_median"], "agreement_f1": m["agreement_f1_mean"]}
+             for i in range(2) for label, m in methods.items()]
+    return {"date": "2026-11-21T00:00:00+00:00", "machine": MACHINE, "benchmark": "quality", "command": QUALITY_CMD,
+            "model": "smollm2", "dataset": "d.json", "limit": 2, "items": items, "methods": methods}
+
+
+def workload_result() -> dict:
+    labels = ["full", "prefix", "reuse", "cacheblend", "cachecraft", "cachecraft[lru]", "cachecraft[cachecraft]"]
+    rows, methods = [], {}
+    for k, label in enumerate(labels):
+        for n in range(4):
+            hits = {} if label in ("full", "prefix") else {"cpu": min(n, 2), "disk": 1 if n == 3 else 0}
+            hits["miss"] = 3 - sum(hits.values())
+            rows.append({"method": label, "request": n, "item": n % 2, "prompt_tokens": 2000, "ttft_s": 1.0 + k + n,
+                         "request_s": 2.0 + k, "recompute_fraction": 0.5, "token_layers": 1000 * (n + 1),
+                         "hits": hits, "chunks": 3, "agreement_f1": 1.0 if k < 2 else 0.9, "answer": "x",
+                         "store_bytes": {"cpu": 2**20 * (n + 1), "disk": 2**21 * n}})
+        methods[label] = {"requests": 4, "ttft_s_mean": 2.5 + k, "ttft_s_median": 2.5 + k, "ttft_s_p95": 4.0 + k,
+                          "throughput_rps": 0.5, "recompute_fraction_mean": 0.5, "token_layers": 10000,
+                          "hit_rate": 0.0 if k < 2 else 0.5 + k / 100, "hit_rate_by_tier": {"cpu": 0.4, "disk": 0.1},
+                          "agreement_f1_mean": 1.0 if k < 2 else 0.9,
+                          "compute_reduction_vs_full": 0.0 if k == 0 else 0.1 * k,
+                          "compute_reduction_vs_prefix": -0.1 if k == 0 else 0.1 * (k - 1),
+                          "store_usage": {"cpu": {"entries": 3, "bytes": 4 * 2**20, "budget": 8 * 2**20}}}
+    return {"date": "2026-11-21T00:00:00+00:00", "machine": MACHINE, "benchmark": "workload", "command": WORKLOAD_CMD,
+            "model": "smollm2", "dataset": "d.json", "items": 2, "corpus_chunks": 20, "unique_requests": 3, "top_k": 3,
+            "budgets": {"cpu": 8 * 2**20, "disk": 32 * 2**20}, "requests": rows, "methods": methods}
+
+
+def scaling_result() -> dict:
+    rows = []
+    speed = {"full": 1.0, "prefix": 1.1, "reuse": 30.0, "cacheblend": 4.0, "cachecraft@0.15": 8.0}
+    for sweep, points in (("context", [(1000, 2), (2000, 4)]), ("chunks", [(2000, 2), (2000, 5)])):
+        for tokens, chunks in points:
+            for label, s in speed.items():
+                full = tokens / 100
+                rows.append({"sweep": sweep, "method": label, "target_tokens": tokens, "context_tokens": tokens - 3,
+                             "n_chunks": chunks, "repeats": 2, "ttft_s": full / s, "speedup_vs_full": s,
+                             "agreement_f1": 1.0 if s < 2 else 0.8, "kl": 0.0 if s < 2 else 0.1,
+                             "recompute_fraction": 1.0 if s < 2 else 0.1, "peak_rss_mb": 1000 + tokens / 10})
+    summary = {"max_context_tokens": 1997, "method": "cachecraft@0.15", "speedup_at_max_context": 8.0,
+               "agreement_at_max_context": 0.8, "goal": {"speedup": 10.0, "agreement_f1": 0.95, "met": False}}
+    return {"date": "2026-11-21T00:00:00+00:00", "machine": MACHINE, "benchmark": "scaling", "command": SCALING_CMD,
+            "model": "smollm2", "dataset": "d.json", "scaling": rows, "requests": [], "summary": summary,
+            "setup": {"chunk_caches": "warmed", "prefix": "one earlier request", "prefix_shared": 1}}
+
+
+EXPECTED_PNGS = ["quality_tradeoff.png", "quality_bars.png", "workload_compute.png", "workload_ttft.png",
+                 "workload_hits.png", "workload_bytes.png", "workload_evictions.png", "scaling_context.png",
+                 "scaling_chunks.png", "scaling_memory.png"]
+
+
+@pytest.fixture
+def results(tmp_path):
+    paths = {}
+    for name, make in (("quality", quality_result), ("workload", workload_result), ("scaling", scaling_result)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(make()))
+    return paths
+
+
+def test_report_has_sections_commands_and_valid_plots(results, tmp_path):
+    out = tmp_path / "report"
+    text = write_report(out, results).read_text()
+    for command in (QUALITY_CMD, WORKLOAD_CMD, SCALING_CMD):
+        assert command in text
+    for heading in ("## Quality", "## Workload", "### Eviction policies", "## Scaling", "## Where cachecraft loses",
+                    "## GPU", "## Reproduce"):
+        assert heading in text
+    assert "No GPU run was made on this machine" in text and "Gold-answer F1 is near zero" in text
+    assert "Test CPU, 2 cores" in text and "| cachecraft[lru] |" in text
+    assert "**8.0x**" in text and "not met" in text
+    # losses computed from the data
+    assert "`reuse` is faster than every cachecraft setting" in text
+    assert "`cacheblend` agrees less at ratio 0.5 (0.850) than at 0.3 (0.900)" in text
+    assert "`prefix` beats `cachecraft` on agreement with full" in text
+    assert "`reuse` is faster than `cachecraft@0.15` at 4 of 4 points" in text
+    for name in EXPECTED_PNGS:
+        path = out / name
+        assert path.read_bytes()[:8] == PNG_MAGIC, name
+        image = plt.imread(path)
+        assert image.shape[0] > 100 and image.shape[1] > 100, name
+        assert f"]({name})" in text
+
+
+def test_missing_results_and_gpu_section(results, tmp_path):
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({**quality_result(), "machine": {**MACHINE, "gpu": "NVIDIA H100"}}))
+    sources = {**results, "scaling": tmp_path / "absent.json"}
+    text = write_report(tmp_path / "r", sources, gpu).read_text()
+    assert "GPU results exist" in text and "NVIDIA H100" in text
+    assert "No result at" in text and "cachecraft bench scaling --dataset" in text
+    assert not (tmp_path / "r" / "scaling_context.png").exists()
+    bare = {**results, "workload": tmp_path / "w2.json"}
+    data = workload_result()
+    data["methods"] = {k: v for k, v in data["methods"].items() if "[" not in k}
+    for row in data["requests"]:
+        row.pop("store_bytes")
+    bare["workload"].write_text(json.dumps(data))
+    text = write_report(tmp_path / "r2", bare).read_text()
+    assert "No eviction-policy runs" in text
+    assert (tmp_path / "r2" / "workload_bytes.png").exists()  # falls back to the final usage
+    assert not (tmp_path / "r2" / "workload_evictions.png").exists()
+
+
+def test_command(results, tmp_path):
+    out = tmp_path / "cli-report"
+    result = CliRunner().invoke(app, ["bench", "report", "--out", str(out), "--quality", str(results["quality"]),
+                                      "--workload", str(results["workload"]), "--scaling", str(results["scaling"])])
+    assert result.exit_code == 0, result.output
+    assert (out / "report.md").is_file() and "10 plots" in " ".join(result.output.split())
+    missing = CliRunner().invoke(app, ["bench", "report", "--out", str(out), "--gpu-json", str(tmp_path / "no.json"),
+                                       "--quality", str(results["quality"])])
+    assert missing.exit_code == 1 and "GPU result not found" in " ".join(missing.output.split())

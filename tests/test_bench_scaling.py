@@ -1,0 +1,103 @@
+"""``bench scaling`` on a tiny model: rows, fields, and the command's JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cachecraft.bench.scaling import Point, cut_chunks, passage_stream, plan_points, run_scaling
+from cachecraft.cli.app import app
+from cachecraft.config import Config
+from cachecraft.dataset import QAItem
+from cachecraft.methods import parse_methods
+from cachecraft.prompt import PromptBuilder
+from tests.conftest import tiny_model, tiny_tokenizer
+
+REQUIRED = ("method", "sweep", "context_tokens", "n_chunks", "ttft_s", "speedup_vs_full", "agreement_f1",
+            "peak_rss_mb", "recompute_fraction")
+
+
+def words(start: int, n: int) -> str:
+    return " ".join(f"w{i}" for i in range(start, start + n))
+
+
+ITEMS = [QAItem(words(250 + i, 4), tuple((f"w{i}", words(10 + 20 * i + 3 * j, 25)) for j in range(4)),
+                (words(1, 1),)) for i in range(3)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matrices: one thread avoids contention on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_points_and_contexts_hit_their_targets():
+    points = plan_points([100, 300], [2, 5], fixed_context=200, chunk_tokens=100)
+    assert points == [Point("context", 100, 1), Point("context", 300, 3), Point("chunks", 200, 2),
+                      Point("chunks", 200, 5)]
+    builder = PromptBuilder(tiny_tokenizer(), "w300 w301")
+    stream = passage_stream(builder, ITEMS, 1, 250)
+    assert len(stream) >= 250
+    chunks = cut_chunks(builder, stream, ITEMS[1].question, Point("chunks", 200, 5))
+    assert len(chunks) == 5
+    assert builder.build(chunks, ITEMS[1].question).num_tokens == 200
+    with pytest.raises(ValueError, match="fewer than"):
+        passage_stream(builder, ITEMS, 0, 10_000)
+
+
+def test_run_rows_have_every_field(cache_dir):
+    cache_dir.mkdir(parents=True)
+    config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32"}, environ={})
+    specs = parse_methods("full,prefix,reuse,cacheblend,cachecraft", 0.15, 0.15)
+    result = run_scaling(tiny_model("llama"), config, ITEMS, specs, contexts=[120, 240], chunk_counts=[2, 4],
+                         fixed_context=160, chunk_tokens=60, repeats=2, max_new_tokens=3)
+    rows = result["scaling"]
+    assert len(rows) == 4 * 5 and len(result["requests"]) == 4 * 5 * 2
+    for row in rows:
+        assert all(key in row for key in REQUIRED)
+        assert row["sweep"] in ("context", "chunks") and row["repeats"] == 2
+    full = [r for r in rows if r["method"] == "full"]
+    assert all(r["speedup_vs_full"] == 1.0 and r["agreement_f1"] == 1.0 for r in full)
+    assert all(r["work_ratio_vs_full"] == 1.0 for r in full)
+    assert {r["n_chunks"] for r in rows if r["sweep"] == "chunks"} == {2, 4}
+    assert [r["context_tokens"] for r in full] == [120, 240, 160, 160]
+    reuse = [r for r in rows if r["method"] == "reuse"]
+    assert all(r["recompute_fraction"] == 0.0 and r["work_ratio_vs_full"] > 1 for r in reuse)  # all warmed
+    summary = result["summary"]
+    assert summary["method"] == "cachecraft@0.15" and summary["max_context_tokens"] == 240
+    assert summary["speedup_at_max_context"] > 0 and isinstance(summary["goal"]["met"], bool)
+    assert not list(cache_dir.iterdir())  # scratch stores are removed
+
+
+def test_command_writes_json(tiny_dir, dataset, tmp_path, cache_dir):
+    out = tmp_path / "scaling.json"
+    result = CliRunner().invoke(app, ["bench", "scaling", "--dataset", str(dataset), "--model", str(tiny_dir),
+                                      "--contexts", "100", "--chunks", "", "--chunk-tokens", "40", "--repeats", "1",
+                                      "--methods", "full,reuse", "--max-new-tokens", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "scaling" and data["command"].startswith("cachecraft bench scaling")
+    assert [r["method"] for r in data["scaling"]] == ["full", "reuse"]
+    assert "machine" in data and "date" in data and data["setup"]["prefix_shared"] == 1
+    bad = CliRunner().invoke(app, ["bench", "scaling", "--dataset", str(dataset), "--model", str(tiny_dir),
+                                   "--contexts", "5000", "--chunks", "", "--out", str(out)])
+    assert bad.exit_code == 1 and "context window" in bad.output
+
+
+def test_default_run_writes_the_json_and_its_command(dataset, tmp_path, cache_dir):
+    from cachecraft.bench.runs import run_scaling_default
+
+    cache_dir.mkdir(parents=True)
+    config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32"}, environ={})
+    out = run_scaling_default(tiny_model("llama"), config, dataset, tmp_path / "s.json", contexts=[100],
+                              chunk_counts=[], fixed_context=100, chunk_tokens=50, repeats=1, max_new_tokens=2)
+    data = json.loads(out.read_text())
+    assert data["command"].endswith("--contexts 100 --chunks '' --fixed-context 100 --chunk-tokens 50 --repeats 1 "
+                                    "--max-new-tokens 2")
+    assert [r["method"] for r in data["scaling"]] == ["full", "prefix", "reuse", "cacheblend@0.15", "cachecraft@0.15"]
