@@ -273,8 +273,8 @@ class Pipeline:
         """Segments for ``spec``, the policy plan (cachecraft only) and the tier each chunk came from."""
         tiers: list[str] = [MISS] * len(keys)
         used: list[str | None] = [None] * len(keys)
-        if spec.name == "full":
-            return self._plain_segments(pieces, prefix_key, keys, used), None, used, tiers, None
+        if spec.name == "full":  # the baseline: one plain prefill, nothing gathered or kept
+            return self._plain_segments(pieces, prefix_key, keys, used, keep=False), None, used, tiers, None
         if spec.name == "prefix":
             match = self.prefix_cache.match(pieces.token_ids, limit=pieces.num_tokens - 1)
             return prefix_segments(pieces, match), None, used, tiers, None
@@ -311,10 +311,11 @@ class Pipeline:
         uncached = sum(len(s.token_ids) for s in segments if s.cached is None)
         return uncached * (min(layer, self.lm.adapter.num_layers - 1) + 1)
 
-    def _plain_segments(self, pieces, prefix_key, keys, kvs, prefix_kv=None) -> list[Segment]:
+    def _plain_segments(self, pieces, prefix_key, keys, kvs, prefix_kv=None, keep: bool = True) -> list[Segment]:
         segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=prefix_key)]
         for ids, key, kv in zip(pieces.chunks, keys, kvs):
-            segments.append(Segment(ids, "chunk", cached=kv, key=key, save=kv is None, collect_stats=kv is None))
+            fresh = keep and kv is None  # computed here: keep it as a variant, with its statistics
+            segments.append(Segment(ids, "chunk", cached=kv, key=key, save=fresh, collect_stats=fresh))
         segments.append(Segment(pieces.question, "question"))
         return segments
 
