@@ -176,3 +176,12 @@ def test_query_errors_before_ingest_and_on_an_empty_question(corpus_pipeline):
         corpus_pipeline.query("w1 w2")
     with pytest.raises(CorpusError, match="cachecraft ingest"):
         corpus_pipeline.warm_corpus()
+
+
+def test_full_prefill_keeps_nothing_and_matches_the_first_miss(pipeline):
+    full = pipeline.answer(CHUNKS, QUESTION, method="full", keep_logits=True)
+    keys = [c.chunk for c in full.chunks]
+    assert all(not pipeline.store.variants_of(key) for key in keys)  # the baseline caches nothing
+    miss = pipeline.answer(CHUNKS, QUESTION, keep_logits=True)
+    assert all(c.tier == "miss" for c in miss.chunks)
+    assert (miss.logits - full.logits).abs().max() < 1e-4 and miss.text == full.text
