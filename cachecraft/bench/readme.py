@@ -51,8 +51,30 @@ def store_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"quality": quality_table, "quality_policy": quality_table, "workload": workload_table,
-             "store": store_table}
+def scaling_table(data: dict) -> str:
+    """Markdown table of a ``bench scaling`` result: TTFT (speedup vs full) per method and size."""
+    lines = [f"`{data['command']}` ({data['model']}, {data['date'][:10]}, {data['machine']['cpu']}, "
+             f"{data['machine']['cores']} cores)"]
+    for sweep, size, unit in (("context", "context_tokens", "prompt tokens"), ("chunks", "n_chunks", "chunks")):
+        rows = [r for r in data["scaling"] if r["sweep"] == sweep]
+        if not rows:
+            continue
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        sizes = sorted({r[size] for r in rows})
+        cell = {(r["method"], r[size]): r for r in rows}
+        lines += ["", f"| {unit} | " + " | ".join(methods) + " |", "|---" * (len(methods) + 1) + "|"]
+        for n in sizes:
+            cells = []
+            for m in methods:
+                r = cell.get((m, n))
+                cells.append("-" if r is None else
+                             f"{r['ttft_s']:.2f} s ({r['speedup_vs_full']:.1f}x, F1 {r['agreement_f1']:.2f})")
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+RENDERERS = {"quality": quality_table, "quality_policy": quality_table, "quality_report": quality_table,
+             "workload": workload_table, "store": store_table, "scaling": scaling_table}
 
 
 def update(readme: Path, results: Path) -> list[str]:
