@@ -21,3 +21,21 @@ def test_blocks_are_replaced_and_others_left(tmp_path):
     text = readme.read_text()
     assert "| full | 2.00 | 1.0x | 1.000 | 0.0000 | 1.000 | 1.00 | 0.500 |" in text
     assert "STALE-TABLE" not in text and "keep" in text
+
+
+def test_scaling_block_has_one_row_per_size_and_a_column_per_method(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [{"sweep": "context", "method": m, "context_tokens": n, "n_chunks": n // 500, "ttft_s": t,
+             "speedup_vs_full": s, "agreement_f1": 1.0}
+            for m, n, t, s in (("full", 1000, 2.0, 1.0), ("cachecraft", 1000, 0.5, 4.0), ("full", 8000, 30.0, 1.0))]
+    data = {"command": "cachecraft bench scaling", "model": "m", "date": "2026-11-21T00:00",
+            "machine": {"cpu": "cpu", "cores": 2}, "scaling": rows}
+    (results / "scaling.json").write_text(json.dumps(data))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results:scaling -->\n<!-- /results:scaling -->\n")
+    assert update(readme, results) == ["scaling"]
+    text = readme.read_text()
+    assert "| prompt tokens | full | cachecraft |" in text and "| chunks |" not in text
+    assert "| 1000 | 2.00 s (1.0x, F1 1.00) | 0.50 s (4.0x, F1 1.00) |" in text
+    assert "| 8000 | 30.00 s (1.0x, F1 1.00) | - |" in text
