@@ -120,8 +120,7 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
     finally:
         gc.unfreeze()
     table = aggregate(rows)
-    setup = {"full": "one plain prefill of the whole prompt in the same engine, nothing saved (the pipeline's "
-                     "full path also stores every chunk's KV and attention statistics, which costs extra time)",
+    setup = {"full": "one plain prefill of the whole prompt in the same engine, nothing saved",
              "chunk_caches": "made ahead of time by Pipeline.warm, after the system prefix alone, "
                              f"stored in the {tier} tier and loaded inside the timed request",
              "prefix": f"one earlier request ({EARLIER_QUESTION!r}) shared the system prompt and the first "
@@ -190,9 +189,8 @@ class _Runner:
 
 
     def _plain_prefill(self, chunks: list[str], question: str):
-        """``full`` as users know it: one prefill of the whole prompt, nothing saved. (The
-        pipeline's ``full`` also stores every chunk's KV and attention statistics for later
-        requests, which makes it slower than a plain prefill.)"""
+        """``full`` as users know it: one prefill of the whole prompt, nothing saved (the
+        work of the pipeline's ``full``, without its store)."""
         from cachecraft.engine import blended_prefill, generate_from
         from cachecraft.methods import build_segments
         from cachecraft.pipeline import Answer
