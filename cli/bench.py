@@ -296,6 +296,8 @@ def bench_report_cmd(
     out: Path = typer.Option(Path("benchmarks/report"), help="Folder for report.md and the PNG plots."),
     quality: Path = typer.Option(Path("benchmarks/results/quality_report.json"), help="`bench quality` result."),
     workload: Path = typer.Option(Path("benchmarks/results/workload.json"), help="`bench workload` result."),
+    eviction: Path = typer.Option(Path("benchmarks/results/workload_eviction.json"),
+                                  help="`bench workload --evictions ...` result comparing eviction policies."),
     scaling: Path = typer.Option(Path("benchmarks/results/scaling.json"), help="`bench scaling` result."),
     gpu_json: Optional[Path] = typer.Option(None, help="A result measured on a GPU, for the GPU section."),
     run: bool = typer.Option(False, "--run", help="Run the missing benchmarks first (long: see the report's "
@@ -309,13 +311,13 @@ def bench_report_cmd(
     from cachecraft.bench.report import write_report
     from cachecraft.bench.runs import RUNS
 
-    sources = {"quality": quality, "workload": workload, "scaling": scaling}
+    sources = {"quality": quality, "workload": workload, "eviction": eviction, "scaling": scaling}
     missing = [name for name, path in sources.items() if not path.is_file()]
     if run and missing:
         config = load_config(ctx)
         ensure_dir(config.cache_dir)
         lm = load_model_quietly(config)
-        for name in missing:
+        for name in [m for m in missing if m in RUNS]:  # the workload run includes the eviction policies
             with console.status(f"running bench {name} ...") as status:
                 RUNS[name](lm, config, dataset, sources[name], on_progress=lambda what: status.update(what))
             console.print(f"wrote {sources[name]}")

@@ -130,7 +130,7 @@ def test_missing_results_and_gpu_section(results, tmp_path):
         row.pop("store_bytes")
     bare["workload"].write_text(json.dumps(data))
     text = write_report(tmp_path / "r2", bare).read_text()
-    assert "No eviction-policy runs" in text
+    assert "## Eviction" not in text  # neither the workload nor a separate run compared policies
     assert (tmp_path / "r2" / "workload_bytes.png").exists()  # falls back to the final usage
     assert not (tmp_path / "r2" / "workload_evictions.png").exists()
 
@@ -144,3 +144,20 @@ def test_command(results, tmp_path):
     missing = CliRunner().invoke(app, ["bench", "report", "--out", str(out), "--gpu-json", str(tmp_path / "no.json"),
                                        "--quality", str(results["quality"])])
     assert missing.exit_code == 1 and "GPU result not found" in " ".join(missing.output.split())
+
+
+def test_a_separate_eviction_run_gets_its_own_section(tmp_path):
+    workload = workload_result()
+    evictions = {k: v for k, v in workload["methods"].items() if k == "full" or k.startswith("cachecraft[")}
+    plain = {**workload, "methods": {k: v for k, v in workload["methods"].items() if "[" not in k}}
+    eviction = {**workload, "command": "cachecraft bench workload --methods full --evictions lru,cachecraft",
+                "methods": evictions, "requests": [r for r in workload["requests"] if r["method"] in evictions]}
+    paths = {}
+    for name, data in (("workload", plain), ("eviction", eviction)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(data))
+    text = write_report(tmp_path / "r", paths).read_text()
+    assert "## Eviction policies" in text and eviction["command"] in text
+    assert "| cachecraft[lru] | 0.55 |" in text  # hit rate 0.5 + 5/100 from the synthetic result
+    assert (tmp_path / "r" / "workload_evictions.png").read_bytes().startswith(PNG_MAGIC)
+    assert "higher hit rate than cachecraft's own policy" not in text  # lru 0.55 < own 0.56

@@ -96,7 +96,23 @@ def workload_section(data: dict, source: Path, out: Path) -> list[str]:
                      f"{m['agreement_f1_mean']:.3f}"])
     lines += _table(["method", "TTFT mean (s)", "median (s)", "p95 (s)", "requests/s", "recompute", "hit rate",
                      "compute saved vs full", "vs prefix", "agreement F1"], rows)
-    lines += ["### Eviction policies on the same trace", ""]
+    if any(plots.EVICTION.match(label) for label in data.get("methods") or {}):
+        lines += eviction_policies(data, out)
+    return lines
+
+
+def eviction_section(data: dict, source: Path, out: Path) -> list[str]:
+    """A separate `bench workload --evictions ...` run: its own trace and budgets."""
+    lines = ["## Eviction policies", "", *provenance(data, source)]
+    budgets = data.get("budgets") or {}
+    if budgets:
+        lines += ["Budgets: " + ", ".join(f"{t} {b / 2**20:.0f} MiB" for t, b in budgets.items()), ""]
+    return lines + eviction_policies(data, out)
+
+
+def eviction_policies(data: dict, out: Path) -> list[str]:
+    """Plot and table of the ``cachecraft[policy]`` runs of a workload result."""
+    lines = ["### Eviction policies on the same trace", ""]
     policies = {k: v for k, v in (data.get("methods") or {}).items() if plots.EVICTION.match(k)}
     if not policies:
         return lines + ["_No eviction-policy runs in this result (methods labelled like `cachecraft[lru]`)._", ""]
@@ -162,7 +178,8 @@ def gpu_section(gpu: dict | None, source: Path | None, others: list[dict]) -> li
                     "`--gpu-json FILE` to include a result measured on a GPU.", ""]
 
 
-SECTIONS = {"quality": quality_section, "workload": workload_section, "scaling": scaling_section}
+SECTIONS = {"quality": quality_section, "workload": workload_section, "eviction": eviction_section,
+            "scaling": scaling_section}
 
 
 def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = None) -> Path:
@@ -185,6 +202,7 @@ def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = 
             lines += [f"## {name.capitalize()}", "", f"_No result at `{path}`. Make it with:_", "",
                       f"    {command(name, path)}", ""]
     losses = (findings.quality_losses(results.get("quality")) + findings.workload_losses(results.get("workload"))
+              + findings.workload_losses(results.get("eviction"))
               + findings.scaling_losses(results.get("scaling")))
     lines += ["## Where cachecraft loses", "",
               "Read off the results above: every case where another method is faster, closer to full, or saves "

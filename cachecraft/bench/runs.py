@@ -27,12 +27,17 @@ COMMANDS = {
                "--out {out}",
     "workload": "cachecraft bench workload --dataset {dataset} --limit {limit} --requests {requests} --top-k {top_k} "
                 f"--evictions {','.join(EVICTIONS)} --out {{out}}",
+    "eviction": "cachecraft bench workload --dataset {dataset} --limit {limit} --requests {requests} "
+                "--top-k {top_k} --methods full --evictions " + ",".join(EVICTIONS)
+                + " --cpu-budget {cpu_budget} --disk-budget {disk_budget} --max-new-tokens 4 --out {out}",
     "scaling": "cachecraft bench scaling --dataset {dataset} --out {out}",
 }
 Progress = Callable[[str], None]
 
 
-DEFAULTS = {"quality": {"limit": 10}, "workload": {"limit": 20, "requests": 40, "top_k": 5}, "scaling": {}}
+DEFAULTS = {"quality": {"limit": 10}, "workload": {"limit": 20, "requests": 40, "top_k": 5},
+            "eviction": {"limit": 20, "requests": 40, "top_k": 3, "cpu_budget": "32MiB", "disk_budget": "128MiB"},
+            "scaling": {}}
 SCALING_FLAGS = {"chunk_counts": "chunks"}
 
 
