@@ -226,11 +226,16 @@ def workload_hits(data: dict, path: Path) -> Path | None:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             if ax is axes.flat[0]:
                 ax.legend(loc="upper left", ncol=2)
-        for ax in list(axes.flat)[len(labels):]:
-            ax.axis("off")
-        fig.suptitle("Workload: where chunk-caches were found, cumulative over the trace", fontsize=15)
-        fig.tight_layout()
-        return _save(fig, path)
+        return _finish_grid(fig, axes, len(labels), "Workload: where chunk-caches were found, cumulative over the trace", path)
+
+
+def _finish_grid(fig, axes, used: int, title: str, path: Path) -> Path:
+    """Hide the unused panels of a per-method grid, title it and save it."""
+    for ax in list(axes.flat)[used:]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=15)
+    fig.tight_layout()
+    return _save(fig, path)
 
 
 def workload_bytes(data: dict, path: Path) -> Path | None:
@@ -285,11 +290,7 @@ def _bytes_over_trace(rows: list[dict], budgets: dict, path: Path) -> Path:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             if ax is axes.flat[0]:
                 ax.legend(loc="best")
-        for ax in list(axes.flat)[len(labels):]:
-            ax.axis("off")
-        fig.suptitle("Workload: bytes per tier over the trace, against the budgets", fontsize=15)
-        fig.tight_layout()
-        return _save(fig, path)
+        return _finish_grid(fig, axes, len(labels), "Workload: bytes per tier over the trace, against the budgets", path)
 
 
 def workload_evictions(data: dict, path: Path) -> Path | None:
