@@ -138,7 +138,8 @@ def test_missing_results_and_gpu_section(results, tmp_path):
 def test_command(results, tmp_path):
     out = tmp_path / "cli-report"
     result = CliRunner().invoke(app, ["bench", "report", "--out", str(out), "--quality", str(results["quality"]),
-                                      "--workload", str(results["workload"]), "--scaling", str(results["scaling"])])
+                                      "--workload", str(results["workload"]), "--scaling", str(results["scaling"]),
+                                      "--eviction", str(tmp_path / "no-eviction-run.json")])
     assert result.exit_code == 0, result.output
     assert (out / "report.md").is_file() and "10 plots" in " ".join(result.output.split())
     missing = CliRunner().invoke(app, ["bench", "report", "--out", str(out), "--gpu-json", str(tmp_path / "no.json"),
@@ -160,4 +161,9 @@ def test_a_separate_eviction_run_gets_its_own_section(tmp_path):
     assert "## Eviction policies" in text and eviction["command"] in text
     assert "| cachecraft[lru] | 0.55 |" in text  # hit rate 0.5 + 5/100 from the synthetic result
     assert (tmp_path / "r" / "workload_evictions.png").read_bytes().startswith(PNG_MAGIC)
-    assert "higher hit rate than cachecraft's own policy" not in text  # lru 0.55 < own 0.56
+    assert "beats cachecraft's own policy on hit rate" not in text  # lru 0.55 < own 0.56
+    assert "no `cachecraft` run to compare" not in text  # an eviction-only run is not a missing comparison
+    eviction["methods"]["cachecraft[lru]"] = {**evictions["cachecraft[lru]"], "hit_rate": 0.9}
+    paths["eviction"].write_text(json.dumps(eviction))
+    text = write_report(tmp_path / "r3", paths).read_text()
+    assert "Eviction: `cachecraft[lru]` beats cachecraft's own policy on hit rate: 0.90 vs 0.56." in text

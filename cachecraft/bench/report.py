@@ -202,7 +202,7 @@ def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = 
             lines += [f"## {name.capitalize()}", "", f"_No result at `{path}`. Make it with:_", "",
                       f"    {command(name, path)}", ""]
     losses = (findings.quality_losses(results.get("quality")) + findings.workload_losses(results.get("workload"))
-              + findings.workload_losses(results.get("eviction"))
+              + findings.eviction_losses(results.get("workload")) + findings.eviction_losses(results.get("eviction"))
               + findings.scaling_losses(results.get("scaling")))
     lines += ["## Where cachecraft loses", "",
               "Read off the results above: every case where another method is faster, closer to full, or saves "
