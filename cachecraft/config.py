@@ -82,7 +82,7 @@ class Config:
     max_new_tokens: int = 32
     cacheblend_ratio: float = 0.15
     check_layer: int = 1
-    policy_alpha: float = 0.15
+    policy_alpha: float = 0.08
     policy_check_layer: int = 8
     early_stop_layers: str = ""  # comma-separated layers, e.g. "12,20"; empty: off
     early_stop_share: float = 0.25

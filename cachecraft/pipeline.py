@@ -134,6 +134,7 @@ class Pipeline:
         self._seconds_per_token: float | None = None
         self.cost_model: CostModel | None = None  # measured on first use
         self._token_counts: dict[str, int] = {}
+        self._sources: dict[str, str] = {}  # chunk key -> the document it came from (catalog rows)
         self._corpus: Corpus | None = None
 
     @property
@@ -146,14 +147,16 @@ class Pipeline:
     # -- public ------------------------------------------------------------------------
     def answer(self, chunk_texts: Sequence[str], question: str, *, method: str = "cachecraft",
                ratio: float | None = None, max_new_tokens: int | None = None, streamer=None,
-               record: bool = True, keep_logits: bool = False) -> Answer:
-        """Answer ``question`` over ``chunk_texts`` (formatted chunk texts, in order)."""
+               record: bool = True, keep_logits: bool = False, sources: Sequence[str] | None = None) -> Answer:
+        """Answer ``question`` over ``chunk_texts`` (formatted chunk texts, in order);
+        ``sources`` (one per chunk) names where each chunk came from in the catalog."""
         default = self.policy.alpha if method == "cachecraft" else self.config.cacheblend_ratio
         spec = MethodSpec(method, default if ratio is None else ratio)
         start = time.perf_counter()
         pieces = self.builder.build(chunk_texts, question, max_tokens=self.lm.max_context)
         prefix_key = chunk_key(self.lm.fingerprint, pieces.prefix)
         keys = [chunk_key(self.lm.fingerprint, ids) for ids in pieces.chunks]
+        self._note_sources(keys, sources)
         segments, plan, used, tiers, check = self._prepare(spec, pieces, prefix_key, keys)
         stops: dict[int, int] = {}
         observe, callback = self._early_stop(spec, segments, stops)
@@ -182,15 +185,16 @@ class Pipeline:
             answer.request_id = self._record(question, answer)
         return answer
 
-    def warm(self, chunk_texts: Sequence[str]) -> int:
+    def warm(self, chunk_texts: Sequence[str], sources: Sequence[str] | None = None) -> int:
         """Make chunk-caches ahead of time (after the system prefix alone); returns how
-        many were made (already cached chunks are skipped)."""
+        many were made (already cached chunks are skipped). ``sources`` as in :meth:`answer`."""
         pieces = self.builder.build(chunk_texts, "warm")
         prefix_key = chunk_key(self.lm.fingerprint, pieces.prefix)
         prefix_kv = self._prefix_kv(pieces, prefix_key)
+        keys = [chunk_key(self.lm.fingerprint, ids) for ids in pieces.chunks]
+        self._note_sources(keys, sources)
         made = 0
-        for ids in pieces.chunks:
-            key = chunk_key(self.lm.fingerprint, ids)
+        for ids, key in zip(pieces.chunks, keys):
             if self.store.variants_of(key):
                 continue
             segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=prefix_key),
@@ -230,7 +234,7 @@ class Pipeline:
         chunks = [c for c in self.corpus.chunks() if int(c.id[:12], 16) % count == index]
         made = 0
         for i, chunk in enumerate(chunks):
-            made += self.warm([chunk.prompt_text])
+            made += self.warm([chunk.prompt_text], sources=[chunk.source])
             if progress:
                 progress(i + 1, len(chunks))
         return WarmReport(made, len(chunks) - made, len(chunks))
@@ -249,7 +253,7 @@ class Pipeline:
         hits = self.corpus.search(question, self.config.top_k if top_k is None else top_k)
         retrieval_s = time.perf_counter() - start
         answer = self.answer([h.chunk.prompt_text for h in hits], question, method=method, streamer=streamer,
-                             **options)
+                             sources=[h.chunk.source for h in hits], **options)
         answer.sources = [Source(h.chunk.id, h.chunk.title, h.chunk.source, h.score, h.chunk.text) for h in hits]
         answer.retrieval_s = retrieval_s
         return answer
@@ -420,6 +424,13 @@ class Pipeline:
                                 prefix_tokens=tuple(len(s.token_ids) for s in segments[:index])))
         return keep
 
+    def _note_sources(self, keys: Sequence[str], sources: Sequence[str] | None) -> None:
+        if sources is None:
+            return
+        if len(sources) != len(keys):
+            raise ValueError(f"got {len(sources)} sources for {len(keys)} chunks")
+        self._sources.update(zip(keys, sources))
+
     def _save(self, kvs: Sequence[ChunkKV]) -> None:
         for kv in kvs:
             if not self.store.contains(kv.variant):
@@ -428,7 +439,8 @@ class Pipeline:
     def _put(self, kv: ChunkKV) -> None:
         text = self.lm.tokenizer.decode(list(kv.token_ids[:48]), skip_special_tokens=True)
         cost = self._estimate_full(kv.num_tokens)
-        self.catalog.upsert_chunk(ChunkRecord(kv.chunk, kv.fingerprint, kv.num_tokens, preview=text))
+        self.catalog.upsert_chunk(ChunkRecord(kv.chunk, kv.fingerprint, kv.num_tokens,
+                                              source=self._sources.get(kv.chunk), preview=text))
         self.store.put(kv, cost_s=cost, preview=text)
 
     def _report(self, pieces, keys, segments, plan: RecomputePlan | None, used, tiers, stops,

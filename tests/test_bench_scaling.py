@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from cachecraft.bench.scaling import Point, cut_chunks, passage_stream, plan_points, run_scaling
 from cachecraft.cli.app import app
 from cachecraft.config import Config
+from cachecraft.policy.planner import PolicyParams
 from cachecraft.dataset import QAItem
 from cachecraft.methods import parse_methods
 from cachecraft.prompt import PromptBuilder
@@ -100,4 +101,4 @@ def test_default_run_writes_the_json_and_its_command(dataset, tmp_path, cache_di
     data = json.loads(out.read_text())
     assert data["command"].endswith("--contexts 100 --chunks '' --fixed-context 100 --chunk-tokens 50 --repeats 1 "
                                     "--max-new-tokens 2")
-    assert [r["method"] for r in data["scaling"]] == ["full", "prefix", "reuse", "cacheblend@0.15", "cachecraft@0.15"]
+    assert [r["method"] for r in data["scaling"]] == ["full", "prefix", "reuse", "cacheblend@0.15", f"cachecraft@{PolicyParams().alpha:g}"]

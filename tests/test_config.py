@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from cachecraft.config import Config, ConfigError, parse_bytes
+from cachecraft.policy.planner import PolicyParams
 
 
 def test_precedence_file_then_env_then_overrides(tmp_path):
@@ -75,8 +76,8 @@ def test_config_toml_in_the_cache_dir_is_read_when_no_file_is_given(tmp_path):
     explicit = tmp_path / "other.toml"
     explicit.write_text("max_new_tokens = 3\n")
     chosen = Config.load(explicit, environ=env)
-    assert chosen.policy_alpha == 0.15 and chosen.max_new_tokens == 6  # an explicit file replaces it
-    assert Config.load(overrides={"cache_dir": tmp_path / "empty"}, environ={}).policy_alpha == 0.15
+    assert chosen.policy_alpha == PolicyParams().alpha and chosen.max_new_tokens == 6  # an explicit file replaces it
+    assert Config.load(overrides={"cache_dir": tmp_path / "empty"}, environ={}).policy_alpha == PolicyParams().alpha
 
 
 def test_retrieval_settings_have_defaults_and_env_overrides(tmp_path):

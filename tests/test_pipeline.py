@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from cachecraft.config import Config
-from cachecraft.kv import variant_key
+from cachecraft.kv import chunk_key, variant_key
 from cachecraft.pipeline import Pipeline
 from cachecraft.policy.planner import PolicyParams
 from cachecraft.store import TieredStore
@@ -154,6 +154,9 @@ def test_ingest_warm_then_query_hits_every_warmed_chunk(corpus_pipeline, tmp_pat
     first, second = pipe.warm_corpus(shard=(0, 2)), pipe.warm_corpus(shard=(1, 2))
     assert first.made + second.made == len(pipe.corpus)
     assert pipe.warm_corpus().skipped == len(pipe.corpus)  # resumable: nothing left to make
+    for chunk in pipe.corpus.chunks():  # the catalog knows which document each cached chunk came from
+        key = chunk_key(pipe.lm.fingerprint, pipe.builder.build([chunk.prompt_text], "q").chunks[0])
+        assert pipe.catalog.chunk(key).source == chunk.source
     for method in ("reuse", "cachecraft"):
         answer = pipe.query("w12 w13 w14", method=method)
         assert len(answer.chunks) == len(answer.sources) == 2

@@ -19,7 +19,7 @@ from cachecraft.model.loader import LoadedModel
 
 DATASET = "../shared/data/musique_dev.json"
 QUALITY_METHODS = ("full,prefix,reuse,cacheblend@0.05,cacheblend@0.15,cacheblend@0.3,cacheblend@0.5,"
-                   "cachecraft@0.05,cachecraft@0.15,cachecraft@0.3,cachecraft@0.6")
+                   "cachecraft@0.05,cachecraft@0.08,cachecraft@0.15,cachecraft@0.3")
 WORKLOAD_METHODS = "full,prefix,reuse,cacheblend,cachecraft"
 EVICTIONS = ("lru", "lfu", "pgdsf", "cachecraft")
 COMMANDS = {

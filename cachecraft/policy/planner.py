@@ -22,7 +22,7 @@ from cachecraft.policy.scores import VariantScore, score_variant, tokens_to_reco
 class PolicyParams:
     """Knobs of the policy; ``calibrate`` fits ``alpha`` (and ``order_weight``)."""
 
-    alpha: float = 0.15
+    alpha: float = 0.08
     order_weight: float = 0.2
     cci_prior: float = 0.5
     floor: float = 0.0
