@@ -73,8 +73,9 @@ def scaling_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"quality": quality_table, "quality_policy": quality_table, "quality_report": quality_table, "quality_alpha": quality_table,
-             "workload": workload_table, "workload_eviction": workload_table, "store": store_table, "scaling": scaling_table}
+RENDERERS = {"quality": quality_table, "quality_policy": quality_table, "quality_report": quality_table,
+             "quality_alpha": quality_table, "workload": workload_table, "workload_eviction": workload_table,
+             "store": store_table, "scaling": scaling_table}
 
 
 def update(readme: Path, results: Path) -> list[str]:
