@@ -94,6 +94,8 @@ class Config:
     chunk_tokens: int = 256  # generator tokens per ingested chunk, title included
     chunk_overlap: int = 0
     top_k: int = 3
+    warm_context: str = "builtin"  # text chunk-caches are warmed after: builtin, none, or a text file
+    warm_context_tokens: int = 1024
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -123,6 +125,9 @@ class Config:
         check(0 <= self.chunk_overlap <= self.chunk_tokens // 2,
               f"chunk_overlap must be within [0, chunk_tokens / 2], got {self.chunk_overlap}")
         check(self.top_k >= 1, f"top_k must be >= 1, got {self.top_k}")
+        check(self.warm_context in ("builtin", "none") or Path(self.warm_context).expanduser().is_file(),
+              f"warm_context must be 'builtin', 'none' or an existing text file, got {self.warm_context!r}")
+        check(self.warm_context_tokens >= 0, f"warm_context_tokens must be >= 0, got {self.warm_context_tokens}")
         for name in ("gpu_budget_bytes", "cpu_budget_bytes", "disk_budget_bytes"):
             check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
 

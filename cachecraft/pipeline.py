@@ -39,6 +39,7 @@ from cachecraft.retrieval.corpus import Corpus, IngestReport
 from cachecraft.retrieval.documents import DocumentError, read_documents
 from cachecraft.retrieval.snapshot import CorpusError
 from cachecraft.store import CorruptEntryError, TieredStore
+from cachecraft import warm_context
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class Pipeline:
         self.cost_model: CostModel | None = None  # measured on first use
         self._token_counts: dict[str, int] = {}
         self._sources: dict[str, str] = {}  # chunk key -> the document it came from (catalog rows)
+        self._warm_ids: tuple[int, ...] | None = None
         self._corpus: Corpus | None = None
 
     @property
@@ -186,20 +188,26 @@ class Pipeline:
         return answer
 
     def warm(self, chunk_texts: Sequence[str], sources: Sequence[str] | None = None) -> int:
-        """Make chunk-caches ahead of time (after the system prefix alone); returns how
-        many were made (already cached chunks are skipped). ``sources`` as in :meth:`answer`."""
+        """Make chunk-caches ahead of time, after the system prefix and the warm context
+        (``config.warm_context``); returns how many were made (already cached chunks are
+        skipped). ``sources`` as in :meth:`answer`."""
         pieces = self.builder.build(chunk_texts, "warm")
         prefix_key = chunk_key(self.lm.fingerprint, pieces.prefix)
         prefix_kv = self._prefix_kv(pieces, prefix_key)
         keys = [chunk_key(self.lm.fingerprint, ids) for ids in pieces.chunks]
         self._note_sources(keys, sources)
+        prefix = Segment(pieces.prefix, "prefix", cached=prefix_kv, key=prefix_key)
+        context = None
         made = 0
         for ids, key in zip(pieces.chunks, keys):
             if self.store.variants_of(key):
                 continue
-            segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=prefix_key),
+            context = context or self._warm_context_segment(prefix)
+            fits = context is not None and (len(pieces.prefix) + len(context.token_ids) + len(ids)
+                                            <= self.lm.max_context)
+            segments = [prefix, *([context] if fits else []),
                         Segment(ids, "chunk", save=True, collect_stats=True, key=key)]
-            kv = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint).saved[1]
+            kv = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint).saved[len(segments) - 1]
             self._put(kv)
             made += 1
         return made
@@ -350,6 +358,35 @@ class Pipeline:
 
         return self.policy.early_stop_layers, decide
 
+    def _warm_context_ids(self) -> tuple[int, ...]:
+        """Token ids of the warm context, cut to ``warm_context_tokens`` (and to a quarter
+        of the model's window); empty when it is off."""
+        if self._warm_ids is None:
+            limit = min(self.config.warm_context_tokens, self.lm.max_context // 4)
+            text = warm_context.load_text(self.config.warm_context)
+            self._warm_ids = tuple(self.builder.encode(text))[:limit] if text.strip() else ()
+        return self._warm_ids
+
+    def _warm_key_of(self, prefix_key: str) -> tuple[str, ...] | None:
+        """The prefix tuple of variants made by :meth:`warm` (None when the context is off)."""
+        ids = self._warm_context_ids()
+        return (prefix_key, chunk_key(self.lm.fingerprint, ids)) if ids else None
+
+    def _warm_context_segment(self, prefix: Segment) -> Segment | None:
+        """The warm context as a cached segment after ``prefix``; made once and stored."""
+        ids = self._warm_context_ids()
+        if not ids:
+            return None
+        key = chunk_key(self.lm.fingerprint, ids)
+        kv, _ = self._load(variant_key(key, (prefix.key,)))
+        if kv is None:
+            made = blended_prefill(self.lm.adapter, [prefix, Segment(ids, "chunk", save=True, key=key)],
+                                   fingerprint=self.lm.fingerprint)
+            kv = made.saved[1]
+            self._sources[key] = warm_context.SOURCE
+            self._put(kv)
+        return Segment(ids, "chunk", cached=kv, key=key)
+
     def _prefix_kv(self, pieces: PromptPieces, prefix_key: str) -> ChunkKV:
         """The system prefix's KV (exact: it always comes first); made once and stored."""
         name = variant_key(prefix_key, ())
@@ -371,9 +408,13 @@ class Pipeline:
         return (kv, tier or MISS) if kv is not None else (None, MISS)
 
     def _any_variant(self, key: str, prefix_key: str) -> str | None:
+        """An independent variant: the one :meth:`warm` makes, else one made alone, else any."""
         records = self.store.variants_of(key)
-        alone = [r for r in records if tuple(r.prefix) == (prefix_key,)]
-        return (alone or records)[0].key if (alone or records) else None
+        for wanted in (self._warm_key_of(prefix_key), (prefix_key,)):
+            match = [r for r in records if tuple(r.prefix) == wanted]
+            if match:
+                return match[0].key
+        return records[0].key if records else None
 
     def _variant_infos(self, key: str, prefix_key: str) -> list[VariantInfo]:
         infos = []

@@ -85,3 +85,16 @@ def test_retrieval_settings_have_defaults_and_env_overrides(tmp_path):
                                   "CACHECRAFT_CHUNK_TOKENS": "128"})
     assert (config.embedder, config.chunk_tokens, config.chunk_overlap, config.top_k) == ("minilm", 128, 0, 5)
     assert config.corpus_dir == tmp_path / "corpus"
+
+
+def test_warm_context_takes_builtin_none_or_an_existing_file(tmp_path):
+    from cachecraft.warm_context import BUILTIN_TEXT, load_text
+
+    assert Config.load(overrides={"cache_dir": tmp_path}, environ={}).warm_context == "builtin"
+    text = tmp_path / "context.txt"
+    text.write_text("Some ordinary prose.\n")
+    config = Config.load(overrides={"cache_dir": tmp_path, "warm_context": str(text)}, environ={})
+    assert load_text(config.warm_context) == "Some ordinary prose.\n"
+    assert load_text("builtin") == BUILTIN_TEXT and load_text("none") == ""
+    with pytest.raises(ConfigError, match="warm_context must be"):
+        Config.load(overrides={"cache_dir": tmp_path, "warm_context": str(tmp_path / "missing.txt")}, environ={})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cachecraft.config import Config
 from cachecraft.kv import chunk_key, variant_key
@@ -58,13 +59,39 @@ def test_every_fraction_at_one_gives_full_prefill_answer(pipeline):
     assert (full.logits - forced.logits).abs().max() < 1e-4
 
 
-def test_warm_makes_independent_variants_once(pipeline):
+def test_warm_makes_independent_variants_once_after_the_warm_context(pipeline):
+    from cachecraft.engine import Segment, blended_prefill
+    from cachecraft.warm_context import SOURCE
+
     assert pipeline.warm(CHUNKS) == 4
     assert pipeline.warm(CHUNKS) == 0
     answer = pipeline.answer(CHUNKS, QUESTION, method="reuse")
     assert answer.recompute_fraction == 0.0 and all(c.tier != "miss" for c in answer.chunks)
-    prefix_key = pipeline.store.variants_of(answer.chunks[0].chunk)[0].prefix[0]
+    record = pipeline.store.variants_of(answer.chunks[0].chunk)[0]
+    prefix_key, context_key = record.prefix
+    assert answer.chunks[0].variant == record.key  # reuse takes the variant warm made
     assert pipeline.store.contains(variant_key(prefix_key, ()))
+    assert pipeline.store.contains(variant_key(context_key, (prefix_key,)))  # the context itself, made once
+    context_ids = pipeline._warm_context_ids()
+    assert len(context_ids) == pipeline.lm.max_context // 4  # the builtin text, cut to a quarter of the window
+    assert pipeline.catalog.chunk(context_key).source == SOURCE
+    # the stored cache is the chunk's KV computed after the system prompt and the context
+    pieces = pipeline.builder.build(CHUNKS, "warm")
+    by_hand = blended_prefill(pipeline.lm.adapter, [Segment(pieces.prefix, "prefix"), Segment(context_ids),
+                                                    Segment(pieces.chunks[0], save=True)]).saved[2]
+    stored = pipeline.store.get(record.key, dtype=torch.float32, device=torch.device("cpu"),
+                                fingerprint=pipeline.lm.fingerprint)
+    assert (stored.keys - by_hand.keys).abs().max() < 1e-5 and (stored.values - by_hand.values).abs().max() < 1e-5
+
+
+def test_warm_context_none_makes_caches_after_the_system_prompt_alone(cache_dir):
+    config = Config.load(overrides={"cache_dir": cache_dir, "warm_context": "none"}, environ={})
+    with TieredStore(config, tiers=("cpu",)) as store:
+        pipe = Pipeline(config, lm=tiny_model("llama"), store=store)
+        assert pipe.warm(CHUNKS[:2]) == 2
+        key = pipe.builder.build(CHUNKS[:2], "warm").chunks[0]
+        records = pipe.store.variants_of(chunk_key(pipe.lm.fingerprint, key))
+        assert [len(r.prefix) for r in records] == [1]  # the system prefix only
 
 
 def test_explain_prints_the_recorded_plan(pipeline):

@@ -75,7 +75,8 @@ def scaling_table(data: dict) -> str:
 
 RENDERERS = {"quality": quality_table, "quality_policy": quality_table, "quality_report": quality_table,
              "quality_alpha": quality_table, "workload": workload_table, "workload_eviction": workload_table,
-             "store": store_table, "scaling": scaling_table, "scaling_8k": scaling_table}
+             "store": store_table, "scaling": scaling_table, "scaling_8k": scaling_table,
+             "scaling_8k_warm": scaling_table}
 
 
 def update(readme: Path, results: Path) -> list[str]:

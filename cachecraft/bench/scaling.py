@@ -8,7 +8,7 @@ then the next items' passages, as one token stream split into equal windows.
 ``full`` is one plain prefill of the whole prompt. Every other (point, question,
 method) runs in a fresh pipeline over a scratch store, set up as in real use: the
 chunk-caches were made ahead of time (``Pipeline.warm``, after the system prefix
-alone) for the methods that reuse them; ``prefix`` has seen one earlier request
+and the configured warm context) for the methods that reuse them; ``prefix`` has seen one earlier request
 sharing the system prompt and the first ``prefix_shared`` chunks. TTFT is
 ``Pipeline.answer``'s (store loading included); quality is agreement with ``full``'s
 answer (and first-token KL against it) on the same request.
@@ -121,8 +121,9 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
         gc.unfreeze()
     table = aggregate(rows)
     setup = {"full": "one plain prefill of the whole prompt in the same engine, nothing saved",
-             "chunk_caches": "made ahead of time by Pipeline.warm, after the system prefix alone, "
-                             f"stored in the {tier} tier and loaded inside the timed request",
+             "chunk_caches": "made ahead of time by Pipeline.warm, after the system prefix and the warm "
+                             f"context ({runner.config.warm_context!r}, up to {runner.config.warm_context_tokens} "
+                             f"tokens), stored in the {tier} tier and loaded inside the timed request",
              "prefix": f"one earlier request ({EARLIER_QUESTION!r}) shared the system prompt and the first "
                        f"{prefix_shared} chunk(s); its blocks were in the prefix cache",
              "fresh_pipeline_per_request": True, "chunk_tokens": chunk_tokens, "fixed_context": fixed_context,
