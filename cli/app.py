@@ -398,6 +398,14 @@ def stats_cmd(ctx: typer.Context, top: int = typer.Option(10, min=1, help="How m
     _print_stats(data)
 
 
+def _source_or_preview(chunk: dict) -> str:
+    """A chunk's document (file name only: the column is narrow), else its first words."""
+    source = chunk["source"]
+    if source and ("/" in source or "\\" in source):
+        source = Path(source).name
+    return " ".join((source or chunk["preview"] or "").split())[:60]
+
+
 def _print_stats(data: dict) -> None:
     counts, rates = data["counts"], data["hit_rates"]
     console.print(f"{counts['chunks']} chunks, {counts['variants']} variants ({counts['live_variants']} stored), "
@@ -420,7 +428,7 @@ def _print_stats(data: dict) -> None:
     top = _table("top chunks", "chunk", "hits", "variants (stored)", "tokens", "source / preview")
     for chunk in data["top_chunks"]:
         top.add_row(chunk["chunk_key"][:12], str(chunk["hits"]), f"{chunk['variants']} ({chunk['live_variants']})",
-                    str(chunk["num_tokens"]), " ".join((chunk["source"] or chunk["preview"] or "").split())[:60])
+                    str(chunk["num_tokens"]), _source_or_preview(chunk))
     console.print(top)
     dist = data["recompute_fraction"]
     histogram = _table("recompute fraction per request", "range", "requests", "")

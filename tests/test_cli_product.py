@@ -76,7 +76,12 @@ def test_ingest_warm_query_end_to_end(env, docs, cache_dir):
 
     shown = invoke("query", "w12 w13 w14", "--method", "reuse")
     assert "source(s)" in shown.output and "TTFT" in shown.output and "a.md" in shown.output
-    assert invoke("stats", "--json").output
+    stats = json.loads(invoke("stats", "--json").output)
+    sources = {c["source"] for c in stats["top_chunks"]}
+    assert {Path(s).name for s in sources if s and s.endswith(".md")} == {"a.md", "b.md"}  # recorded by warm
+    assert "cachecraft warm context" in sources
+    table = invoke("stats").output
+    assert "a.md" in table and str(docs) not in table  # file names, not long paths, in the narrow column
 
 
 def test_evict_and_clear(env, docs, cache_dir):
