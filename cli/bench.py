@@ -32,6 +32,9 @@ def bench_quality_cmd(
     ratio: Optional[float] = typer.Option(None, min=0.0, max=1.0,
                                           help="Default recompute ratio (default: config cacheblend_ratio, 0.15)."),
     max_new_tokens: int = typer.Option(32, min=1, help="Answer length for agreement and gold F1."),
+    warm_context: str = typer.Option("none", help="What the chunk-caches are made after, following the system "
+                                                  "prompt: none (the papers' setting), builtin (what `warm` "
+                                                  "uses by default) or a text file."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
 ) -> None:
     """Compare methods on the same requests: time to first token, recompute fraction,
@@ -44,8 +47,9 @@ def bench_quality_cmd(
     from cachecraft.methods import parse_methods
     from cachecraft.model.loader import DTYPES
     from cachecraft.store import TieredStore
+    from cachecraft.warm_context import load_text
 
-    config = load_config(ctx, model=model)
+    config = load_config(ctx, model=model, warm_context=warm_context)
     specs = parse_methods(methods, config.cacheblend_ratio if ratio is None else ratio, config.policy_alpha)
     items = load_items(dataset, limit)
     lm = load_model_quietly(config)
@@ -57,14 +61,16 @@ def bench_quality_cmd(
             result = run_quality(lm, items, specs, system_prompt=config.system_prompt,
                                  question_template=config.question_template,
                                  kv_dtype=DTYPES[config.kv_dtype], max_new_tokens=max_new_tokens,
-                                 on_item=lambda done, total: progress.update(task, completed=done), store=store)
+                                 on_item=lambda done, total: progress.update(task, completed=done), store=store,
+                                 warm_context=load_text(config.warm_context))
             store.close(persist=False)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     command = "cachecraft bench quality " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "cachecraft bench quality"
     payload = {"benchmark": "quality", "command": command, "model": lm.name,
                "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""),
-               "kv_dtype": config.kv_dtype, "dataset": str(dataset), "limit": len(items), **result}
+               "kv_dtype": config.kv_dtype, "warm_context": config.warm_context, "dataset": str(dataset),
+               "limit": len(items), **result}
     write_result(out, payload)
     print_quality_table(result["methods"])
     console.print(f"wrote {out}")

@@ -54,6 +54,20 @@ def test_bench_quality_writes_results(tiny_dir, dataset, tmp_path, cache_dir):
     assert len(data["items"]) == 6 and data["machine"]["cores"] >= 1
 
 
+def test_bench_quality_can_make_the_caches_after_the_warm_context(tiny_dir, dataset, tmp_path, cache_dir):
+    kls = {}
+    for context in ("none", "builtin"):
+        out = tmp_path / f"{context}.json"
+        result = runner.invoke(app, ["bench", "quality", "--dataset", str(dataset), "--limit", "1", "--methods",
+                                     "full,reuse", "--out", str(out), "--model", str(tiny_dir), "--max-new-tokens",
+                                     "2", "--warm-context", context])
+        assert result.exit_code == 0, result.output
+        data = json.loads(out.read_text())
+        assert data["warm_context"] == context and data["methods"]["reuse"]["recompute_fraction_mean"] == 0.0
+        kls[context] = data["methods"]["reuse"]["kl_mean"]
+    assert kls["none"] > 0 and kls["builtin"] > 0 and abs(kls["none"] - kls["builtin"]) > 1e-6  # other caches
+
+
 @pytest.mark.parametrize("args,needle", [
     (["check-model", "no-such-model-anywhere/xyz"], "cannot load model"),
     (["bench", "quality", "--dataset", "missing.json"], "dataset file not found"),

@@ -27,7 +27,7 @@ from cachecraft.engine import Segment, blended_prefill, create_chunk_cache, gene
 from cachecraft.methods import MethodSpec, build_segments, remember_prefix, segment_keys
 from cachecraft.metrics import best_f1, exact_match, first_line, kl_divergence, token_f1
 from cachecraft.model.loader import LoadedModel
-from cachecraft.kv import ChunkKV
+from cachecraft.kv import ChunkKV, chunk_key
 from cachecraft.prefix_cache import PrefixCache
 from cachecraft.store import TieredStore
 from cachecraft.prompt import PromptBuilder
@@ -73,10 +73,11 @@ def run_method(lm: LoadedModel, spec: MethodSpec, pieces, prefix_kv, chunk_kvs,
                      mem.peak_mb, mem.growth_mb, kv_mb)
 
 
-def warm_chunks(lm: LoadedModel, pieces, prefix_kv, kv_dtype: torch.dtype) -> list:
-    """Chunk-caches made after the system prefix alone, stored in ``kv_dtype``."""
+def warm_chunks(lm: LoadedModel, pieces, prefix_kv, kv_dtype: torch.dtype, context: Segment | None = None) -> list:
+    """Chunk-caches made after the system prefix alone (or after it and a cached
+    ``context`` segment, as ``Pipeline.warm`` does), stored in ``kv_dtype``."""
     prefix_key, keys = segment_keys(lm.fingerprint, pieces)
-    before = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=prefix_key)]
+    before = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=prefix_key)] + ([context] if context else [])
     return [create_chunk_cache(lm.adapter, before, ids, fingerprint=lm.fingerprint, key=key).to(kv_dtype)
             for ids, key in zip(pieces.chunks, keys)]
 
@@ -111,13 +112,17 @@ def aggregate(rows: list[dict], label: str) -> dict:
 
 def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[MethodSpec], *,
                 system_prompt: str, question_template: str = DEFAULT_QUESTION_TEMPLATE, kv_dtype: torch.dtype = torch.float16, max_new_tokens: int = 32,
-                on_item: Callable[[int, int], None] | None = None, store: TieredStore | None = None) -> dict:
+                on_item: Callable[[int, int], None] | None = None, store: TieredStore | None = None,
+                warm_context: str = "") -> dict:
     """Run every method on every item; returns ``{"items": [...], "methods": {...}}``.
-    With a ``store``, chunk-caches are put there and loaded from it per request."""
+    With a ``store``, chunk-caches are put there and loaded from it per request.
+    ``warm_context``: text the chunk-caches are made after, following the system prefix
+    (empty: the system prefix alone)."""
     builder = PromptBuilder(lm.tokenizer, system_prompt, question_template)
     full_spec = MethodSpec("full")
     order = [full_spec] + [s for s in specs if s.name != "full"]
-    prefix_kv = None
+    prefix_kv = context = None
+    context_ids = tuple(builder.encode(warm_context))[:lm.max_context // 4] if warm_context.strip() else ()
     prefix_cache = PrefixCache(lm.fingerprint)
     rows: list[dict] = []
     for index, item in enumerate(items):
@@ -126,8 +131,16 @@ def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[Method
         if prefix_kv is None:
             prefix_kv = create_chunk_cache(lm.adapter, [], pieces.prefix, fingerprint=lm.fingerprint,
                                            collect_stats=False).to(kv_dtype)
+            if context_ids:
+                context_key = chunk_key(lm.fingerprint, context_ids)
+                before = [Segment(pieces.prefix, "prefix", cached=prefix_kv,
+                                  key=chunk_key(lm.fingerprint, pieces.prefix))]
+                made = create_chunk_cache(lm.adapter, before,
+                                          context_ids, fingerprint=lm.fingerprint, key=context_key,
+                                          collect_stats=False).to(kv_dtype)
+                context = Segment(context_ids, "chunk", cached=made, key=context_key)
         start = time.perf_counter()
-        chunk_kvs = warm_chunks(lm, pieces, prefix_kv, kv_dtype)
+        chunk_kvs = warm_chunks(lm, pieces, prefix_kv, kv_dtype, context)
         warm_s = time.perf_counter() - start
         load = None
         if store is not None:
