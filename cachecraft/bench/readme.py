@@ -73,10 +73,10 @@ def scaling_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"quality": quality_table, "quality_policy": quality_table, "quality_report": quality_table,
-             "quality_alpha": quality_table, "workload": workload_table, "workload_eviction": workload_table,
-             "store": store_table, "scaling": scaling_table, "scaling_8k": scaling_table,
-             "scaling_8k_warm": scaling_table}
+QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_alpha", "quality_warm")
+RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
+             "workload": workload_table, "workload_eviction": workload_table, "store": store_table,
+             **{name: scaling_table for name in ("scaling", "scaling_8k", "scaling_8k_warm")}}
 
 
 def update(readme: Path, results: Path) -> list[str]:
