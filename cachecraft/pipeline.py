@@ -362,9 +362,9 @@ class Pipeline:
         """Token ids of the warm context, cut to ``warm_context_tokens`` (and to a quarter
         of the model's window); empty when it is off."""
         if self._warm_ids is None:
-            limit = min(self.config.warm_context_tokens, self.lm.max_context // 4)
-            text = warm_context.load_text(self.config.warm_context)
-            self._warm_ids = tuple(self.builder.encode(text))[:limit] if text.strip() else ()
+            self._warm_ids = warm_context.token_ids(warm_context.load_text(self.config.warm_context),
+                                                    self.builder.encode, self.config.warm_context_tokens,
+                                                    self.lm.max_context)
         return self._warm_ids
 
     def _warm_key_of(self, prefix_key: str) -> tuple[str, ...] | None:

@@ -12,6 +12,7 @@ topics, written for cachecraft.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable, Sequence
 
 BUILTIN = "builtin"
 NONE = "none"
@@ -101,3 +102,11 @@ def load_text(setting: str) -> str:
     if setting == NONE:
         return ""
     return Path(setting).expanduser().read_text(encoding="utf-8")
+
+
+def token_ids(text: str, encode: Callable[[str], Sequence[int]], max_tokens: int, max_context: int) -> tuple[int, ...]:
+    """The context's token ids, cut to ``max_tokens`` and to a quarter of the model's
+    window ``max_context`` (the chunk still has to fit after it); empty for empty text."""
+    if not text.strip():
+        return ()
+    return tuple(encode(text))[:min(max_tokens, max_context // 4)]

@@ -31,6 +31,7 @@ from cachecraft.kv import ChunkKV, chunk_key
 from cachecraft.prefix_cache import PrefixCache
 from cachecraft.store import TieredStore
 from cachecraft.prompt import PromptBuilder
+from cachecraft.warm_context import token_ids
 
 log = logging.getLogger(__name__)
 
@@ -113,16 +114,16 @@ def aggregate(rows: list[dict], label: str) -> dict:
 def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[MethodSpec], *,
                 system_prompt: str, question_template: str = DEFAULT_QUESTION_TEMPLATE, kv_dtype: torch.dtype = torch.float16, max_new_tokens: int = 32,
                 on_item: Callable[[int, int], None] | None = None, store: TieredStore | None = None,
-                warm_context: str = "") -> dict:
+                warm_context: str = "", warm_context_tokens: int = 1024) -> dict:
     """Run every method on every item; returns ``{"items": [...], "methods": {...}}``.
     With a ``store``, chunk-caches are put there and loaded from it per request.
     ``warm_context``: text the chunk-caches are made after, following the system prefix
-    (empty: the system prefix alone)."""
+    (empty: the system prefix alone), cut to ``warm_context_tokens``."""
     builder = PromptBuilder(lm.tokenizer, system_prompt, question_template)
     full_spec = MethodSpec("full")
     order = [full_spec] + [s for s in specs if s.name != "full"]
     prefix_kv = context = None
-    context_ids = tuple(builder.encode(warm_context))[:lm.max_context // 4] if warm_context.strip() else ()
+    context_ids = token_ids(warm_context, builder.encode, warm_context_tokens, lm.max_context)
     prefix_cache = PrefixCache(lm.fingerprint)
     rows: list[dict] = []
     for index, item in enumerate(items):

@@ -8,8 +8,9 @@ then the next items' passages, as one token stream split into equal windows.
 ``full`` is one plain prefill of the whole prompt. Every other (point, question,
 method) runs in a fresh pipeline over a scratch store, set up as in real use: the
 chunk-caches were made ahead of time (``Pipeline.warm``, after the system prefix
-and the configured warm context) for the methods that reuse them; ``prefix`` has seen one earlier request
-sharing the system prompt and the first ``prefix_shared`` chunks. TTFT is
+and the configured warm context) for the methods that reuse them; ``prefix`` has
+seen one earlier request sharing the system prompt and the first ``prefix_shared``
+chunks. TTFT is
 ``Pipeline.answer``'s (store loading included); quality is agreement with ``full``'s
 answer (and first-token KL against it) on the same request.
 """
