@@ -136,7 +136,7 @@ class Pipeline:
         self.cost_model: CostModel | None = None  # measured on first use
         self._token_counts: dict[str, int] = {}
         self._sources: dict[str, str] = {}  # chunk key -> the document it came from (catalog rows)
-        self._warm_ids: tuple[int, ...] | None = None
+        self._warm: tuple[tuple[int, ...], str] | None = None  # warm context ids and chunk key
         self._corpus: Corpus | None = None
 
     @property
@@ -358,26 +358,25 @@ class Pipeline:
 
         return self.policy.early_stop_layers, decide
 
-    def _warm_context_ids(self) -> tuple[int, ...]:
+    def _warm_context(self) -> tuple[tuple[int, ...], str]:
         """Token ids of the warm context, cut to ``warm_context_tokens`` (and to a quarter
-        of the model's window); empty when it is off."""
-        if self._warm_ids is None:
-            self._warm_ids = warm_context.token_ids(warm_context.load_text(self.config.warm_context),
-                                                    self.builder.encode, self.config.warm_context_tokens,
-                                                    self.lm.max_context)
-        return self._warm_ids
+        of the model's window; empty when it is off), and its chunk key; read once."""
+        if self._warm is None:
+            ids = warm_context.token_ids(warm_context.load_text(self.config.warm_context), self.builder.encode,
+                                         self.config.warm_context_tokens, self.lm.max_context)
+            self._warm = ids, chunk_key(self.lm.fingerprint, ids)
+        return self._warm
 
     def _warm_key_of(self, prefix_key: str) -> tuple[str, ...] | None:
         """The prefix tuple of variants made by :meth:`warm` (None when the context is off)."""
-        ids = self._warm_context_ids()
-        return (prefix_key, chunk_key(self.lm.fingerprint, ids)) if ids else None
+        ids, key = self._warm_context()
+        return (prefix_key, key) if ids else None
 
     def _warm_context_segment(self, prefix: Segment) -> Segment | None:
         """The warm context as a cached segment after ``prefix``; made once and stored."""
-        ids = self._warm_context_ids()
+        ids, key = self._warm_context()
         if not ids:
             return None
-        key = chunk_key(self.lm.fingerprint, ids)
         kv, _ = self._load(variant_key(key, (prefix.key,)))
         if kv is None:
             made = blended_prefill(self.lm.adapter, [prefix, Segment(ids, "chunk", save=True, key=key)],

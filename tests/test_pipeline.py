@@ -72,7 +72,7 @@ def test_warm_makes_independent_variants_once_after_the_warm_context(pipeline):
     assert answer.chunks[0].variant == record.key  # reuse takes the variant warm made
     assert pipeline.store.contains(variant_key(prefix_key, ()))
     assert pipeline.store.contains(variant_key(context_key, (prefix_key,)))  # the context itself, made once
-    context_ids = pipeline._warm_context_ids()
+    context_ids = pipeline._warm_context()[0]
     assert len(context_ids) == pipeline.lm.max_context // 4  # the builtin text, cut to a quarter of the window
     assert pipeline.catalog.chunk(context_key).source == SOURCE
     # the stored cache is the chunk's KV computed after the system prompt and the context

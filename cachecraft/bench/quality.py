@@ -132,13 +132,11 @@ def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[Method
         if prefix_kv is None:
             prefix_kv = create_chunk_cache(lm.adapter, [], pieces.prefix, fingerprint=lm.fingerprint,
                                            collect_stats=False).to(kv_dtype)
-            if context_ids:
+            if context_ids:  # made once, like the system prefix: the same for every item
                 context_key = chunk_key(lm.fingerprint, context_ids)
-                before = [Segment(pieces.prefix, "prefix", cached=prefix_kv,
-                                  key=chunk_key(lm.fingerprint, pieces.prefix))]
-                made = create_chunk_cache(lm.adapter, before,
-                                          context_ids, fingerprint=lm.fingerprint, key=context_key,
-                                          collect_stats=False).to(kv_dtype)
+                prefix = Segment(pieces.prefix, "prefix", cached=prefix_kv, key=segment_keys(lm.fingerprint, pieces)[0])
+                made = create_chunk_cache(lm.adapter, [prefix], context_ids, fingerprint=lm.fingerprint,
+                                          key=context_key, collect_stats=False).to(kv_dtype)
                 context = Segment(context_ids, "chunk", cached=made, key=context_key)
         start = time.perf_counter()
         chunk_kvs = warm_chunks(lm, pieces, prefix_kv, kv_dtype, context)
