@@ -232,6 +232,8 @@ def bench_scaling_cmd(
     prefix_shared: int = typer.Option(1, min=0, help="Chunks the `prefix` method's earlier request shared."),
     tier: str = typer.Option("cpu", help="Store tier the chunk-caches are loaded from: cpu or disk."),
     max_new_tokens: int = typer.Option(32, min=1, help="Answer length for agreement."),
+    cold: bool = typer.Option(False, "--cold", help="Also time cachecraft with nothing cached ahead: the "
+                              "request makes the chunk-caches and their statistics (a first question)."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
 ) -> None:
     """TTFT and peak memory against context length and number of chunks, per method,
@@ -257,7 +259,7 @@ def bench_scaling_cmd(
             result = run_scaling(lm, config, items, specs, contexts=context_list, chunk_counts=chunk_list,
                                  fixed_context=fixed_context, chunk_tokens=chunk_tokens, repeats=repeats,
                                  prefix_shared=prefix_shared, max_new_tokens=max_new_tokens, tier=tier,
-                                 on_step=lambda what, done, total: progress.update(
+                                 cold=cold, on_step=lambda what, done, total: progress.update(
                                      task, description=what, completed=done, total=total))
         except ValueError as exc:
             raise UserError(str(exc)) from None

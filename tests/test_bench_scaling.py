@@ -76,6 +76,22 @@ def test_run_rows_have_every_field(cache_dir):
     assert not list(cache_dir.iterdir())  # scratch stores are removed
 
 
+def test_cold_rows_answer_with_nothing_cached(cache_dir):
+    cache_dir.mkdir(parents=True)
+    config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32", "policy_alpha": 0.1},
+                         environ={})
+    result = run_scaling(tiny_model("llama"), config, ITEMS, parse_methods("full,cachecraft", 0.15, 0.1),
+                         contexts=[120], chunk_counts=[], chunk_tokens=60, repeats=1, max_new_tokens=2, cold=True)
+    requests = {r["method"]: r for r in result["requests"]}
+    assert list(requests) == ["full", "cachecraft@0.1", "cachecraft@0.1 cold"]
+    assert requests["cachecraft@0.1"]["cached_chunks"] == 2 and requests["cachecraft@0.1"]["setup_s"] > 0
+    cold = requests["cachecraft@0.1 cold"]
+    assert cold["cached_chunks"] == 0
+    assert cold["agreement_f1"] == 1.0 and cold["kl"] < 1e-6  # nothing reused: a full prefill's answer
+    assert result["summary"]["method"] == "cachecraft@0.1"
+    assert "cold" in result["setup"] and not list(cache_dir.iterdir())
+
+
 def test_command_writes_json(tiny_dir, dataset, tmp_path, cache_dir):
     out = tmp_path / "scaling.json"
     result = CliRunner().invoke(app, ["bench", "scaling", "--dataset", str(dataset), "--model", str(tiny_dir),

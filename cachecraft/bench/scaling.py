@@ -10,7 +10,9 @@ method) runs in a fresh pipeline over a scratch store, set up as in real use: th
 chunk-caches were made ahead of time (``Pipeline.warm``, after the system prefix
 and the configured warm context) for the methods that reuse them; ``prefix`` has
 seen one earlier request sharing the system prompt and the first ``prefix_shared``
-chunks. TTFT is
+chunks. With ``cold``, cachecraft also answers each request with nothing cached
+(label ``... cold``): the chunk-caches and their statistics are made inside the
+request, which is what a user's first question over new documents costs. TTFT is
 ``Pipeline.answer``'s (store loading included); quality is agreement with ``full``'s
 answer (and first-token KL against it) on the same request.
 """
@@ -42,6 +44,7 @@ DEFAULT_CONTEXTS = (1000, 2000, 4000, 7900)  # SmolLM2's window is 8192: room fo
 DEFAULT_CHUNK_COUNTS = (2, 5, 10, 20)
 GOAL_SPEEDUP = 10.0
 GOAL_AGREEMENT = 0.95
+COLD = " cold"  # label suffix of a request answered with nothing cached
 EARLIER_QUESTION = "What is this text about?"
 
 
@@ -87,7 +90,7 @@ def cut_chunks(builder: PromptBuilder, stream: Sequence[int], question: str, poi
 def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs: Sequence[MethodSpec], *,
                 contexts: Sequence[int] = DEFAULT_CONTEXTS, chunk_counts: Sequence[int] = DEFAULT_CHUNK_COUNTS,
                 fixed_context: int = 4000, chunk_tokens: int = 512, repeats: int = 2, prefix_shared: int = 1,
-                max_new_tokens: int = 32, tier: str = "cpu",
+                max_new_tokens: int = 32, tier: str = "cpu", cold: bool = False,
                 on_step: Callable[[str, int, int], None] | None = None) -> dict:
     """Run both sweeps; returns ``{"scaling": [...], "requests": [...], "summary": {...}, "setup": {...}}``.
     ``on_step(description, done, total)`` is called after each timed request."""
@@ -100,12 +103,14 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
                          f"model's context window of {lm.max_context}")
     if repeats < 1 or not items:
         raise ValueError("need at least one item and one repeat")
-    order = [MethodSpec("full")] + [s for s in specs if s.name != "full"]
+    order = [(MethodSpec("full"), False)] + [(s, False) for s in specs if s.name != "full"]
+    if cold:
+        order.append((MethodSpec("cachecraft", config.policy_alpha), True))
     builder = builder_for(lm.tokenizer, config)
     starts = [(r * len(items)) // repeats for r in range(repeats)]  # questions far apart in the file
     streams = [passage_stream(builder, items, s, longest) for s in starts]
     runner = _Runner(lm, config, prefix_shared=prefix_shared, max_new_tokens=max_new_tokens, tier=tier,
-                     needs_cost_model=any(s.name == "cachecraft" for s in order))
+                     needs_cost_model=any(s.name == "cachecraft" for s, _ in order))
     runner.warm_up(order, [builder.tokenizer.decode(streams[0][i:i + 32]) for i in (0, 32)])
     total = len(points) * repeats * len(order)
     rows: list[dict] = []
@@ -127,6 +132,8 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
                              f"tokens), stored in the {tier} tier and loaded inside the timed request",
              "prefix": f"one earlier request ({EARLIER_QUESTION!r}) shared the system prompt and the first "
                        f"{prefix_shared} chunk(s); its blocks were in the prefix cache",
+             "cold": f"'{COLD.strip()}' rows: cachecraft with nothing cached; the request makes the "
+                     "chunk-caches and their statistics" if cold else None,
              "fresh_pipeline_per_request": True, "chunk_tokens": chunk_tokens, "fixed_context": fixed_context,
              "repeats": repeats, "prefix_shared": prefix_shared, "tier": tier, "max_new_tokens": max_new_tokens,
              "context_tokens": "whole prompt: system prefix, chunks and question",
@@ -135,18 +142,18 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
     return {"scaling": table, "requests": rows, "summary": summarize(table), "setup": setup}
 
 
-def _run_point(runner: "_Runner", order: Sequence[MethodSpec], builder: PromptBuilder, items: Sequence[QAItem],
+def _run_point(runner: "_Runner", order: Sequence[tuple[MethodSpec, bool]], builder: PromptBuilder, items: Sequence[QAItem],
                starts: Sequence[int], streams: Sequence[list[int]], point: Point):
     """Rows of every method on every question of one point (``full`` first on each)."""
     for repeat, (start, stream) in enumerate(zip(starts, streams)):
         question = items[start].question
         chunks = cut_chunks(builder, stream, question, point)
         reference = None
-        for spec in order:
-            row, run = runner.run(spec, chunks, question, reference)
+        for spec, cold in order:
+            row, run = runner.run(spec, chunks, question, reference, cold=cold)
             reference = reference or run
             log.info("%s %d tokens, %d chunks, %s: ttft %.2fs", point.sweep, row["context_tokens"],
-                     point.n_chunks, spec.label, row["ttft_s"])
+                     point.n_chunks, row["method"], row["ttft_s"])
             yield {"sweep": point.sweep, "target_tokens": point.target_tokens, "n_chunks": point.n_chunks,
                    "repeat": repeat, "item": start, **row}
 
@@ -167,19 +174,21 @@ class _Runner:
         self.cost_model = (CostModel.measure(lm, kv_dtype=getattr(torch, config.kv_dtype))
                            if needs_cost_model else None)
 
-    def warm_up(self, specs: Sequence[MethodSpec], chunks: list[str]) -> None:
+    def warm_up(self, order: Sequence[tuple[MethodSpec, bool]], chunks: list[str]) -> None:
         """One untimed small request per method, so lazy initialisation is not timed."""
-        for spec in specs:
-            self.run(spec, chunks, EARLIER_QUESTION, None)
+        for spec, cold in order:
+            self.run(spec, chunks, EARLIER_QUESTION, None, cold=cold)
 
-    def run(self, spec: MethodSpec, chunks: list[str], question: str, reference) -> tuple[dict, object]:
-        """Time ``spec`` on one request; its row (quality against ``reference``) and its answer."""
+    def run(self, spec: MethodSpec, chunks: list[str], question: str, reference,
+            cold: bool = False) -> tuple[dict, object]:
+        """Time ``spec`` on one request (``cold``: with nothing cached ahead); its row
+        (quality against ``reference``) and its answer."""
         if spec.name == "full":
             answer, mem, setup_s = self._plain_prefill(chunks, question)
         else:
-            answer, mem, setup_s = self._through_pipeline(spec, chunks, question)
+            answer, mem, setup_s = self._through_pipeline(spec, chunks, question, warm=not cold)
         ref = reference or answer
-        row = {"method": spec.label, "context_tokens": answer.prompt_tokens, "ttft_s": answer.ttft_s,
+        row = {"method": spec.label + (COLD if cold else ""), "context_tokens": answer.prompt_tokens, "ttft_s": answer.ttft_s,
                "speedup_vs_full": ref.ttft_s / answer.ttft_s, "recompute_fraction": answer.recompute_fraction,
                "token_layers": answer.token_layers,
                "agreement_f1": token_f1(first_line(answer.text), first_line(ref.text)),
@@ -212,8 +221,9 @@ class _Runner:
         return Answer(text, "full", ttft, pieces.num_tokens, len(new_ids), result.recompute_fraction,
                       logits=result.logits.float().cpu(), token_layers=result.token_layers), mem, 0.0
 
-    def _through_pipeline(self, spec: MethodSpec, chunks: list[str], question: str):
-        """A fresh pipeline over a scratch store, set up as in real use, then the timed request."""
+    def _through_pipeline(self, spec: MethodSpec, chunks: list[str], question: str, warm: bool = True):
+        """A fresh pipeline over a scratch store, set up as in real use (chunk-caches made
+        ahead unless not ``warm``), then the timed request."""
         from cachecraft.pipeline import Pipeline
         from cachecraft.store import TieredStore
 
@@ -225,7 +235,7 @@ class _Runner:
                 if self.cost_model is not None:
                     pipeline.cost_model = self.cost_model
                 start = time.perf_counter()
-                if spec.uses_cache:
+                if spec.uses_cache and warm:
                     pipeline.warm(chunks)
                 elif spec.name == "prefix":
                     earlier = chunks[:self.prefix_shared] or ["An earlier, unrelated passage.\n\n"]
@@ -282,7 +292,7 @@ def summarize(table: Sequence[dict]) -> dict:
         return {}
     top = max(r["target_tokens"] for r in context)
     at = {r["method"]: r for r in context if r["target_tokens"] == top}
-    craft = next((label for label in at if label.split("@")[0] == "cachecraft"), None)
+    craft = next((label for label in at if label.split("@")[0] == "cachecraft" and not label.endswith(COLD)), None)
     summary = {"max_context_tokens": next(iter(at.values()))["context_tokens"],
                "at_max_context": {label: {k: r[k] for k in ("ttft_s", "speedup_vs_full", "agreement_f1", "kl",
                                                              "recompute_fraction", "peak_rss_mb")}
