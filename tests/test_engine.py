@@ -10,6 +10,7 @@ from transformers import TextIteratorStreamer
 
 from cachecraft.engine import (DeviationCheck, PromptError, Segment, blended_prefill,
                                create_chunk_cache, generate_from)
+from cachecraft.engine.blend import _AttentionPlan
 from tests.conftest import tiny_model
 
 TOL = 1e-4
@@ -190,6 +191,39 @@ def test_attention_statistics_match_eager_attention(tiny_llama):
     assert torch.allclose(kv.stats.inter[:, 1], rows[:, :, a:b].sum((-1, -2)), atol=1e-4)
     assert torch.allclose(kv.stats.intra, rows[:, :, b:].sum((-1, -2)), atol=1e-4)
     assert torch.allclose(kv.stats.intra + kv.stats.inter.sum(-1), torch.full((4,), float(len(chunks[1]))))
+
+
+def test_statistics_are_the_same_whether_the_prefix_is_cached_or_computed(tiny_llama):
+    # A cold request: prefix cached, every chunk computed with statistics. Nearly every
+    # position is active, so attention (and the statistics) take the dense padded path.
+    prefix, chunks, question = make_prompt()
+    prefix_kv, _ = caches_after_prefix_alone(tiny_llama, prefix, [])
+    computed = blended_prefill(tiny_llama.adapter, full_segments(prefix, chunks, question, save=True,
+                                                                 collect_stats=True))
+    segments = full_segments(prefix, chunks, question, save=True, collect_stats=True)
+    segments[0] = Segment(prefix, "prefix", cached=prefix_kv)
+    cold = blended_prefill(tiny_llama.adapter, segments)
+    assert (cold.logits - computed.logits).abs().max() < TOL
+    for i in range(1, len(chunks) + 1):
+        for name in ("outside", "inter", "intra"):
+            assert torch.allclose(getattr(cold.saved[i].stats, name), getattr(computed.saved[i].stats, name),
+                                  atol=1e-5), (i, name)
+
+
+def test_attention_plan_paths_agree_with_masked_attention():
+    g = torch.Generator().manual_seed(0)
+    n_total, heads, kv_heads, dim = 300, 4, 2, 8
+    q, k, v = (torch.randn(h, n_total, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    keys, values = (x.repeat_interleave(heads // kv_heads, dim=0) for x in (k, v))
+    scores = (q @ keys.transpose(-1, -2)) / math.sqrt(dim)
+    scores.masked_fill_(torch.ones(n_total, n_total, dtype=torch.bool).triu(1), float("-inf"))
+    reference = scores.softmax(-1) @ values
+    scattered = torch.randperm(n_total, generator=g)[:120].sort().values
+    for active, path in ((torch.arange(n_total), "full"), (torch.arange(20, n_total), "dense"), (scattered, "blocks")):
+        plan = _AttentionPlan(active, n_total, block=32)
+        assert path == ("full" if plan.full else "dense" if plan.dense else "blocks")
+        out = plan.attend(q[:, active], k, v, 1 / math.sqrt(dim), gqa=True)
+        assert (out - reference[:, active]).abs().max() < 1e-5, path
 
 
 def test_question_attention_is_reported_per_segment(tiny_llama):
