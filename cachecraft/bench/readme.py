@@ -76,7 +76,7 @@ def scaling_table(data: dict) -> str:
 QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_alpha", "quality_warm")
 RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
              "workload": workload_table, "workload_eviction": workload_table, "store": store_table,
-             **{name: scaling_table for name in ("scaling", "scaling_8k", "scaling_8k_warm", "scaling_cold")}}
+             **{name: scaling_table for name in ("scaling", "scaling_8k", "scaling_8k_warm", "scaling_cold", "scaling_prefix")}}
 
 
 def update(readme: Path, results: Path) -> list[str]:
