@@ -86,17 +86,22 @@ def calibrate_cmd(
     out: Optional[Path] = typer.Option(None, help="TOML config file to write policy_alpha into (default: the "
                                                   "--config/$CACHECRAFT_CONFIG file, else <cache_dir>/config.toml)."),
     max_new_tokens: int = typer.Option(32, min=1, help="Answer length for agreement."),
+    warm_context: Optional[str] = typer.Option(None, help="What the chunk-caches are made after, following the "
+                                                        "system prompt: builtin, none or a text file (default: "
+                                                        "config warm_context, as `warm` makes them)."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
 ) -> None:
     """Fit policy_alpha: the smallest recompute whose answers agree with full prefill at
     TARGET or better, on a MuSiQue-format file; writes it to the config file, keeping
-    the other keys there."""
+    the other keys there. The chunk-caches are made the way `warm` makes them, so the
+    fitted alpha matches the caches your questions will use."""
     from rich.progress import Progress
 
     from cachecraft.config import CONFIG_ENV, default_config_file
     from cachecraft.dataset import load_items
     from cachecraft.model.loader import DTYPES
     from cachecraft.policy.calibrate import CalibrationError, calibrate, check_target, parse_alphas, write_config_value
+    from cachecraft.warm_context import load_text
 
     try:
         candidates, target = parse_alphas(alphas), check_target(target)
@@ -107,14 +112,15 @@ def calibrate_cmd(
     obj = ctx.obj or {}
     config_file = out or obj.get("config_path") or os.environ.get(CONFIG_ENV) or \
         default_config_file(obj.get("overrides"))
-    config = load_config(ctx, model=model)
+    config = load_config(ctx, model=model, **({} if warm_context is None else {"warm_context": warm_context}))
     items = load_items(dataset, limit)
     lm = load_model_quietly(config)
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task("requests", total=len(items))
         result = calibrate(lm, items, candidates, target, system_prompt=config.system_prompt,
                            question_template=config.question_template, kv_dtype=DTYPES[config.kv_dtype],
-                           max_new_tokens=max_new_tokens,
+                           max_new_tokens=max_new_tokens, warm_context=load_text(config.warm_context),
+                           warm_context_tokens=config.warm_context_tokens,
                            on_item=lambda done, total: progress.update(task, completed=done))
     table = Table(title=f"calibrate policy_alpha on {len(items)} item(s) (target agreement {target:g}; "
                         f"full TTFT median {result.full_ttft_s:.2f} s)")

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from cachecraft.config import Config, ConfigError
 import cachecraft.policy.calibrate as calibrate_module
+from cachecraft.warm_context import load_text
 import cli.app as cli_app
 from cachecraft.policy.calibrate import (AlphaRow, CalibrationError, CalibrationResult, check_target, choose_alpha,
                                          parse_alphas, write_config_value)
@@ -98,6 +99,25 @@ def test_calibrate_cli_defaults_to_the_cache_dir_config(dataset, cache_dir, monk
     assert "no alpha reached" in result.output
     assert tomllib.loads((cache_dir / "config.toml").read_text()) == {"policy_alpha": 0.7}  # best agreement
     assert Config.load().policy_alpha == 0.7  # picked up without --config
+
+
+def test_calibrate_makes_caches_the_way_warm_does(dataset, cache_dir, monkeypatch, tmp_path):
+    seen = []
+
+    def fake_calibrate(lm, items, alphas, target, **kwargs):
+        seen.append((kwargs["warm_context"], kwargs["warm_context_tokens"]))
+        rows = tuple(row(a, a, 0.99) for a in alphas)
+        return CalibrationResult(rows, rows[0], target, True, full_ttft_s=2.0)
+
+    monkeypatch.setattr(calibrate_module, "calibrate", fake_calibrate)
+    monkeypatch.setattr(cli_app, "load_model_quietly", lambda config: None)
+    context = tmp_path / "context.txt"
+    context.write_text("Some neutral prose the caches are made after.")
+    for extra in ([], ["--warm-context", "none"], ["--warm-context", str(context)]):
+        result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.1", *extra])
+        assert result.exit_code == 0, result.output
+    assert seen[0] == (load_text("builtin"), Config.load().warm_context_tokens)  # the config default
+    assert seen[1][0] == "" and seen[2][0] == context.read_text()
 
 
 @pytest.mark.parametrize("args,needle", [
