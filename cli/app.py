@@ -17,7 +17,7 @@ import typer
 from rich.table import Table
 
 from .bench import bench_app
-from .common import (CONTEXT, UserError, console, err_console, friendly, load_config,
+from .common import (CONTEXT, UserError, console, err_console, friendly, load_config, summarize_commands,
                      load_model_quietly, quiet_libraries)
 
 app = typer.Typer(help="cachecraft: reuse per-chunk KV caches for RAG, recompute only what matters.",
@@ -204,7 +204,7 @@ def warm_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Make the chunk-cache of every ingested chunk ahead of time (after the system prompt
-    alone), so a query that retrieves it starts from a hit. Chunks already cached are
+    and the warm context, config warm_context), so a query that retrieves it starts from a hit. Chunks already cached are
     skipped and each cache is on disk as soon as it is made, so an interrupted warm
     resumes where it stopped; run it again after each ingest.
 
@@ -270,6 +270,8 @@ def evict_cmd(
     ctx: typer.Context,
     chunk: Optional[str] = typer.Option(None, help="Chunk key, or its first characters (the 'cache key' column "
                                         "of `cachecraft query`, or `cachecraft explain`): drop all its variants."),
+    source: Optional[str] = typer.Option(None, help="A document as ingested (path, or file name when it names "
+                                         "one): drop the chunk-caches of every chunk that came from it."),
     tier: Optional[str] = typer.Option(None, help="gpu, cpu or disk: drop that tier's entries."),
     everything: bool = typer.Option(False, "--all", help="Drop every chunk-cache."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
@@ -277,10 +279,10 @@ def evict_cmd(
     """Drop chunk-caches from the store. The catalog keeps their history (hits, requests);
     a dropped chunk is computed again, in context, the next time it is retrieved.
 
-    Example: cachecraft evict --chunk 3fa2c1d09b7e
+    Examples: cachecraft evict --chunk 3fa2c1d09b7e; cachecraft evict --source docs/manual.md
     """
     from .cleanup import evict
-    report = evict(load_config(ctx), chunk, tier, everything)
+    report = evict(load_config(ctx), chunk, tier, everything, source)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
         return
@@ -485,6 +487,9 @@ def config_show_cmd(ctx: typer.Context,
     for key, value in values.items():
         table.add_row(key, str(value))
     console.print(table)
+
+
+summarize_commands(app, config_app, bench_app)
 
 
 def main() -> None:

@@ -31,16 +31,23 @@ class EvictReport:
         return {"removed": len(self.removed), "variants": self.removed, "note": self.note}
 
 
-def evict(config: Config, chunk: str | None, tier: str | None, everything: bool) -> EvictReport:
-    """Remove the variants of one chunk, of one tier, or all of them (catalog rows stay, as evicted)."""
-    if (chunk is not None) + (tier is not None) + bool(everything) != 1:
-        raise UserError("give exactly one of --chunk ID, --tier TIER or --all")
+def evict(config: Config, chunk: str | None, tier: str | None, everything: bool,
+          source: str | None = None) -> EvictReport:
+    """Remove the variants of one chunk, of every chunk of one document, of one tier, or all
+    of them (catalog rows stay, as evicted)."""
+    if (chunk is not None) + (source is not None) + (tier is not None) + bool(everything) != 1:
+        raise UserError("give exactly one of --chunk ID, --source FILE, --tier TIER or --all")
     if tier is not None and tier not in (*MEMORY_TIERS, "disk"):
         raise UserError(f"unknown tier {tier!r}; choose from gpu, cpu, disk")
     if tier in MEMORY_TIERS:
         return _memory_tier_note(config, tier)
     with TieredStore(config) as store:
-        keys = _variants_of_chunk(store, chunk) if chunk is not None else store.keys("disk")
+        if chunk is not None:
+            keys = _variants_of_chunk(store, chunk)
+        elif source is not None:
+            keys = _variants_of_source(store, source)
+        else:
+            keys = store.keys("disk")
         return EvictReport([key for key in keys if store.delete(key)])
 
 
@@ -71,6 +78,30 @@ def _variants_of_chunk(store: TieredStore, prefix: str) -> list[str]:
     if len(chunks) > 1:
         raise UserError(f"{prefix!r} matches {len(chunks)} chunks; give more characters")
     return [r.key for r in records if r is not None and r.chunk_key in chunks]
+
+
+def _variants_of_source(store: TieredStore, source: str) -> list[str]:
+    """Stored variant keys of every chunk the catalog says came from ``source``: the path
+    as ingested (relative paths are resolved), or a file name that names one document."""
+    wanted = source.strip()
+    if not wanted:
+        raise UserError("--source needs a document path or file name")
+    with store.catalog.read() as tx:
+        stored = {row.variant_key for row in tx.entries()}
+        records = [r for r in (tx.variant(key) for key in sorted(stored)) if r is not None]
+        origin = {}
+        for key in {r.chunk_key for r in records}:
+            chunk = tx.chunk(key)
+            origin[key] = chunk.source if chunk is not None else None
+    documents = {s for s in origin.values() if s}
+    exact = {s for s in documents if s in (wanted, str(Path(wanted).expanduser().resolve()))}
+    named = exact or {s for s in documents if Path(s).name == wanted}
+    if not named:
+        raise UserError(f"no cached chunk comes from {wanted!r} (see the source column of `cachecraft stats`)")
+    if len(named) > 1:
+        raise UserError(f"{wanted!r} names {len(named)} documents; give the path: "
+                        + ", ".join(sorted(named)[:3]))
+    return [r.key for r in records if origin.get(r.chunk_key) in named]
 
 
 def clear(config: Config, corpus: bool) -> list[str]:

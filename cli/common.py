@@ -86,3 +86,18 @@ def load_model_quietly(config: Config, name: str | None = None):
     from cachecraft.model.loader import load_model
     with console.status(f"loading model {name or config.model} ..."):
         return load_model(name, config)
+
+
+def summarize_commands(*apps: typer.Typer) -> None:
+    """Give every command without a ``short_help`` the first sentence of its docstring,
+    on one line, for the command lists of ``--help`` (which otherwise keep the
+    docstring's line breaks)."""
+    import inspect
+
+    for typer_app in apps:
+        for info in typer_app.registered_commands:
+            doc = inspect.getdoc(info.callback) if info.callback else None
+            if info.short_help is None and doc:
+                paragraph = " ".join(doc.split("\n\n")[0].split())
+                sentence = paragraph.split(". ")[0].rstrip(".")
+                info.short_help = sentence + "."

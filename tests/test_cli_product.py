@@ -97,6 +97,18 @@ def test_evict_and_clear(env, docs, cache_dir):
     one_line_error(runner.invoke(app, ["evict", "--chunk", "zzzzzzzz"]), "no cached chunk matches")
     one_line_error(runner.invoke(app, ["evict"]), "give exactly one of")
 
+    with Catalog(cache_dir) as catalog, catalog.read() as tx:
+        from_b = {r.variant_key for r in tx.entries()
+                  if (tx.chunk(tx.variant(r.variant_key).chunk_key).source or "").endswith("b.md")}
+    assert from_b
+    evicted = json.loads(invoke("evict", "--source", "b.md", "--json").output)  # a file name naming one document
+    assert set(evicted["variants"]) == from_b
+    with Catalog(cache_dir) as catalog, catalog.read() as tx:
+        assert not from_b & {r.variant_key for r in tx.entries()}
+        assert tx.entries()  # a.md's caches stay
+    one_line_error(runner.invoke(app, ["evict", "--source", str(docs / "b.md")]), "no cached chunk comes from")
+    one_line_error(runner.invoke(app, ["evict", "--source", "b.md", "--all"]), "give exactly one of")
+
     assert runner.invoke(app, ["clear"], input="n\n").exit_code == 1  # not confirmed: nothing deleted
     assert (cache_dir / "store").exists()
     assert "deleted" in invoke("clear", "--yes").output
