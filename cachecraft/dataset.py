@@ -24,8 +24,9 @@ class QAItem:
     answers: tuple[str, ...]
 
 
-def load_items(path: str | Path, limit: int | None = None) -> list[QAItem]:
-    """Load and validate a MuSiQue-format file; ``limit`` keeps the first N items."""
+def load_items(path: str | Path, limit: int | None = None, skip: int = 0) -> list[QAItem]:
+    """Load and validate a MuSiQue-format file; ``skip`` drops the first items (held-out
+    runs), then ``limit`` keeps the next N."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"dataset file not found: {path}")
@@ -35,8 +36,10 @@ def load_items(path: str | Path, limit: int | None = None) -> list[QAItem]:
         raise DatasetError(f"{path} is not a JSON file: {exc}") from None
     if not isinstance(data, list) or not data:
         raise DatasetError(f"{path}: expected a non-empty JSON list of items")
+    if skip < 0 or skip >= len(data):
+        raise DatasetError(f"{path}: cannot skip {skip} of its {len(data)} items")
     items = []
-    for i, raw in enumerate(data[:limit] if limit else data):
+    for i, raw in enumerate(data[skip:skip + limit] if limit else data[skip:], start=skip):
         where = f"{path}: item {i}"
         if not isinstance(raw, dict):
             raise DatasetError(f"{where} is not an object")

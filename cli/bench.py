@@ -24,7 +24,9 @@ def bench_quality_cmd(
     ctx: typer.Context,
     dataset: Path = typer.Option(..., help="MuSiQue-format JSON file (list of {ctxs, question, answers})."),
     out: Path = typer.Option(Path("benchmarks/results/quality.json"), help="Where to write the JSON result."),
-    limit: int = typer.Option(10, min=1, help="Use the first N items."),
+    limit: int = typer.Option(10, min=1, help="Use the first N items (after --skip)."),
+    skip: int = typer.Option(0, min=0, help="Leave out the first N items, e.g. to test on items a setting "
+                                            "was not chosen on."),
     methods: str = typer.Option("full,reuse,cacheblend",
                                 help="Comma-separated methods: full, prefix, reuse, cacheblend, inter, firstk, "
                                      "qguided, cachecraft; name@ratio sets a ratio (alpha for cachecraft), "
@@ -51,7 +53,7 @@ def bench_quality_cmd(
 
     config = load_config(ctx, model=model, warm_context=warm_context)
     specs = parse_methods(methods, config.cacheblend_ratio if ratio is None else ratio, config.policy_alpha)
-    items = load_items(dataset, limit)
+    items = load_items(dataset, limit, skip)
     lm = load_model_quietly(config)
     scratch = Path(tempfile.mkdtemp(prefix="bench-quality-", dir=ensure_dir(config.cache_dir)))
     try:
@@ -71,7 +73,7 @@ def bench_quality_cmd(
     payload = {"benchmark": "quality", "command": command, "model": lm.name,
                "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""),
                "kv_dtype": config.kv_dtype, "warm_context": config.warm_context, "dataset": str(dataset),
-               "limit": len(items), **result}
+               "limit": len(items), "skip": skip, **result}
     write_result(out, payload)
     print_quality_table(result["methods"])
     console.print(f"wrote {out}")

@@ -20,6 +20,18 @@ def test_loads_items_and_limit(tmp_path):
     assert items[0].question == "q?" and items[0].passages == (("T", "body"),) and items[0].answers == ("a",)
 
 
+def test_skip_leaves_out_the_first_items(tmp_path):
+    data = [{"ctxs": [{"text": "body"}], "question": f"q{i}"} for i in range(5)]
+    path = write(tmp_path, data)
+    assert [i.question for i in load_items(path, limit=2, skip=3)] == ["q3", "q4"]
+    assert [i.question for i in load_items(path, skip=1)] == ["q1", "q2", "q3", "q4"]
+    with pytest.raises(DatasetError, match="cannot skip 5 of its 5 items"):
+        load_items(path, skip=5)
+    data[4]["question"] = ""
+    with pytest.raises(DatasetError, match="item 4"):  # positions in the file, not after the skip
+        load_items(write(tmp_path, data), skip=3)
+
+
 @pytest.mark.parametrize("data,message", [
     ("not json", "not a JSON file"),
     ({"a": 1}, "non-empty JSON list"),

@@ -73,7 +73,8 @@ def scaling_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_alpha", "quality_warm")
+QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_alpha", "quality_warm",
+                   "quality_warm_heldout")
 RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
              "workload": workload_table, "workload_eviction": workload_table, "store": store_table,
              **{name: scaling_table for name in ("scaling", "scaling_8k", "scaling_8k_warm", "scaling_cold", "scaling_prefix")}}
