@@ -154,6 +154,70 @@ def bench_workload_cmd(
     console.print(f"wrote {out}")
 
 
+@bench_app.command("eviction")
+@friendly
+def bench_eviction_cmd(
+    ctx: typer.Context,
+    dataset: Path = typer.Option(Path("../shared/data/musique_dev.json"),
+                                 help="MuSiQue-format JSON file; all its passages form the corpus."),
+    out: Path = typer.Option(Path("benchmarks/results/eviction_replay.json"), help="Where to write the JSON result."),
+    requests: int = typer.Option(3000, min=1, help="Requests in the trace."),
+    limit: int = typer.Option(100, min=1, help="Items of the dataset to pool (10 passages each)."),
+    top_k: int = typer.Option(5, help="Chunks retrieved per request."),
+    budgets: str = typer.Option("0.05,0.1,0.25", help="Cache budgets as fractions of the trace's distinct "
+                                                      "chunks' KV bytes."),
+    policies: str = typer.Option("lru,lfu,pgdsf,cachecraft", help="Eviction policies to compare."),
+    zipf: float = typer.Option(1.2, min=0.0, help="Zipf exponent of item popularity."),
+    seed: int = typer.Option(0, help="Trace seed."),
+    model: Optional[str] = typer.Option(None, help="Model whose tokenizer and KV shape size the chunks "
+                                                   "(default: config model)."),
+) -> None:
+    """Compare eviction policies on a long RAG trace without running the model: hit rate
+    and compute saved per policy and budget. Only eviction is measured; `bench workload
+    --evictions` runs the model on a short trace."""
+    import torch
+
+    from cachecraft.bench.common import write_result
+    from cachecraft.bench.eviction import run_replay
+    from cachecraft.dataset import load_items
+    from cachecraft.retrieval.embed import Embedder
+
+    config = load_config(ctx, model=model)
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    if not names:
+        raise UserError("give at least one policy, e.g. lru,cachecraft")
+    for name in names:
+        config.replace(eviction=name)  # unknown policies fail here
+    try:
+        fractions = [float(b) for b in budgets.split(",") if b.strip()]
+    except ValueError:
+        raise UserError(f"budgets must be comma-separated fractions, got {budgets!r}") from None
+    if not fractions or any(not 0.0 < f <= 1.0 for f in fractions):
+        raise UserError(f"budgets must be fractions within (0, 1], got {budgets!r}")
+    items = load_items(dataset, limit)
+    ensure_dir(config.cache_dir)
+    lm = load_model_quietly(config)
+    with console.status(f"embedding the corpus, then replaying {requests} requests ..."):
+        try:
+            result = run_replay(lm, items, requests=requests, top_k=top_k, zipf_s=zipf, seed=seed,
+                                kv_bytes_per_value=torch.empty(0, dtype=getattr(torch, config.kv_dtype)).element_size(),
+                                policies=names, budget_fractions=fractions, embed=Embedder().embed)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    command = "cachecraft bench eviction " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "cachecraft bench eviction"
+    write_result(out, {"benchmark": "eviction", "command": command, "model": lm.name, "dataset": str(dataset),
+                       "kv_dtype": config.kv_dtype, **result})
+    table = Table(title=f"eviction: {requests} requests, {result['summary']['distinct_chunks']} distinct chunks, "
+                        f"top-{top_k}")
+    for column in ("budget", "policy", "hit rate", "compute saved", "evictions"):
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    for r in result["rows"]:
+        table.add_row(f"{r['budget_fraction']:.0%} ({r['budget_bytes'] / 2**20:.0f} MiB)", r["policy"],
+                      f"{r['hit_rate']:.3f}", f"{r['compute_saved']:.1%}", str(r["evictions"]))
+    console.print(table)
+    console.print(f"wrote {out}")
+
+
 def print_quality_table(methods: dict[str, dict]) -> None:
     """The aggregates of ``bench quality`` as a table."""
     table = Table(title="quality vs full prefill (same requests)")
@@ -309,6 +373,8 @@ def bench_report_cmd(
     workload: Path = typer.Option(Path("benchmarks/results/workload.json"), help="`bench workload` result."),
     eviction: Path = typer.Option(Path("benchmarks/results/workload_eviction.json"),
                                   help="`bench workload --evictions ...` result comparing eviction policies."),
+    replay: Path = typer.Option(Path("benchmarks/results/eviction_replay.json"),
+                                help="`bench eviction` result: the policies on a long trace, without the model."),
     scaling: Path = typer.Option(Path("benchmarks/results/scaling.json"), help="`bench scaling` result."),
     gpu_json: Optional[Path] = typer.Option(None, help="A result measured on a GPU, for the GPU section."),
     run: bool = typer.Option(False, "--run", help="Run the missing benchmarks first (long: see the report's "
@@ -322,7 +388,7 @@ def bench_report_cmd(
     from cachecraft.bench.report import write_report
     from cachecraft.bench.runs import RUNS
 
-    sources = {"quality": quality, "workload": workload, "eviction": eviction, "scaling": scaling}
+    sources = {"quality": quality, "workload": workload, "eviction": eviction, "replay": replay, "scaling": scaling}
     missing = [name for name, path in sources.items() if not path.is_file()]
     if run and missing:
         config = load_config(ctx)

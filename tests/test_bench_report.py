@@ -167,3 +167,22 @@ def test_a_separate_eviction_run_gets_its_own_section(tmp_path):
     paths["eviction"].write_text(json.dumps(eviction))
     text = write_report(tmp_path / "r3", paths).read_text()
     assert "Eviction: `cachecraft[lru]` beats cachecraft's own policy on hit rate: 0.90 vs 0.56." in text
+
+
+def test_an_eviction_replay_gets_its_section_plot_and_losses(tmp_path):
+    rows = [{"budget_fraction": f, "policy": p, "budget_bytes": int(f * 2**30), "lookups": 100,
+             "hits": hits, "hit_rate": hits / 100, "compute_saved": hits / 100, "evictions": 5}
+            for f, hits_by_policy in ((0.1, {"lru": 30, "cachecraft": 40}), (0.25, {"lru": 70, "cachecraft": 60}))
+            for p, hits in hits_by_policy.items()]
+    replay = {"date": "2026-11-21T00:00:00+00:00", "machine": MACHINE, "benchmark": "eviction",
+              "command": "cachecraft bench eviction --out e.json", "model": "smollm2", "dataset": "d.json",
+              "requests": 50, "top_k": 2, "rows": rows,
+              "summary": {"distinct_chunks": 40, "lookups": 100, "corpus_bytes": 2**30}}
+    path = tmp_path / "replay.json"
+    path.write_text(json.dumps(replay))
+    text = write_report(tmp_path / "r", {"replay": path}).read_text()
+    assert "## Eviction policies on a long trace" in text and replay["command"] in text
+    assert "| 25% (256 MiB) | lru | 0.700 | 70.0% | 5 |" in text
+    assert (tmp_path / "r" / "eviction_replay.png").read_bytes()[:8] == PNG_MAGIC
+    assert "at a 25% budget: `lru` beats cachecraft's own policy on hit rate: 0.700 vs 0.600" in text
+    assert "at a 10% budget" not in text  # cachecraft ahead there

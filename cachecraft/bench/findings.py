@@ -116,6 +116,24 @@ def eviction_losses(data: dict | None) -> list[str]:
     return lines
 
 
+def replay_losses(data: dict | None) -> list[str]:
+    """Budgets of a ``bench eviction`` replay where another policy saves more compute, or
+    hits more often, than cachecraft's own."""
+    rows = (data or {}).get("rows") or []
+    lines = []
+    for fraction in dict.fromkeys(r["budget_fraction"] for r in rows):
+        mine = {r["policy"]: r for r in rows if r["budget_fraction"] == fraction}
+        own = mine.get("cachecraft")
+        if own is None:
+            continue
+        for policy, r in mine.items():
+            for key, what, fmt in (("hit_rate", "hit rate", "{:.3f}"), ("compute_saved", "compute saved", "{:.1%}")):
+                if policy != "cachecraft" and r[key] > own[key]:
+                    lines.append(f"Eviction replay at a {fraction:.0%} budget: `{policy}` beats cachecraft's own "
+                                 f"policy on {what}: {fmt.format(r[key])} vs {fmt.format(own[key])}.")
+    return lines
+
+
 def scaling_losses(data: dict | None) -> list[str]:
     """Points where another method is faster than cachecraft, cachecraft is slower than
     full, or its agreement falls below the bar; and the goal at the longest context."""

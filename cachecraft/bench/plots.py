@@ -323,6 +323,30 @@ def workload_evictions(data: dict, path: Path) -> Path | None:
         return _save(fig, path)
 
 
+def eviction_replay(data: dict, path: Path) -> Path | None:
+    """Hit rate and compute saved against the cache budget, one line per eviction policy."""
+    rows = data.get("rows") or []
+    if not rows:
+        return None
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+        for ax, key, label in ((axes[0], "hit_rate", "chunk hit rate (share of lookups)"),
+                               (axes[1], "compute_saved", "prefill compute saved (%)")):
+            scale = 100 if key == "compute_saved" else 1
+            for i, policy in enumerate(dict.fromkeys(r["policy"] for r in rows)):
+                mine = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["budget_fraction"])
+                ax.plot([100 * r["budget_fraction"] for r in mine], [scale * r[key] for r in mine], "-",
+                        marker=MARKERS[i % len(MARKERS)], linewidth=2, markersize=8, label=policy)
+            ax.set_xlabel("cache budget (% of the trace's distinct chunks' KV bytes)")
+            ax.set_ylabel(label)
+            ax.set_title(label.split(" (")[0].capitalize() + " against budget")
+        axes[1].legend(title="eviction policy", loc="lower right")
+        fig.suptitle(f"Eviction policies on a {data.get('requests', '?')}-request trace, replayed without the model",
+                     fontsize=15)
+        fig.tight_layout()
+        return _save(fig, path)
+
+
 # -- scaling ----------------------------------------------------------------------------------
 
 def _scaling_lines(ax, rows: list[dict], x: str, y: str) -> None:

@@ -73,10 +73,26 @@ def scaling_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_alpha", "quality_warm",
-                   "quality_warm_heldout")
+def eviction_table(data: dict) -> str:
+    """Markdown table of a ``bench eviction`` replay: hit rate and compute saved per policy and budget."""
+    summary = data["summary"]
+    lines = [f"`{data['command']}` ({data['model']} sizes, {data['requests']} requests, "
+             f"{summary['distinct_chunks']} distinct chunks, top-{data['top_k']}, {data['date'][:10]})", ""]
+    policies = list(dict.fromkeys(r["policy"] for r in data["rows"]))
+    lines += ["| budget | " + " | ".join(policies) + " |", "|---" * (len(policies) + 1) + "|"]
+    for fraction in dict.fromkeys(r["budget_fraction"] for r in data["rows"]):
+        cell = {r["policy"]: r for r in data["rows"] if r["budget_fraction"] == fraction}
+        mib = next(iter(cell.values()))["budget_bytes"] / 2 ** 20
+        lines.append(f"| {fraction:.0%} ({mib:.0f} MiB) | " + " | ".join(
+            f"hits {cell[p]['hit_rate']:.3f}, saved {cell[p]['compute_saved']:.1%}" for p in policies) + " |")
+    return "\n".join(lines)
+
+
+QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_heldout", "quality_alpha",
+                   "quality_warm", "quality_warm_heldout")
 RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
              "workload": workload_table, "workload_eviction": workload_table, "store": store_table,
+             "eviction_replay": eviction_table,
              **{name: scaling_table for name in ("scaling", "scaling_8k", "scaling_8k_warm", "scaling_cold", "scaling_prefix")}}
 
 

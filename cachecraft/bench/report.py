@@ -125,6 +125,20 @@ def eviction_policies(data: dict, out: Path) -> list[str]:
                            for label, m in policies.items()])
 
 
+def replay_section(data: dict, source: Path, out: Path) -> list[str]:
+    """A `bench eviction` replay: the policies on a long trace, without the model."""
+    lines = ["## Eviction policies on a long trace", "", *provenance(data, source)]
+    summary = data.get("summary") or {}
+    lines += [f"{data.get('requests', '?')} requests, {summary.get('lookups', '?')} chunk lookups over "
+              f"{summary.get('distinct_chunks', '?')} distinct chunks, replayed through each policy alone "
+              "(no model runs: only what eviction decides is measured).", ""]
+    lines += _plots(out, data, [("eviction_replay.png", plots.eviction_replay, "eviction policies against budget")])
+    return lines + _table(["budget", "policy", "hit rate", "compute saved", "evictions"],
+                          [[f"{r['budget_fraction']:.0%} ({r['budget_bytes'] / 2**20:.0f} MiB)", r["policy"],
+                            f"{r['hit_rate']:.3f}", f"{r['compute_saved']:.1%}", str(r["evictions"])]
+                           for r in data.get("rows") or []])
+
+
 def scaling_section(data: dict, source: Path, out: Path) -> list[str]:
     lines = ["## Scaling: context length and number of chunks", "", *provenance(data, source)]
     setup = data.get("setup") or {}
@@ -179,7 +193,7 @@ def gpu_section(gpu: dict | None, source: Path | None, others: list[dict]) -> li
 
 
 SECTIONS = {"quality": quality_section, "workload": workload_section, "eviction": eviction_section,
-            "scaling": scaling_section}
+            "replay": replay_section, "scaling": scaling_section}
 
 
 def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = None) -> Path:
@@ -203,6 +217,7 @@ def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = 
                       f"    {command(name, path)}", ""]
     losses = (findings.quality_losses(results.get("quality")) + findings.workload_losses(results.get("workload"))
               + findings.eviction_losses(results.get("workload")) + findings.eviction_losses(results.get("eviction"))
+              + findings.replay_losses(results.get("replay"))
               + findings.scaling_losses(results.get("scaling")))
     lines += ["## Where cachecraft loses", "",
               "Read off the results above: every case where another method is faster, closer to full, or saves "

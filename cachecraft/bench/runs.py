@@ -30,6 +30,7 @@ COMMANDS = {
     "eviction": "cachecraft bench workload --dataset {dataset} --limit {limit} --requests {requests} "
                 "--top-k {top_k} --methods full --evictions " + ",".join(EVICTIONS)
                 + " --cpu-budget {cpu_budget} --disk-budget {disk_budget} --max-new-tokens 4 --out {out}",
+    "replay": "cachecraft bench eviction --dataset {dataset} --out {out}",
     "scaling": "cachecraft bench scaling --dataset {dataset} --out {out}",
 }
 Progress = Callable[[str], None]
@@ -37,7 +38,7 @@ Progress = Callable[[str], None]
 
 DEFAULTS = {"quality": {"limit": 10}, "workload": {"limit": 20, "requests": 40, "top_k": 5},
             "eviction": {"limit": 20, "requests": 40, "top_k": 3, "cpu_budget": "32MiB", "disk_budget": "128MiB"},
-            "scaling": {}}
+            "replay": {}, "scaling": {}}
 SCALING_FLAGS = {"chunk_counts": "chunks"}
 
 
@@ -105,6 +106,26 @@ def run_workload_default(lm: LoadedModel, config: Config, dataset: Path, out: Pa
     return write_result(out, payload)
 
 
+def run_replay_default(lm: LoadedModel, config: Config, dataset: Path, out: Path,
+                       on_progress: Progress | None = None, requests: int = 3000, limit: int = 100, top_k: int = 5,
+                       embed: Callable | None = None) -> Path:
+    """``bench eviction`` with its defaults: the policies on a long trace, without the model."""
+    import torch
+
+    from cachecraft.bench.eviction import run_replay
+    from cachecraft.dataset import load_items
+
+    if embed is None:
+        from cachecraft.retrieval.embed import Embedder
+        embed = Embedder().embed
+    on_progress and on_progress(f"eviction: replaying {requests} requests")
+    result = run_replay(lm, load_items(dataset, limit), requests=requests, top_k=top_k, zipf_s=1.2, seed=0,
+                        kv_bytes_per_value=torch.empty(0, dtype=getattr(torch, config.kv_dtype)).element_size(),
+                        embed=embed)
+    payload = {**_payload("replay", lm, dataset, out), "benchmark": "eviction", "kv_dtype": config.kv_dtype, **result}
+    return write_result(out, payload)
+
+
 def run_scaling_default(lm: LoadedModel, config: Config, dataset: Path, out: Path,
                         on_progress: Progress | None = None, **settings) -> Path:
     """``bench scaling`` with its defaults (``settings`` override them, for tests)."""
@@ -119,4 +140,5 @@ def run_scaling_default(lm: LoadedModel, config: Config, dataset: Path, out: Pat
     return write_result(out, payload)
 
 
-RUNS = {"quality": run_quality_default, "workload": run_workload_default, "scaling": run_scaling_default}
+RUNS = {"quality": run_quality_default, "workload": run_workload_default, "replay": run_replay_default,
+        "scaling": run_scaling_default}
