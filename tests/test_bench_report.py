@@ -139,7 +139,8 @@ def test_command(results, tmp_path):
     out = tmp_path / "cli-report"
     result = CliRunner().invoke(app, ["bench", "report", "--out", str(out), "--quality", str(results["quality"]),
                                       "--workload", str(results["workload"]), "--scaling", str(results["scaling"]),
-                                      "--eviction", str(tmp_path / "no-eviction-run.json")])
+                                      "--eviction", str(tmp_path / "no-eviction-run.json"),
+                                      "--replay", str(tmp_path / "no-replay.json")])
     assert result.exit_code == 0, result.output
     assert (out / "report.md").is_file() and "10 plots" in " ".join(result.output.split())
     missing = CliRunner().invoke(app, ["bench", "report", "--out", str(out), "--gpu-json", str(tmp_path / "no.json"),
