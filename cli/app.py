@@ -204,9 +204,9 @@ def warm_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Make the chunk-cache of every ingested chunk ahead of time (after the system prompt
-    and the warm context, config warm_context), so a query that retrieves it starts from a hit. Chunks already cached are
-    skipped and each cache is on disk as soon as it is made, so an interrupted warm
-    resumes where it stopped; run it again after each ingest.
+    and the warm context, config warm_context), so a query that retrieves it starts from
+    a hit. Chunks already cached are skipped and each cache is on disk as soon as it is
+    made, so an interrupted warm resumes where it stopped; run it again after each ingest.
 
     Example: cachecraft warm --workers 2
     """

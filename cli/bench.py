@@ -204,7 +204,7 @@ def bench_eviction_cmd(
                                 policies=names, budget_fractions=fractions, embed=Embedder().embed)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-    command = "cachecraft bench eviction " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "cachecraft bench eviction"
+    command = " ".join(["cachecraft bench eviction", *sys.argv[3:]])
     write_result(out, {"benchmark": "eviction", "command": command, "model": lm.name, "dataset": str(dataset),
                        "kv_dtype": config.kv_dtype, **result})
     table = Table(title=f"eviction: {requests} requests, {result['summary']['distinct_chunks']} distinct chunks, "

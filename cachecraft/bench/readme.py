@@ -93,7 +93,8 @@ QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_heldo
 RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
              "workload": workload_table, "workload_eviction": workload_table, "store": store_table,
              "eviction_replay": eviction_table,
-             **{name: scaling_table for name in ("scaling", "scaling_8k", "scaling_8k_warm", "scaling_cold", "scaling_prefix")}}
+             **{name: scaling_table
+                for name in ("scaling", "scaling_8k", "scaling_8k_warm", "scaling_cold", "scaling_prefix")}}
 
 
 def update(readme: Path, results: Path) -> list[str]:

@@ -142,8 +142,8 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
     return {"scaling": table, "requests": rows, "summary": summarize(table), "setup": setup}
 
 
-def _run_point(runner: "_Runner", order: Sequence[tuple[MethodSpec, bool]], builder: PromptBuilder, items: Sequence[QAItem],
-               starts: Sequence[int], streams: Sequence[list[int]], point: Point):
+def _run_point(runner: "_Runner", order: Sequence[tuple[MethodSpec, bool]], builder: PromptBuilder,
+               items: Sequence[QAItem], starts: Sequence[int], streams: Sequence[list[int]], point: Point):
     """Rows of every method on every question of one point (``full`` first on each)."""
     for repeat, (start, stream) in enumerate(zip(starts, streams)):
         question = items[start].question
@@ -188,7 +188,8 @@ class _Runner:
         else:
             answer, mem, setup_s = self._through_pipeline(spec, chunks, question, warm=not cold)
         ref = reference or answer
-        row = {"method": spec.label + (COLD if cold else ""), "context_tokens": answer.prompt_tokens, "ttft_s": answer.ttft_s,
+        row = {"method": spec.label + (COLD if cold else ""), "context_tokens": answer.prompt_tokens,
+               "ttft_s": answer.ttft_s,
                "speedup_vs_full": ref.ttft_s / answer.ttft_s, "recompute_fraction": answer.recompute_fraction,
                "token_layers": answer.token_layers,
                "agreement_f1": token_f1(first_line(answer.text), first_line(ref.text)),
