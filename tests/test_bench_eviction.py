@@ -55,3 +55,19 @@ def test_command_writes_json(tiny_dir, dataset, tmp_path, cache_dir):
                                    "--budgets", "1.5"])
     assert bad.exit_code != 0 and "budgets must be fractions" in bad.output
 
+
+
+def test_report_run_makes_the_replay_with_its_command(dataset, tmp_path, cache_dir):
+    from cachecraft.bench.runs import RUNS
+    from cachecraft.config import Config
+    from tests.conftest import tiny_model
+    from tests.test_workload import fake_embed
+
+    out = tmp_path / "replay.json"
+    RUNS["replay"](tiny_model("llama"), Config.load(environ={}), dataset, out, requests=40, limit=3, top_k=2,
+                   embed=fake_embed)
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "eviction" and data["command"].startswith("cachecraft bench eviction --dataset")
+    assert data["summary"]["lookups"] == 80 and data["kv_dtype"] == "float16"
+    assert {r["policy"] for r in data["rows"]} == {"lru", "lfu", "pgdsf", "cachecraft"}
+    assert len(data["rows"]) == 4 * 3 and all(0.0 <= r["hit_rate"] <= 1.0 for r in data["rows"])
