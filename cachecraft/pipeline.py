@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from cachecraft.catalog import MISS, ChunkRecord, RequestChunk, RequestRecord, question_hash
+from cachecraft.catalog import MISS, RequestChunk, RequestRecord, question_hash
 from cachecraft.config import Config
 from cachecraft.engine import DeviationCheck, Segment, blended_prefill, generate_from
 from cachecraft.kv import ChunkKV, chunk_key, variant_key
@@ -479,9 +479,7 @@ class Pipeline:
     def _put(self, kv: ChunkKV) -> None:
         text = self.lm.tokenizer.decode(list(kv.token_ids[:48]), skip_special_tokens=True)
         cost = self._estimate_full(kv.num_tokens)
-        self.catalog.upsert_chunk(ChunkRecord(kv.chunk, kv.fingerprint, kv.num_tokens,
-                                              source=self._sources.get(kv.chunk), preview=text))
-        self.store.put(kv, cost_s=cost, preview=text)
+        self.store.put(kv, cost_s=cost, source=self._sources.get(kv.chunk), preview=text)
 
     def _report(self, pieces, keys, segments, plan: RecomputePlan | None, used, tiers, stops,
                 recomputed: torch.Tensor) -> list[ChunkReport]:

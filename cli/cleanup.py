@@ -62,6 +62,12 @@ def _memory_tier_note(config: Config, tier: str) -> EvictReport:
                             "with --tier disk then")
 
 
+def _stored_variants(tx) -> list:
+    """Catalog records of the variants that have bytes in some tier, by key."""
+    stored = {row.variant_key for row in tx.entries()}
+    return [r for r in (tx.variant(key) for key in sorted(stored)) if r is not None]
+
+
 def _variants_of_chunk(store: TieredStore, prefix: str) -> list[str]:
     """Stored variant keys of the chunk whose key (or a variant's key) starts with ``prefix``."""
     prefix = prefix.strip().lower()
@@ -69,15 +75,13 @@ def _variants_of_chunk(store: TieredStore, prefix: str) -> list[str]:
         raise UserError(f"give at least {MIN_PREFIX} characters of the chunk key (see `cachecraft query` "
                         "or `cachecraft explain`)")
     with store.catalog.read() as tx:
-        stored = {row.variant_key for row in tx.entries()}
-        records = [tx.variant(key) for key in sorted(stored)]
-    chunks = {r.chunk_key for r in records if r is not None and
-              (r.chunk_key.startswith(prefix) or r.key.startswith(prefix))}
+        records = _stored_variants(tx)
+    chunks = {r.chunk_key for r in records if r.chunk_key.startswith(prefix) or r.key.startswith(prefix)}
     if not chunks:
         raise UserError(f"no cached chunk matches {prefix!r}")
     if len(chunks) > 1:
         raise UserError(f"{prefix!r} matches {len(chunks)} chunks; give more characters")
-    return [r.key for r in records if r is not None and r.chunk_key in chunks]
+    return [r.key for r in records if r.chunk_key in chunks]
 
 
 def _variants_of_source(store: TieredStore, source: str) -> list[str]:
@@ -87,8 +91,7 @@ def _variants_of_source(store: TieredStore, source: str) -> list[str]:
     if not wanted:
         raise UserError("--source needs a document path or file name")
     with store.catalog.read() as tx:
-        stored = {row.variant_key for row in tx.entries()}
-        records = [r for r in (tx.variant(key) for key in sorted(stored)) if r is not None]
+        records = _stored_variants(tx)
         origin = {}
         for key in {r.chunk_key for r in records}:
             chunk = tx.chunk(key)
