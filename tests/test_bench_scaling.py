@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cachecraft.bench.scaling import Point, cut_chunks, passage_stream, plan_points, run_scaling
+from cachecraft.bench.scaling import Point, cut_chunks, passage_stream, plan_points, run_scaling, shuffled
 from cachecraft.cli.app import app
 from cachecraft.config import Config
 from cachecraft.policy.planner import PolicyParams
@@ -118,3 +118,29 @@ def test_default_run_writes_the_json_and_its_command(dataset, tmp_path, cache_di
     assert data["command"].endswith("--contexts 100 --chunks '' --fixed-context 100 --chunk-tokens 50 --repeats 1 "
                                     "--max-new-tokens 2")
     assert [r["method"] for r in data["scaling"]] == ["full", "prefix", "reuse", "cacheblend@0.15", f"cachecraft@{PolicyParams().alpha:g}"]
+
+
+def test_shuffled_order_moves_the_first_chunk():
+    for n in (2, 3, 4, 15):
+        chunks = [f"c{i}" for i in range(n)]
+        order = shuffled(chunks)
+        assert sorted(order) == sorted(chunks) and order[0] != "c0" and order == shuffled(chunks)
+
+
+def test_revisit_rows_reuse_the_earlier_requests_variants(cache_dir):
+    cache_dir.mkdir(parents=True)
+    config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32", "policy_alpha": 0.1},
+                         environ={})
+    result = run_scaling(tiny_model("llama"), config, ITEMS, parse_methods("full,prefix,cachecraft", 0.15, 0.1),
+                         contexts=[200], chunk_counts=[], chunk_tokens=50, repeats=1, max_new_tokens=2, revisit=True)
+    requests = {r["method"]: r for r in result["requests"]}
+    assert list(requests) == ["full", "prefix", "cachecraft@0.1", "cachecraft@0.1 revisit", "prefix revisit"]
+    warm, again = requests["cachecraft@0.1"], requests["cachecraft@0.1 revisit"]
+    assert again["cached_chunks"] == 4 and again["setup_s"] > 0
+    # Warmed caches share no chunk with the request's prefix; the earlier request's do.
+    assert warm["prefix_overlap"] == 0.0 and again["prefix_overlap"] > 0.0
+    # Shuffled, the earlier request leaves prefix caching only the system prompt to share.
+    assert requests["prefix revisit"]["recompute_fraction"] > requests["prefix"]["recompute_fraction"]
+    assert requests["full"]["prefix_overlap"] is None
+    assert result["summary"]["goal_revisit"]["method"] == "cachecraft@0.1 revisit"
+    assert "revisit" in result["setup"] and not list(cache_dir.iterdir())

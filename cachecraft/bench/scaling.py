@@ -12,7 +12,13 @@ and the configured warm context) for the methods that reuse them; ``prefix`` has
 seen one earlier request sharing the system prompt and the first ``prefix_shared``
 chunks. With ``cold``, cachecraft also answers each request with nothing cached
 (label ``... cold``): the chunk-caches and their statistics are made inside the
-request, which is what a user's first question over new documents costs. TTFT is
+request, which is what a user's first question over new documents costs. With
+``revisit``, cachecraft also answers after an earlier question retrieved the same
+chunks in another order (label ``... revisit``): that untimed request made each
+chunk's cache in its own context and kept it as a variant, as Cache-Craft does, so
+the timed request reuses caches made beside the same passages; ``prefix``, when
+asked for, gets the same history, which its cache cannot match past the system
+prompt. TTFT is
 ``Pipeline.answer``'s (store loading included); quality is agreement with ``full``'s
 answer (and first-token KL against it) on the same request.
 """
@@ -22,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import random
 import shutil
 import statistics
 import tempfile
@@ -45,6 +52,9 @@ DEFAULT_CHUNK_COUNTS = (2, 5, 10, 20)
 GOAL_SPEEDUP = 10.0
 GOAL_AGREEMENT = 0.95
 COLD = " cold"  # label suffix of a request answered with nothing cached
+REVISIT = " revisit"  # label suffix of a request whose chunks an earlier request saw, shuffled
+SHUFFLE_SEED = 0  # the earlier request's order in revisit rows
+SETTING_SUFFIX = {"warm": "", "cold": COLD, "revisit": REVISIT}
 EARLIER_QUESTION = "What is this text about?"
 
 
@@ -90,7 +100,7 @@ def cut_chunks(builder: PromptBuilder, stream: Sequence[int], question: str, poi
 def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs: Sequence[MethodSpec], *,
                 contexts: Sequence[int] = DEFAULT_CONTEXTS, chunk_counts: Sequence[int] = DEFAULT_CHUNK_COUNTS,
                 fixed_context: int = 4000, chunk_tokens: int = 512, repeats: int = 2, prefix_shared: int = 1,
-                max_new_tokens: int = 32, tier: str = "cpu", cold: bool = False,
+                max_new_tokens: int = 32, tier: str = "cpu", cold: bool = False, revisit: bool = False,
                 on_step: Callable[[str, int, int], None] | None = None) -> dict:
     """Run both sweeps; returns ``{"scaling": [...], "requests": [...], "summary": {...}, "setup": {...}}``.
     ``on_step(description, done, total)`` is called after each timed request."""
@@ -103,9 +113,12 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
                          f"model's context window of {lm.max_context}")
     if repeats < 1 or not items:
         raise ValueError("need at least one item and one repeat")
-    order = [(MethodSpec("full"), False)] + [(s, False) for s in specs if s.name != "full"]
+    order = [(MethodSpec("full"), "warm")] + [(s, "warm") for s in specs if s.name != "full"]
+    craft = next((s for s in specs if s.name == "cachecraft"), MethodSpec("cachecraft", config.policy_alpha))
     if cold:
-        order.append((MethodSpec("cachecraft", config.policy_alpha), True))
+        order.append((craft, "cold"))
+    if revisit:  # prefix caching on the same history, where any is asked for
+        order += [(craft, "revisit")] + [(s, "revisit") for s in specs if s.name == "prefix"]
     builder = builder_for(lm.tokenizer, config)
     starts = [(r * len(items)) // repeats for r in range(repeats)]  # questions far apart in the file
     streams = [passage_stream(builder, items, s, longest) for s in starts]
@@ -134,6 +147,10 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
                        f"{prefix_shared} chunk(s); its blocks were in the prefix cache",
              "cold": f"'{COLD.strip()}' rows: cachecraft with nothing cached; the request makes the "
                      "chunk-caches and their statistics" if cold else None,
+             "revisit": f"'{REVISIT.strip()}' rows: after one earlier request ({EARLIER_QUESTION!r}, same "
+                        "method, nothing cached ahead) over the same chunks in a shuffled order "
+                        f"(seed {SHUFFLE_SEED}); cachecraft kept each chunk's cache made in that context as a "
+                        "variant, prefix caching its blocks" if revisit else None,
              "fresh_pipeline_per_request": True, "chunk_tokens": chunk_tokens, "fixed_context": fixed_context,
              "repeats": repeats, "prefix_shared": prefix_shared, "tier": tier, "max_new_tokens": max_new_tokens,
              "context_tokens": "whole prompt: system prefix, chunks and question",
@@ -149,8 +166,8 @@ def _run_point(runner: "_Runner", order: Sequence[tuple[MethodSpec, bool]], buil
         question = items[start].question
         chunks = cut_chunks(builder, stream, question, point)
         reference = None
-        for spec, cold in order:
-            row, run = runner.run(spec, chunks, question, reference, cold=cold)
+        for spec, setting in order:
+            row, run = runner.run(spec, chunks, question, reference, setting=setting)
             reference = reference or run
             log.info("%s %d tokens, %d chunks, %s: ttft %.2fs", point.sweep, row["context_tokens"],
                      point.n_chunks, row["method"], row["ttft_s"])
@@ -174,21 +191,21 @@ class _Runner:
         self.cost_model = (CostModel.measure(lm, kv_dtype=getattr(torch, config.kv_dtype))
                            if needs_cost_model else None)
 
-    def warm_up(self, order: Sequence[tuple[MethodSpec, bool]], chunks: list[str]) -> None:
+    def warm_up(self, order: Sequence[tuple[MethodSpec, str]], chunks: list[str]) -> None:
         """One untimed small request per method, so lazy initialisation is not timed."""
-        for spec, cold in order:
-            self.run(spec, chunks, EARLIER_QUESTION, None, cold=cold)
+        for spec, setting in order:
+            self.run(spec, chunks, EARLIER_QUESTION, None, setting=setting)
 
     def run(self, spec: MethodSpec, chunks: list[str], question: str, reference,
-            cold: bool = False) -> tuple[dict, object]:
-        """Time ``spec`` on one request (``cold``: with nothing cached ahead); its row
+            setting: str = "warm") -> tuple[dict, object]:
+        """Time ``spec`` on one request (``setting``: warm, cold or revisit, see the module doc); its row
         (quality against ``reference``) and its answer."""
         if spec.name == "full":
             answer, mem, setup_s = self._plain_prefill(chunks, question)
         else:
-            answer, mem, setup_s = self._through_pipeline(spec, chunks, question, warm=not cold)
+            answer, mem, setup_s = self._through_pipeline(spec, chunks, question, setting)
         ref = reference or answer
-        row = {"method": spec.label + (COLD if cold else ""), "context_tokens": answer.prompt_tokens,
+        row = {"method": spec.label + SETTING_SUFFIX[setting], "context_tokens": answer.prompt_tokens,
                "ttft_s": answer.ttft_s,
                "speedup_vs_full": ref.ttft_s / answer.ttft_s, "recompute_fraction": answer.recompute_fraction,
                "token_layers": answer.token_layers,
@@ -196,7 +213,8 @@ class _Runner:
                "exact_match": float(exact_match(answer.text, ref.text)),
                "kl": kl_divergence(ref.logits, answer.logits),
                "peak_rss_mb": mem.peak_mb, "rss_growth_mb": mem.growth_mb, "setup_s": setup_s,
-               "cached_chunks": sum(c.tier != "miss" for c in answer.chunks), "answer": answer.text}
+               "cached_chunks": sum(c.tier != "miss" for c in answer.chunks),
+               "prefix_overlap": _mean_overlap(answer.chunks), "answer": answer.text}
         return row, answer
 
 
@@ -222,9 +240,10 @@ class _Runner:
         return Answer(text, "full", ttft, pieces.num_tokens, len(new_ids), result.recompute_fraction,
                       logits=result.logits.float().cpu(), token_layers=result.token_layers), mem, 0.0
 
-    def _through_pipeline(self, spec: MethodSpec, chunks: list[str], question: str, warm: bool = True):
-        """A fresh pipeline over a scratch store, set up as in real use (chunk-caches made
-        ahead unless not ``warm``), then the timed request."""
+    def _through_pipeline(self, spec: MethodSpec, chunks: list[str], question: str, setting: str = "warm"):
+        """A fresh pipeline over a scratch store, set up as ``setting`` says (chunk-caches
+        made ahead, nothing, or an earlier request over the chunks shuffled), then the
+        timed request."""
         from cachecraft.pipeline import Pipeline
         from cachecraft.store import TieredStore
 
@@ -236,7 +255,10 @@ class _Runner:
                 if self.cost_model is not None:
                     pipeline.cost_model = self.cost_model
                 start = time.perf_counter()
-                if spec.uses_cache and warm:
+                if setting == "revisit":
+                    pipeline.answer(shuffled(chunks), EARLIER_QUESTION, method=spec.name, ratio=spec.ratio,
+                                    max_new_tokens=1, record=False)
+                elif spec.uses_cache and setting == "warm":
                     pipeline.warm(chunks)
                 elif spec.name == "prefix":
                     earlier = chunks[:self.prefix_shared] or ["An earlier, unrelated passage.\n\n"]
@@ -250,6 +272,22 @@ class _Runner:
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
         return answer, mem, setup_s
+
+
+def _mean_overlap(chunks) -> float | None:
+    """Mean beta' (the policy's order-weighted prefix overlap) of the chunks it planned; None without a plan."""
+    overlaps = [c.beta_prime for c in chunks if c.beta_prime is not None]
+    return statistics.fmean(overlaps) if overlaps else None
+
+
+def shuffled(chunks: Sequence[str]) -> list[str]:
+    """``chunks`` in a fixed pseudo-random order that moves the first one (so that a
+    prefix cache shares at most the system prompt with the original order)."""
+    order = list(range(len(chunks)))
+    random.Random(SHUFFLE_SEED).shuffle(order)
+    if len(order) > 1 and order[0] == 0:
+        order = order[1:] + order[:1]
+    return [chunks[i] for i in order]
 
 
 def _release_freed_memory() -> None:
@@ -281,7 +319,9 @@ def aggregate(rows: Sequence[dict]) -> list[dict]:
                     "agreement_f1": mean(mine, "agreement_f1"), "exact_match": mean(mine, "exact_match"),
                     "kl": mean(mine, "kl"), "recompute_fraction": mean(mine, "recompute_fraction"),
                     "token_layers": mean(mine, "token_layers"), "peak_rss_mb": max(r["peak_rss_mb"] for r in mine),
-                    "rss_growth_mb": max(r["rss_growth_mb"] for r in mine), "setup_s": mean(mine, "setup_s")})
+                    "rss_growth_mb": max(r["rss_growth_mb"] for r in mine), "setup_s": mean(mine, "setup_s"),
+                    "prefix_overlap": (mean(mine, "prefix_overlap")
+                                       if all(r.get("prefix_overlap") is not None for r in mine) else None)})
     return out
 
 
@@ -293,7 +333,9 @@ def summarize(table: Sequence[dict]) -> dict:
         return {}
     top = max(r["target_tokens"] for r in context)
     at = {r["method"]: r for r in context if r["target_tokens"] == top}
-    craft = next((label for label in at if label.split("@")[0] == "cachecraft" and not label.endswith(COLD)), None)
+    crafts = [label for label in at if label.split("@")[0] == "cachecraft" and not label.endswith((COLD, REVISIT))]
+    craft = crafts[0] if crafts else None
+    revisit = next((label for label in at if label.endswith(REVISIT)), None)
     summary = {"max_context_tokens": next(iter(at.values()))["context_tokens"],
                "at_max_context": {label: {k: r[k] for k in ("ttft_s", "speedup_vs_full", "agreement_f1", "kl",
                                                              "recompute_fraction", "peak_rss_mb")}
@@ -304,4 +346,8 @@ def summarize(table: Sequence[dict]) -> dict:
         speedup, agreement = at[craft]["speedup_vs_full"], at[craft]["agreement_f1"]
         summary.update(speedup_at_max_context=speedup, agreement_at_max_context=agreement)
         summary["goal"]["met"] = speedup >= GOAL_SPEEDUP and agreement >= GOAL_AGREEMENT
+    if revisit is not None:
+        speedup, agreement = at[revisit]["speedup_vs_full"], at[revisit]["agreement_f1"]
+        summary["goal_revisit"] = {"method": revisit, "speedup": speedup, "agreement_f1": agreement,
+                                   "met": speedup >= GOAL_SPEEDUP and agreement >= GOAL_AGREEMENT}
     return summary
