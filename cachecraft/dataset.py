@@ -22,6 +22,7 @@ class QAItem:
     question: str
     passages: tuple[tuple[str, str], ...]  # (title, text)
     answers: tuple[str, ...]
+    index: int = 0  # position in its file, so held-out runs name the items they used
 
 
 def load_items(path: str | Path, limit: int | None = None, skip: int = 0) -> list[QAItem]:
@@ -57,5 +58,5 @@ def load_items(path: str | Path, limit: int | None = None, skip: int = 0) -> lis
             answers = [answers]
         if not isinstance(answers, list) or not all(isinstance(a, str) for a in answers):
             raise DatasetError(f"{where}: 'answers' must be a list of strings")
-        items.append(QAItem(question.strip(), tuple(passages), tuple(answers)))
+        items.append(QAItem(question.strip(), tuple(passages), tuple(answers), i))
     return items

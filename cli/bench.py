@@ -382,6 +382,8 @@ def bench_report_cmd(
     replay: Path = typer.Option(Path("benchmarks/results/eviction_replay.json"),
                                 help="`bench eviction` result: the policies on a long trace, without the model."),
     scaling: Path = typer.Option(Path("benchmarks/results/scaling.json"), help="`bench scaling` result."),
+    revisit: Path = typer.Option(Path("benchmarks/results/scaling_8k_revisit.json"),
+                                 help="`bench scaling --revisit` result: chunks an earlier request saw, shuffled."),
     gpu_json: Optional[Path] = typer.Option(None, help="A result measured on a GPU, for the GPU section."),
     run: bool = typer.Option(False, "--run", help="Run the missing benchmarks first (long: see the report's "
                                                   "commands)."),
@@ -394,7 +396,8 @@ def bench_report_cmd(
     from cachecraft.bench.report import write_report
     from cachecraft.bench.runs import RUNS
 
-    sources = {"quality": quality, "workload": workload, "eviction": eviction, "replay": replay, "scaling": scaling}
+    sources = {"quality": quality, "workload": workload, "eviction": eviction, "replay": replay, "scaling": scaling,
+               "revisit": revisit}
     missing = [name for name, path in sources.items() if not path.is_file()]
     if run and missing:
         config = load_config(ctx)

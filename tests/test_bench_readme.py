@@ -39,3 +39,22 @@ def test_scaling_block_has_one_row_per_size_and_a_column_per_method(tmp_path):
     assert "| prompt tokens | full | cachecraft |" in text and "| chunks |" not in text
     assert "| 1000 | 2.00 s (1.0x, F1 1.00) | 0.50 s (4.0x, F1 1.00) |" in text
     assert "| 8000 | 30.00 s (1.0x, F1 1.00) | - |" in text
+
+
+def test_revisit_block_has_a_row_per_method_with_its_kl_and_overlap(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    rows = [{"sweep": "context", "method": m, "context_tokens": 7912, "repeats": 6, "ttft_s": t,
+             "speedup_vs_full": 30.0 / t, "recompute_fraction": f, "kl": kl, "agreement_f1": a, "prefix_overlap": o}
+            for m, t, f, kl, a, o in (("full", 30.0, 1.0, 0.0, 1.0, None),
+                                      ("cachecraft@0.08 revisit", 1.5, 0.018, 0.0266, 0.808, 0.498))]
+    data = {"command": "cachecraft bench scaling --revisit", "model": "m", "date": "2026-11-21T00:00",
+            "machine": {"cpu": "cpu", "cores": 2}, "scaling": rows}
+    (results / "scaling_8k_revisit.json").write_text(json.dumps(data))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results:scaling_8k_revisit -->\n<!-- /results:scaling_8k_revisit -->\n")
+    assert update(readme, results) == ["scaling_8k_revisit"]
+    text = readme.read_text()
+    assert "(m, 6 questions, 2026-11-21, cpu, 2 cores)" in text
+    assert "| full | 7912 | 30.00 | 1.0x | 1.000 | 0.0000 | 1.000 | - |" in text
+    assert "| cachecraft@0.08 revisit | 7912 | 1.50 | 20.0x | 0.018 | 0.0266 | 0.808 | 0.50 |" in text

@@ -140,7 +140,8 @@ def test_command(results, tmp_path):
     result = CliRunner().invoke(app, ["bench", "report", "--out", str(out), "--quality", str(results["quality"]),
                                       "--workload", str(results["workload"]), "--scaling", str(results["scaling"]),
                                       "--eviction", str(tmp_path / "no-eviction-run.json"),
-                                      "--replay", str(tmp_path / "no-replay.json")])
+                                      "--replay", str(tmp_path / "no-replay.json"),
+                                      "--revisit", str(tmp_path / "no-revisit.json")])
     assert result.exit_code == 0, result.output
     assert (out / "report.md").is_file() and "10 plots" in " ".join(result.output.split())
     missing = CliRunner().invoke(app, ["bench", "report", "--out", str(out), "--gpu-json", str(tmp_path / "no.json"),
@@ -187,3 +188,34 @@ def test_an_eviction_replay_gets_its_section_plot_and_losses(tmp_path):
     assert (tmp_path / "r" / "eviction_replay.png").read_bytes()[:8] == PNG_MAGIC
     assert "at a 25% budget: `lru` beats cachecraft's own policy on hit rate: 0.700 vs 0.600" in text
     assert "at a 10% budget" not in text  # cachecraft ahead there
+
+
+def test_a_revisit_run_gets_its_section_plot_and_losses(tmp_path):
+    def row(method, ttft, kl, agreement, overlap):
+        return {"sweep": "context", "method": method, "target_tokens": 7900, "context_tokens": 7912, "n_chunks": 15,
+                "repeats": 6, "ttft_s": ttft, "speedup_vs_full": 28.0 / ttft, "agreement_f1": agreement, "kl": kl,
+                "recompute_fraction": 0.02, "peak_rss_mb": 2000.0, "prefix_overlap": overlap}
+    rows = [row("full", 28.0, 0.0, 1.0, None), row("reuse", 0.8, 0.12, 0.84, None),
+            row("cachecraft@0.08", 1.6, 0.10, 0.71, 0.0), row("cachecraft@0.08 revisit", 1.75, 0.035, 0.96, 0.41),
+            row("prefix revisit", 27.0, 0.0, 1.0, None)]
+    summary = {"max_context_tokens": 7912, "method": "cachecraft@0.08", "speedup_at_max_context": 17.5,
+               "agreement_at_max_context": 0.71, "goal": {"speedup": 10.0, "agreement_f1": 0.95, "met": False},
+               "goal_revisit": {"method": "cachecraft@0.08 revisit", "speedup": 16.0, "agreement_f1": 0.96,
+                                "met": True}}
+    revisit = {"date": "2026-11-21T00:00:00+00:00", "machine": MACHINE, "benchmark": "scaling",
+               "command": "cachecraft bench scaling --contexts 7900 --revisit --out r.json", "model": "smollm2",
+               "dataset": "d.json", "scaling": rows, "requests": [], "summary": summary,
+               "setup": {"revisit": "one earlier request over the same chunks, shuffled"}}
+    path = tmp_path / "revisit.json"
+    path.write_text(json.dumps(revisit))
+    text = write_report(tmp_path / "r", {"revisit": path}).read_text()
+    assert "## Chunks seen before, in another order" in text and revisit["command"] in text
+    assert "| cachecraft@0.08 revisit | 7912 | 6 | 1.75 | 16.0x | 0.020 | 0.0350 | 0.960 | 0.41 |" in text
+    assert "| reuse | 7912 | 6 | 0.80 | 35.0x | 0.020 | 0.1200 | 0.840 | - |" in text
+    assert "`cachecraft@0.08 revisit` is **16.0x** faster than full prefill at agreement 0.960" in text
+    assert "**met**" in text and "**not met**" in text  # the revisit goal, then the first-sight one
+    assert "Revisit: `reuse` is faster than `cachecraft@0.08 revisit`" in text
+    assert "Revisit: `cachecraft@0.08` agrees with full below 0.95" in text
+    assert "shuffled, the goal is not met either" not in text
+    image = tmp_path / "r" / "revisit.png"
+    assert image.read_bytes()[:8] == PNG_MAGIC and "](revisit.png)" in text

@@ -52,6 +52,12 @@ def test_bench_quality_writes_results(tiny_dir, dataset, tmp_path, cache_dir):
     assert data["methods"]["reuse"]["recompute_fraction_mean"] == 0.0
     assert 0.5 <= blend["recompute_fraction_mean"] < 0.6
     assert len(data["items"]) == 6 and data["machine"]["cores"] >= 1
+    assert [r["item"] for r in data["items"]] == [0, 0, 0, 1, 1, 1]
+    held_out = tmp_path / "held-out.json"
+    result = runner.invoke(app, ["bench", "quality", "--dataset", str(dataset), "--skip", "1", "--methods", "full",
+                                 "--out", str(held_out), "--model", str(tiny_dir), "--max-new-tokens", "2"])
+    assert result.exit_code == 0, result.output
+    assert [r["item"] for r in json.loads(held_out.read_text())["items"]] == [1]  # its place in the file
 
 
 def test_bench_quality_can_make_the_caches_after_the_warm_context(tiny_dir, dataset, tmp_path, cache_dir):

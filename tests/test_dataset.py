@@ -24,6 +24,7 @@ def test_skip_leaves_out_the_first_items(tmp_path):
     data = [{"ctxs": [{"text": "body"}], "question": f"q{i}"} for i in range(5)]
     path = write(tmp_path, data)
     assert [i.question for i in load_items(path, limit=2, skip=3)] == ["q3", "q4"]
+    assert [i.index for i in load_items(path, limit=2, skip=3)] == [3, 4]
     assert [i.question for i in load_items(path, skip=1)] == ["q1", "q2", "q3", "q4"]
     with pytest.raises(DatasetError, match="cannot skip 5 of its 5 items"):
         load_items(path, skip=5)

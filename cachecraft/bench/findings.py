@@ -134,9 +134,10 @@ def replay_losses(data: dict | None) -> list[str]:
     return lines
 
 
-def scaling_losses(data: dict | None) -> list[str]:
+def scaling_losses(data: dict | None, what: str = "Scaling") -> list[str]:
     """Points where another method is faster than cachecraft, cachecraft is slower than
-    full, or its agreement falls below the bar; and the goal at the longest context."""
+    full, or its agreement falls below the bar; and the goal at the longest context.
+    ``what`` starts each line (the report's name for the result)."""
     rows = (data or {}).get("scaling") or []
     if not rows:
         return []
@@ -163,17 +164,21 @@ def scaling_losses(data: dict | None) -> list[str]:
             if craft["agreement_f1"] < AGREEMENT_BAR:
                 low.append(f"{where} ({craft['agreement_f1']:.3f})")
         for k, where in faster.items():
-            lines.append(f"Scaling: `{k}` is faster than `{craft_label}` at {len(where)} of {len(points)} points: "
+            lines.append(f"{what}: `{k}` is faster than `{craft_label}` at {len(where)} of {len(points)} points: "
                          + "; ".join(where) + ".")
         if slow:
-            lines.append(f"Scaling: `{craft_label}` is slower than full prefill at " + "; ".join(slow) + ".")
+            lines.append(f"{what}: `{craft_label}` is slower than full prefill at " + "; ".join(slow) + ".")
         if low:
-            lines.append(f"Scaling: `{craft_label}` agrees with full below {AGREEMENT_BAR} at " + "; ".join(low) + ".")
+            lines.append(f"{what}: `{craft_label}` agrees with full below {AGREEMENT_BAR} at " + "; ".join(low) + ".")
     summary = data.get("summary") or {}
     goal = summary.get("goal") or {}
     if summary.get("speedup_at_max_context") is not None and not goal.get("met"):
-        lines.append(f"Scaling: the goal ({goal.get('speedup', 10):g}x faster than full at agreement >= "
+        lines.append(f"{what}: the goal ({goal.get('speedup', 10):g}x faster than full at agreement >= "
                      f"{goal.get('agreement_f1', AGREEMENT_BAR):g} at the longest context) is not met: "
                      f"`{summary['method']}` is {summary['speedup_at_max_context']:.1f}x at agreement "
                      f"{summary['agreement_at_max_context']:.3f} with {summary['max_context_tokens']} tokens.")
+    again = summary.get("goal_revisit")
+    if again and not again["met"]:
+        lines.append(f"{what}: with the chunks seen before, shuffled, the goal is not met either: `{again['method']}` "
+                     f"is {again['speedup']:.1f}x at agreement {again['agreement_f1']:.3f}.")
     return lines

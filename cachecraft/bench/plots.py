@@ -28,8 +28,8 @@ EVICTION = re.compile(r"^(?P<method>[\w-]+)\[(?P<policy>[\w-]+)\]$")
 
 
 def family(label: str) -> str:
-    """``cacheblend@0.15`` -> ``cacheblend``; ``cachecraft[lru]`` -> ``cachecraft``."""
-    return re.split(r"[@\[]", label, maxsplit=1)[0]
+    """``cacheblend@0.15`` -> ``cacheblend``; ``cachecraft[lru]`` -> ``cachecraft``; ``prefix revisit`` -> ``prefix``."""
+    return re.split(r"[@\[ ]", label, maxsplit=1)[0]
 
 
 def color(label: str) -> str:
@@ -414,4 +414,44 @@ def scaling_memory(data: dict, path: Path) -> Path | None:
         ax.set_xlabel("prompt length (tokens)")
         ax.set_ylabel("peak resident memory of the process (MB)")
         ax.set_title(f"Peak memory against context length, {data.get('model', '?')}")
+        return _save(fig, path)
+
+
+def revisit_bars(data: dict, path: Path) -> Path | None:
+    """TTFT, first-token KL and agreement per method at one context length, with the
+    rows of requests whose chunks an earlier request saw (``... revisit``) hatched."""
+    rows = [r for r in data.get("scaling") or [] if r["sweep"] == "context"]
+    if not rows or not any(r["method"].endswith(" revisit") for r in rows):
+        return None
+    top = max(r["target_tokens"] for r in rows)
+    rows = [r for r in rows if r["target_tokens"] == top]
+    labels = [r["method"] for r in rows]
+    panels = (("ttft_s", "time to first token", "seconds (log scale)"),
+              ("kl", "first-token KL vs full", "nats"),
+              ("agreement_f1", "answer agreement with full", "token F1 (0-1)"))
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(1, 3, figsize=(17, 1.8 + 0.55 * len(labels)), sharey=True)
+        for ax, (key, title, unit) in zip(axes, panels):
+            values = [r[key] for r in rows]
+            ax.barh(range(len(labels)), values, color=[color(label) for label in labels],
+                    hatch=["//" if label.endswith(" revisit") else "" for label in labels], edgecolor="white")
+            for i, v in enumerate(values):
+                ax.annotate(f"{v:.3g}", (v, i), xytext=(3, 0), textcoords="offset points", va="center", fontsize=9)
+            if key == "ttft_s":
+                _log_axis(ax, "x")
+            ax.margins(x=0.2)
+            ax.set_title(title)
+            ax.set_xlabel(unit)
+        axes[0].set_yticks(range(len(labels)), labels)
+        axes[0].invert_yaxis()
+        axes[2].set_xlim(0, 1.15)
+        from matplotlib.patches import Patch
+        axes[2].legend(handles=[Patch(facecolor="#999999", label="first sight (caches made ahead)"),
+                                Patch(facecolor="#999999", hatch="//", edgecolor="white",
+                                      label="chunks seen before, shuffled (revisit)")],
+                       loc="upper left", bbox_to_anchor=(1.02, 1.0), title="request")
+        tokens = round(statistics.fmean(r["context_tokens"] for r in rows))
+        fig.suptitle(f"Chunks seen before in another order, {tokens}-token prompts, "
+                     f"{rows[0].get('repeats', '?')} questions, {data.get('model', '?')}", fontsize=15)
+        fig.tight_layout()
         return _save(fig, path)

@@ -152,7 +152,7 @@ def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[Method
             run = run_method(lm, spec, pieces, prefix_kv, chunk_kvs, max_new_tokens, prefix_cache, load)
             reference = reference or run
             rows.append({
-                "item": index, "method": spec.label, "tokens": pieces.num_tokens,
+                "item": item.index, "method": spec.label, "tokens": pieces.num_tokens,
                 "chunks": len(pieces.chunks), "ttft_s": run.ttft_s,
                 "speedup_vs_full": reference.ttft_s / run.ttft_s,
                 "recompute_fraction": run.recompute_fraction,
@@ -163,7 +163,7 @@ def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[Method
                 "peak_rss_mb": run.peak_rss_mb, "rss_growth_mb": run.rss_growth_mb, "kv_mb": run.kv_mb,
                 "warm_s": warm_s, "answer": run.answer,
             })
-            log.info("item %d %s ttft %.2fs", index, spec.label, run.ttft_s)
+            log.info("item %d %s ttft %.2fs", item.index, spec.label, run.ttft_s)
         if on_item:
             on_item(index + 1, len(items))
     return {"items": rows, "methods": {s.label: aggregate(rows, s.label) for s in order}}

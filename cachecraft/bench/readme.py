@@ -73,6 +73,20 @@ def scaling_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def revisit_table(data: dict) -> str:
+    """Markdown table of a ``bench scaling --revisit`` result: one row per method at its context."""
+    rows = [r for r in data["scaling"] if r["sweep"] == "context"]
+    lines = [f"`{data['command']}` ({data['model']}, {rows[0]['repeats']} questions, {data['date'][:10]}, "
+             f"{data['machine']['cpu']}, {data['machine']['cores']} cores)", "",
+             "| method | prompt tokens | TTFT (s) | speedup vs full | recompute | KL vs full | agreement F1 | "
+             "prefix overlap |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        overlap = "-" if r.get("prefix_overlap") is None else f"{r['prefix_overlap']:.2f}"
+        lines.append(f"| {r['method']} | {r['context_tokens']} | {r['ttft_s']:.2f} | {r['speedup_vs_full']:.1f}x | "
+                     f"{r['recompute_fraction']:.3f} | {r['kl']:.4f} | {r['agreement_f1']:.3f} | {overlap} |")
+    return "\n".join(lines)
+
+
 def eviction_table(data: dict) -> str:
     """Markdown table of a ``bench eviction`` replay: hit rate and compute saved per policy and budget."""
     summary = data["summary"]
@@ -92,7 +106,7 @@ QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_heldo
                    "quality_warm", "quality_warm_heldout")
 RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
              "workload": workload_table, "workload_eviction": workload_table, "store": store_table,
-             "eviction_replay": eviction_table,
+             "eviction_replay": eviction_table, "scaling_8k_revisit": revisit_table,
              **{name: scaling_table
                 for name in ("scaling", "scaling_8k", "scaling_8k_warm", "scaling_cold", "scaling_prefix")}}
 

@@ -160,6 +160,36 @@ def scaling_section(data: dict, source: Path, out: Path) -> list[str]:
     return lines + _goal_line(data.get("summary") or {})
 
 
+def revisit_section(data: dict, source: Path, out: Path) -> list[str]:
+    """A `bench scaling --revisit` result: requests whose chunks an earlier request saw, shuffled."""
+    lines = ["## Chunks seen before, in another order", "", *provenance(data, source)]
+    setup = data.get("setup") or {}
+    for key in ("chunk_caches", "revisit", "prefix"):
+        if setup.get(key):
+            lines.append(f"- setup, {key.replace('_', ' ')}: {setup[key]}")
+    lines.append("")
+    lines += _plots(out, data, [("revisit.png", plots.revisit_bars, "methods on requests whose chunks were seen "
+                                                                     "before")])
+    num = lambda v, fmt: "-" if v is None else fmt.format(v)  # noqa: E731
+    rows = [[r["method"], str(r["context_tokens"]), str(r["repeats"]), f"{r['ttft_s']:.2f}",
+             f"{r['speedup_vs_full']:.1f}x", f"{r['recompute_fraction']:.3f}", f"{r['kl']:.4f}",
+             f"{r['agreement_f1']:.3f}", num(r.get("prefix_overlap"), "{:.2f}")]
+            for r in data.get("scaling") or [] if r["sweep"] == "context"]
+    lines += _table(["method", "tokens", "questions", "TTFT (s)", "speedup vs full", "recompute", "KL",
+                     "agreement F1", "prefix overlap (beta')"], rows)
+    lines += ["Prefix overlap is the policy's mean beta' over the chunks: the share of a chunk's cached "
+              "cross-attention that went to chunks also before it now (order-weighted); 0 for caches made "
+              "ahead of time after the warm context.", ""]
+    summary = data.get("summary") or {}
+    again = summary.get("goal_revisit")
+    if again:
+        goal = summary["goal"]
+        lines += [f"`{again['method']}` is **{again['speedup']:.1f}x** faster than full prefill at agreement "
+                  f"{again['agreement_f1']:.3f}; goal >= {goal['speedup']:g}x at >= {goal['agreement_f1']:g}: "
+                  f"**{'met' if again['met'] else 'not met'}**.", ""]
+    return lines + _goal_line(summary)
+
+
 def _goal_line(summary: dict) -> list[str]:
     if summary.get("speedup_at_max_context") is None:
         return []
@@ -193,7 +223,7 @@ def gpu_section(gpu: dict | None, source: Path | None, others: list[dict]) -> li
 
 
 SECTIONS = {"quality": quality_section, "workload": workload_section, "eviction": eviction_section,
-            "replay": replay_section, "scaling": scaling_section}
+            "replay": replay_section, "scaling": scaling_section, "revisit": revisit_section}
 
 
 def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = None) -> Path:
@@ -218,7 +248,8 @@ def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = 
     losses = (findings.quality_losses(results.get("quality")) + findings.workload_losses(results.get("workload"))
               + findings.eviction_losses(results.get("workload")) + findings.eviction_losses(results.get("eviction"))
               + findings.replay_losses(results.get("replay"))
-              + findings.scaling_losses(results.get("scaling")))
+              + findings.scaling_losses(results.get("scaling"))
+              + findings.scaling_losses(results.get("revisit"), what="Revisit"))
     lines += ["## Where cachecraft loses", "",
               "Read off the results above: every case where another method is faster, closer to full, or saves "
               "more, and every setting that falls below 0.95 agreement with full.", ""]

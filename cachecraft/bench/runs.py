@@ -22,6 +22,7 @@ QUALITY_METHODS = ("full,prefix,reuse,cacheblend@0.05,cacheblend@0.15,cacheblend
                    "cachecraft@0.05,cachecraft@0.08,cachecraft@0.15,cachecraft@0.3")
 WORKLOAD_METHODS = "full,prefix,reuse,cacheblend,cachecraft"
 EVICTIONS = ("lru", "lfu", "pgdsf", "cachecraft")
+REVISIT_METHODS = "full,prefix,reuse,cachecraft"
 COMMANDS = {
     "quality": f"cachecraft bench quality --dataset {{dataset}} --limit {{limit}} --methods {QUALITY_METHODS} "
                "--out {out}",
@@ -32,13 +33,17 @@ COMMANDS = {
                 + " --cpu-budget {cpu_budget} --disk-budget {disk_budget} --max-new-tokens 4 --out {out}",
     "replay": "cachecraft bench eviction --dataset {dataset} --out {out}",
     "scaling": "cachecraft bench scaling --dataset {dataset} --out {out}",
+    "revisit": "cachecraft bench scaling --dataset {dataset} --contexts {contexts} --chunks '' --repeats {repeats} "
+               "--chunk-tokens {chunk_tokens} --max-new-tokens {max_new_tokens} "
+               f"--methods {REVISIT_METHODS} --revisit --out {{out}}",
 }
 Progress = Callable[[str], None]
 
 
 DEFAULTS = {"quality": {"limit": 10}, "workload": {"limit": 20, "requests": 40, "top_k": 5},
             "eviction": {"limit": 20, "requests": 40, "top_k": 3, "cpu_budget": "32MiB", "disk_budget": "128MiB"},
-            "replay": {}, "scaling": {}}
+            "replay": {}, "scaling": {},
+            "revisit": {"contexts": 7900, "repeats": 6, "chunk_tokens": 512, "max_new_tokens": 32}}
 SCALING_FLAGS = {"chunk_counts": "chunks"}
 
 
@@ -140,5 +145,24 @@ def run_scaling_default(lm: LoadedModel, config: Config, dataset: Path, out: Pat
     return write_result(out, payload)
 
 
+def run_revisit_default(lm: LoadedModel, config: Config, dataset: Path, out: Path,
+                        on_progress: Progress | None = None, contexts: int = 7900, repeats: int = 6,
+                        chunk_tokens: int = 512, max_new_tokens: int = 32) -> Path:
+    """``bench scaling --revisit`` at one long context: the methods after an earlier
+    request saw the same chunks shuffled, next to caches made ahead."""
+    from cachecraft.bench.scaling import run_scaling
+    from cachecraft.dataset import load_items
+    from cachecraft.methods import parse_methods
+
+    specs = parse_methods(REVISIT_METHODS, config.cacheblend_ratio, config.policy_alpha)
+    result = run_scaling(lm, config, load_items(dataset), specs, contexts=[contexts], chunk_counts=[],
+                         chunk_tokens=chunk_tokens, repeats=repeats, max_new_tokens=max_new_tokens, revisit=True,
+                         on_step=lambda what, done, total: on_progress and on_progress(f"revisit: {done}/{total} {what}"))
+    settings = {"contexts": contexts, "repeats": repeats, "chunk_tokens": chunk_tokens, "max_new_tokens": max_new_tokens}
+    payload = {**_payload("revisit", lm, dataset, out, **settings), "benchmark": "scaling",
+               "kv_dtype": config.kv_dtype, **result}
+    return write_result(out, payload)
+
+
 RUNS = {"quality": run_quality_default, "workload": run_workload_default, "replay": run_replay_default,
-        "scaling": run_scaling_default}
+        "scaling": run_scaling_default, "revisit": run_revisit_default}
