@@ -105,12 +105,7 @@ def build_segments(spec: MethodSpec, pieces: PromptPieces, prefix_kv: ChunkKV | 
     segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv if use else None)]
     for ids, kv in zip(pieces.chunks, chunk_kvs):
         kv = kv if use else None
-        recompute = None
-        if kv is not None and spec.name == "inter":
-            recompute = top_inter_attention(kv.stats, count_for(spec.ratio, len(ids)))
-        elif kv is not None and spec.name == "firstk":
-            recompute = first_tokens(len(ids), count_for(spec.ratio, len(ids)))
-        segments.append(Segment(ids, "chunk", cached=kv, recompute=recompute))
+        segments.append(Segment(ids, "chunk", cached=kv, recompute=static_recompute(spec, len(ids), kv)))
     segments.append(Segment(pieces.question, "question"))
     if spec.name == "cachecraft":
         assert adapter is not None, "cachecraft needs the model adapter"
@@ -121,6 +116,19 @@ def build_segments(spec: MethodSpec, pieces: PromptPieces, prefix_kv: ChunkKV | 
         select_question_guided(adapter, segments, spec.layer, ratio=spec.ratio)
     check = DeviationCheck(spec.layer, spec.ratio) if spec.name == "cacheblend" else None
     return segments, check
+
+
+def static_recompute(spec: MethodSpec, num_tokens: int, kv: ChunkKV | None) -> torch.Tensor | None:
+    """The tokens of a cached chunk that ``inter`` and ``firstk`` recompute, chosen before
+    the prefill; None for the other methods and for a chunk with nothing cached."""
+    if kv is None or spec.name not in ("inter", "firstk"):
+        return None
+    count = count_for(spec.ratio, num_tokens)
+    if spec.name == "firstk":
+        return first_tokens(num_tokens, count)
+    if kv.stats is None:
+        raise ValueError(f"method 'inter' needs attention statistics, and the cache {kv.variant} has none")
+    return top_inter_attention(kv.stats, count)
 
 
 def variant_info(kv: ChunkKV) -> VariantInfo:

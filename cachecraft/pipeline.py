@@ -27,7 +27,7 @@ from cachecraft.config import Config
 from cachecraft.engine import DeviationCheck, Segment, blended_prefill, generate_from
 from cachecraft.kv import ChunkKV, chunk_key, variant_key
 from cachecraft.methods import (MethodSpec, place_plan_tokens, prefix_segments, remember_prefix,
-                                select_question_guided)
+                                select_question_guided, static_recompute)
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.policy.planner import (PolicyParams, RecomputePlan, VariantInfo, early_stop_decision,
                                        params_from_config, plan_request)
@@ -306,6 +306,8 @@ class Pipeline:
             tiers[i] = tier
             used[i] = name if kv is not None else None
         segments = self._plain_segments(pieces, prefix_key, keys, kvs, prefix_kv)
+        for seg in segments[1:-1]:
+            seg.recompute = static_recompute(spec, len(seg.token_ids), seg.cached)
         check = None
         if spec.name == "cachecraft":
             place_plan_tokens(self.lm.adapter, segments, plan, self.policy.check_layer)

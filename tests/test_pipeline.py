@@ -215,3 +215,15 @@ def test_full_prefill_keeps_nothing_and_matches_the_first_miss(pipeline):
     miss = pipeline.answer(CHUNKS, QUESTION, keep_logits=True)
     assert all(c.tier == "miss" for c in miss.chunks)
     assert (miss.logits - full.logits).abs().max() < 1e-4 and miss.text == full.text
+
+
+@pytest.mark.parametrize("method", ["firstk", "inter"])
+def test_static_selectors_recompute_their_share_of_each_warmed_chunk(pipeline, method):
+    pipeline.warm(CHUNKS)
+    answer = pipeline.answer(CHUNKS, QUESTION, method=method, ratio=0.25, record=False)
+    sizes = [c.tokens for c in answer.chunks]
+    expected = sum(-(-n // 4) for n in sizes) / sum(sizes)  # ceil(n / 4) tokens of each chunk
+    assert all(c.tier != "miss" for c in answer.chunks)
+    assert answer.recompute_fraction == pytest.approx(expected)
+    reuse = pipeline.answer(CHUNKS, QUESTION, method="reuse", record=False)
+    assert reuse.recompute_fraction == 0.0
