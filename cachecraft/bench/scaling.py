@@ -159,7 +159,7 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
     return {"scaling": table, "requests": rows, "summary": summarize(table), "setup": setup}
 
 
-def _run_point(runner: "_Runner", order: Sequence[tuple[MethodSpec, bool]], builder: PromptBuilder,
+def _run_point(runner: "_Runner", order: Sequence[tuple[MethodSpec, str]], builder: PromptBuilder,
                items: Sequence[QAItem], starts: Sequence[int], streams: Sequence[list[int]], point: Point):
     """Rows of every method on every question of one point (``full`` first on each)."""
     for repeat, (start, stream) in enumerate(zip(starts, streams)):
