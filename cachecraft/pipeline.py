@@ -9,6 +9,7 @@ Chunk-caches are keyed by (model fingerprint, token ids). A chunk computed in a
 request is saved as a variant under that request's prefix (the system prefix and the
 chunks before it), so a later request with the same chunks before it reuses it
 exactly; the policy picks, per chunk, the variant with the lowest Cache Fix Overhead.
+A chunk it would recompute mostly is computed in full and kept the same way.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from cachecraft.config import Config
 from cachecraft.engine import DeviationCheck, Segment, blended_prefill, generate_from
 from cachecraft.kv import ChunkKV, chunk_key, variant_key
 from cachecraft.methods import (MethodSpec, place_plan_tokens, prefix_segments, remember_prefix,
-                                select_question_guided, static_recompute)
+                                select_question_guided, static_recompute, variant_info)
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.policy.planner import (PolicyParams, RecomputePlan, VariantInfo, early_stop_decision,
-                                       params_from_config, plan_request)
+                                       expected_reuse, params_from_config, plan_request)
 from cachecraft.policy.loading import CostModel
 from cachecraft.prefix_cache import PrefixCache
 from cachecraft.prompt import PromptInputError, PromptPieces, builder_for
@@ -44,7 +45,7 @@ from cachecraft import warm_context
 log = logging.getLogger(__name__)
 
 MAX_VARIANTS_PER_CHUNK = 4
-KEEP_FIXED_FRACTION = 0.5  # a fixed chunk is kept as a variant only if mostly fresh
+KEEP_FIXED_FRACTION = 0.5  # a chunk planned to be mostly recomputed is computed in full and kept
 
 Progress = Callable[[int, int], None]
 
@@ -168,7 +169,7 @@ class Pipeline:
         ttft = time.perf_counter() - start
         if spec.name == "full":
             self._learn_cost(result.num_tokens, ttft)
-        to_save = self._variants_to_keep(spec, segments, result, plan)
+        to_save = [kv for i, kv in result.saved.items() if segments[i].role == "chunk"]  # chunks computed here
         recomputed_mask = result.recomputed
         if spec.name == "prefix":
             remember_prefix(self.prefix_cache, self.lm.adapter, result)
@@ -296,6 +297,7 @@ class Pipeline:
             infos = {key: self._variant_infos(key, prefix_key) for key in dict.fromkeys(keys)}
             params = replace(self.policy, alpha=spec.ratio)
             plan = self._hide_loading(plan_request(keys, [len(c) for c in pieces.chunks], infos, params))
+            plan = self._compute_mostly_fixed(plan)
             wanted = [p.variant for p in plan.chunks]
         else:  # independent caches: any stored variant, the one made alone first
             wanted = [self._any_variant(key, prefix_key) for key in keys]
@@ -344,6 +346,18 @@ class Pipeline:
             if tier is not None and chunk_plan.count > 0:
                 floor = math.ceil(self.cost_model.r_load(tier) * chunk_plan.tokens)
                 chunk_plan = replace(chunk_plan, count=min(chunk_plan.tokens, max(chunk_plan.count, floor)))
+            chunks.append(chunk_plan)
+        return replace(plan, chunks=tuple(chunks))
+
+    def _compute_mostly_fixed(self, plan: RecomputePlan) -> RecomputePlan:
+        """A chunk the plan would recompute at least ``KEEP_FIXED_FRACTION`` of is computed
+        in full instead, nothing loaded, while it has room for another variant: its KV and
+        statistics, made in this request's context, are then kept as a new variant."""
+        chunks = []
+        for chunk_plan in plan.chunks:
+            if (chunk_plan.variant is not None and chunk_plan.fraction >= KEEP_FIXED_FRACTION
+                    and len(self.store.variants_of(chunk_plan.chunk)) < MAX_VARIANTS_PER_CHUNK):
+                chunk_plan = replace(chunk_plan, variant=None, count=chunk_plan.tokens)
             chunks.append(chunk_plan)
         return replace(plan, chunks=tuple(chunks))
 
@@ -441,31 +455,6 @@ class Pipeline:
         return self._token_counts[key]
 
     # -- saving and recording ----------------------------------------------------------------
-    def _variants_to_keep(self, spec, segments, result, plan) -> list[ChunkKV]:
-        """New variants from this request: chunks computed in full, and fixed chunks the
-        policy finds worth keeping (mostly recomputed, under a prefix not stored yet)."""
-        keep = [kv for i, kv in result.saved.items() if segments[i].role == "chunk"]
-        if spec.name != "cachecraft" or plan is None:
-            return keep
-        bounds, start = [], 0
-        for seg in segments:
-            bounds.append((start, start + len(seg.token_ids)))
-            start += len(seg.token_ids)
-        positions = torch.arange(result.num_tokens, device=result.keys[0].device)
-        for index, (seg, chunk_plan) in enumerate(zip(segments[1:-1], plan.chunks), start=1):
-            if seg.cached is None or chunk_plan.fraction < KEEP_FIXED_FRACTION:
-                continue
-            if len(self.store.variants_of(seg.key)) >= MAX_VARIANTS_PER_CHUNK:
-                continue
-            lo, hi = bounds[index]
-            cos, sin = self.lm.adapter.rope(positions[lo:hi], result.keys[0])
-            keys = torch.stack([self.lm.adapter.unrotate(k[:, lo:hi], cos, sin) for k in result.keys])
-            values = torch.stack([v[:, lo:hi] for v in result.values]).clone()
-            prefix = tuple(s.key for s in segments[:index])
-            keep.append(replace(seg.cached, keys=keys, values=values, prefix=prefix,
-                                prefix_tokens=tuple(len(s.token_ids) for s in segments[:index])))
-        return keep
-
     def _note_sources(self, keys: Sequence[str], sources: Sequence[str] | None) -> None:
         if sources is None:
             return
@@ -481,7 +470,11 @@ class Pipeline:
     def _put(self, kv: ChunkKV) -> None:
         text = self.lm.tokenizer.decode(list(kv.token_ids[:48]), skip_special_tokens=True)
         cost = self._estimate_full(kv.num_tokens)
-        self.store.put(kv, cost_s=cost, source=self._sources.get(kv.chunk), preview=text)
+        value = quality = None
+        if kv.stats is not None:  # a chunk with the statistics the policy reads
+            value, quality = expected_reuse(variant_info(kv), self.policy)
+        self.store.put(kv, cost_s=cost, quality=quality, cci=value, source=self._sources.get(kv.chunk),
+                       preview=text)
 
     def _report(self, pieces, keys, segments, plan: RecomputePlan | None, used, tiers, stops,
                 recomputed: torch.Tensor) -> list[ChunkReport]:

@@ -140,14 +140,14 @@ def test_policy_comes_from_config_and_early_stop_is_recorded(cache_dir):
     from cachecraft.config import ConfigError
 
     config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 3, "kv_dtype": "float32",
-                                    "policy_alpha": 1.0, "policy_check_layer": 1, "early_stop_layers": "1, 2",
+                                    "policy_alpha": 0.45, "policy_check_layer": 1, "early_stop_layers": "1, 2",
                                     "early_stop_share": 1.0}, environ={})
     assert config.early_stop_layer_list == (1, 2)
     with pytest.raises(ConfigError, match="early_stop_layers"):
         Config.from_mapping({"early_stop_layers": "one"})
     with TieredStore(config, tiers=("cpu",)) as store:
         pipe = Pipeline(config, lm=tiny_model("llama"), store=store)
-        assert pipe.policy.early_stop_layers == (1, 2) and pipe.policy.alpha == 1.0
+        assert pipe.policy.early_stop_layers == (1, 2) and pipe.policy.alpha == 0.45
         pipe.answer(CHUNKS, QUESTION)
         answer = pipe.answer(list(reversed(CHUNKS)), QUESTION)
         stopped = [c for c in answer.chunks if c.stop_layer is not None]
@@ -227,3 +227,39 @@ def test_static_selectors_recompute_their_share_of_each_warmed_chunk(pipeline, m
     assert answer.recompute_fraction == pytest.approx(expected)
     reuse = pipeline.answer(CHUNKS, QUESTION, method="reuse", record=False)
     assert reuse.recompute_fraction == 0.0
+
+
+def test_warmed_variants_record_their_cci_and_expected_saving(pipeline):
+    import math
+
+    pipeline.warm(CHUNKS)
+    record = pipeline.store.variants_of(pipeline.answer(CHUNKS, QUESTION, method="reuse").chunks[0].chunk)[0]
+    stats = pipeline.store.stats_of(record.key)
+    context_tokens = len(pipeline._warm_context()[0])
+    tokens = stats.outside.shape[1]
+    # Against the warm context (the system prefix is left out, as the planner does), by hand:
+    a = [float(stats.inter[layer, 1]) / (tokens * context_tokens) for layer in range(stats.inter.shape[0])]
+    b = [float(stats.intra[layer]) / tokens ** 2 for layer in range(stats.intra.shape[0])]
+    expected = 2 / (1 + math.exp(-(sum(a) / len(a)) / (sum(b) / len(b)))) - 1
+    with pipeline.catalog.read() as tx:  # the rows in SQLite
+        row, prefix_row = tx.variant(record.key), tx.variant(variant_key(record.prefix[0], ()))
+    assert 0 < row.cci < 1 and row.cci == pytest.approx(expected, rel=1e-4)
+    assert row.quality == pytest.approx(1 - pipeline.policy.alpha * expected, rel=1e-4)
+    assert prefix_row.cci is None and prefix_row.quality is None  # the system prefix: nothing to fix
+
+
+def test_a_mostly_fixed_chunk_is_computed_in_full_and_kept_with_its_own_statistics(pipeline):
+    pipeline.warm(CHUNKS)
+    pipeline.policy = PolicyParams(alpha=0.5, floor=0.6, check_layer=2)  # every plan recomputes >= 60%
+    first = pipeline.answer(CHUNKS, QUESTION, keep_logits=True)
+    assert all(c.tier == "miss" and c.fraction == 1.0 and c.cfo is not None for c in first.chunks)
+    for position, report in enumerate(first.chunks):
+        before = tuple(c.chunk for c in first.chunks[:position])
+        kept = [r for r in pipeline.store.variants_of(report.chunk) if r.prefix[1:] == before]
+        assert len(kept) == 1, "one new variant, made after the system prefix and the chunks before it"
+        assert pipeline.store.stats_of(kept[0].key).inter.shape[1] == position + 1
+    full = pipeline.answer(CHUNKS, QUESTION, method="full", keep_logits=True)
+    assert (first.logits - full.logits).abs().max() < 1e-4
+    pipeline.policy = PolicyParams(alpha=0.5, check_layer=2)
+    again = pipeline.answer(list(reversed(CHUNKS)), QUESTION)  # plans over every kept variant
+    assert all(c.variant is not None for c in again.chunks)

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from cachecraft.policy.scores import VariantScore, score_variant, tokens_to_recompute
+from cachecraft.policy.scores import VariantScore, cci, score_variant, tokens_to_recompute
 
 
 @dataclass(frozen=True)
@@ -104,6 +104,18 @@ def choose_variant(variants: Sequence[VariantInfo], new_prefix: Sequence[str],
         if score.exact:
             break
     return best
+
+
+def expected_reuse(info: VariantInfo, params: PolicyParams) -> tuple[float, float]:
+    """A variant's CCI and the share of its prefill a later reuse is expected to save:
+    ``1 - clamp(alpha * CCI)``, its recompute fraction for a request sharing none of its
+    prefix chunks (the eviction policy's quality term; sharing some only saves more)."""
+    if info.prefix:
+        value = cci(info.inter, info.intra, info.chunk_tokens, info.prefix_tokens)
+    else:
+        value = params.cci_prior
+    fraction = min(max(params.alpha * value, params.floor), params.ceiling, 1.0)
+    return value, 1.0 - fraction
 
 
 def plan_request(chunk_keys: Sequence[str], chunk_tokens: Sequence[int],
