@@ -86,6 +86,7 @@ class Config:
     policy_check_layer: int = 8
     early_stop_layers: str = ""  # comma-separated layers, e.g. "12,20"; empty: off
     early_stop_share: float = 0.25
+    stats_layer_step: int = 4  # attention statistics at every 4th layer (1: every layer)
     gpu_budget_bytes: int = 2 * 2**30
     cpu_budget_bytes: int = 4 * 2**30
     disk_budget_bytes: int = 50 * 2**30
@@ -120,6 +121,7 @@ class Config:
             self.early_stop_layer_list
         except ValueError:
             raise ConfigError(f"early_stop_layers must be comma-separated layer numbers, got {self.early_stop_layers!r}") from None
+        check(self.stats_layer_step >= 1, f"stats_layer_step must be >= 1, got {self.stats_layer_step}")
         check(bool(str(self.embedder).strip()), "embedder must not be empty")
         check(self.chunk_tokens >= 16, f"chunk_tokens must be >= 16, got {self.chunk_tokens}")
         check(0 <= self.chunk_overlap <= self.chunk_tokens // 2,

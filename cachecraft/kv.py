@@ -49,7 +49,8 @@ class AttentionStats:
 
     Masses are attention probabilities averaged over query heads and summed over the
     chunk's query tokens, so per layer ``intra + inter.sum() == T`` (each token's row
-    sums to 1).
+    sums to 1). ``L`` counts the layers they were gathered at: every layer, or the
+    sample the caller chose (readers average over layers).
 
     - ``outside``: ``[L, T]`` per token, the mass it puts on tokens before the chunk;
     - ``inter``: ``[L, P]`` per earlier segment (in ``ChunkKV.prefix`` order), the mass

@@ -25,7 +25,7 @@ import torch
 
 from cachecraft.catalog import MISS, RequestChunk, RequestRecord, question_hash
 from cachecraft.config import Config
-from cachecraft.engine import DeviationCheck, Segment, blended_prefill, generate_from
+from cachecraft.engine import DeviationCheck, Segment, blended_prefill, generate_from, sampled_layers
 from cachecraft.kv import ChunkKV, chunk_key, variant_key
 from cachecraft.methods import (MethodSpec, place_plan_tokens, prefix_segments, remember_prefix,
                                 select_question_guided, static_recompute, variant_info)
@@ -139,6 +139,7 @@ class Pipeline:
         self._sources: dict[str, str] = {}  # chunk key -> the document it came from (catalog rows)
         self._warm: tuple[tuple[int, ...], str] | None = None  # warm context ids and chunk key
         self._corpus: Corpus | None = None
+        self.stats_layers = sampled_layers(self.lm.adapter.num_layers, config.stats_layer_step)
 
     @property
     def corpus(self) -> Corpus:
@@ -164,7 +165,8 @@ class Pipeline:
         stops: dict[int, int] = {}
         observe, callback = self._early_stop(spec, segments, stops)
         result = blended_prefill(self.lm.adapter, segments, deviation_check=check, fingerprint=self.lm.fingerprint,
-                                 observe_layers=observe, on_question_attention=callback)
+                                 observe_layers=observe, on_question_attention=callback,
+                                 stats_layers=self.stats_layers)
         int(result.logits.argmax())  # the first token is decided here
         ttft = time.perf_counter() - start
         if spec.name == "full":
@@ -208,7 +210,8 @@ class Pipeline:
                                             <= self.lm.max_context)
             segments = [prefix, *([context] if fits else []),
                         Segment(ids, "chunk", save=True, collect_stats=True, key=key)]
-            kv = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint).saved[len(segments) - 1]
+            kv = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint,
+                                 stats_layers=self.stats_layers).saved[len(segments) - 1]
             self._put(kv)
             made += 1
         return made

@@ -120,7 +120,7 @@ def calibrate_cmd(
         result = calibrate(lm, items, candidates, target, system_prompt=config.system_prompt,
                            question_template=config.question_template, kv_dtype=DTYPES[config.kv_dtype],
                            max_new_tokens=max_new_tokens, warm_context=load_text(config.warm_context),
-                           warm_context_tokens=config.warm_context_tokens,
+                           warm_context_tokens=config.warm_context_tokens, stats_layer_step=config.stats_layer_step,
                            on_item=lambda done, total: progress.update(task, completed=done))
     table = Table(title=f"calibrate policy_alpha on {len(items)} item(s) (target agreement {target:g}; "
                         f"full TTFT median {result.full_ttft_s:.2f} s)")

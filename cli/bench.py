@@ -65,7 +65,8 @@ def bench_quality_cmd(
                                  kv_dtype=DTYPES[config.kv_dtype], max_new_tokens=max_new_tokens,
                                  on_item=lambda done, total: progress.update(task, completed=done), store=store,
                                  warm_context=load_text(config.warm_context),
-                                 warm_context_tokens=config.warm_context_tokens)
+                                 warm_context_tokens=config.warm_context_tokens,
+                                 stats_layer_step=config.stats_layer_step)
             store.close(persist=False)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

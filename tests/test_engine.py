@@ -9,7 +9,7 @@ import torch
 from transformers import TextIteratorStreamer
 
 from cachecraft.engine import (DeviationCheck, PromptError, Segment, blended_prefill,
-                               create_chunk_cache, generate_from)
+                               create_chunk_cache, generate_from, sampled_layers)
 from cachecraft.engine.blend import _AttentionPlan
 from tests.conftest import tiny_model
 
@@ -191,6 +191,22 @@ def test_attention_statistics_match_eager_attention(tiny_llama):
     assert torch.allclose(kv.stats.inter[:, 1], rows[:, :, a:b].sum((-1, -2)), atol=1e-4)
     assert torch.allclose(kv.stats.intra, rows[:, :, b:].sum((-1, -2)), atol=1e-4)
     assert torch.allclose(kv.stats.intra + kv.stats.inter.sum(-1), torch.full((4,), float(len(chunks[1]))))
+
+
+def test_statistics_at_sampled_layers_are_those_layers_rows(tiny_llama):
+    assert sampled_layers(30, 4) == (3, 7, 11, 15, 19, 23, 27)
+    assert sampled_layers(2, 4) == (1,) and sampled_layers(3, 1) == (0, 1, 2)
+    prefix, chunks, question = make_prompt()
+    before = [Segment(prefix, "prefix", key="p"), Segment(chunks[0], key="c0")]
+    every = create_chunk_cache(tiny_llama.adapter, before, chunks[1], fingerprint=tiny_llama.fingerprint, key="c1")
+    some = create_chunk_cache(tiny_llama.adapter, before, chunks[1], fingerprint=tiny_llama.fingerprint, key="c1",
+                              stats_layers=(1, 3))
+    for name in ("outside", "inter", "intra"):
+        assert torch.equal(getattr(some.stats, name), getattr(every.stats, name)[[1, 3]]), name
+    assert torch.equal(some.keys, every.keys) and torch.equal(some.values, every.values)  # the KV is the same
+    with pytest.raises(PromptError, match="none of the model's 4"):
+        create_chunk_cache(tiny_llama.adapter, before, chunks[1], fingerprint=tiny_llama.fingerprint,
+                           stats_layers=(7,))
 
 
 def test_statistics_are_the_same_whether_the_prefix_is_cached_or_computed(tiny_llama):

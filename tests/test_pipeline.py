@@ -263,3 +263,19 @@ def test_a_mostly_fixed_chunk_is_computed_in_full_and_kept_with_its_own_statisti
     pipeline.policy = PolicyParams(alpha=0.5, check_layer=2)
     again = pipeline.answer(list(reversed(CHUNKS)), QUESTION)  # plans over every kept variant
     assert all(c.variant is not None for c in again.chunks)
+
+
+def test_stats_layer_step_samples_the_layers_a_warmed_chunk_keeps(cache_dir):
+    from cachecraft.config import ConfigError
+
+    with pytest.raises(ConfigError, match="stats_layer_step"):
+        Config.from_mapping({"stats_layer_step": 0})
+    config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32", "stats_layer_step": 2},
+                         environ={})
+    with TieredStore(config, tiers=("cpu",)) as store:
+        pipe = Pipeline(config, lm=tiny_model("llama"), store=store)
+        assert pipe.stats_layers == (1, 3)  # of the tiny model's 4 layers
+        pipe.warm(CHUNKS[:1])
+        record = store.variants_of(pipe.answer(CHUNKS[:1], QUESTION, method="reuse").chunks[0].chunk)[0]
+        stats = store.stats_of(record.key)
+        assert stats.inter.shape[0] == stats.intra.shape[0] == stats.outside.shape[0] == 2

@@ -23,7 +23,7 @@ import torch
 from cachecraft.bench.common import PeakRSS
 from cachecraft.config import DEFAULT_QUESTION_TEMPLATE
 from cachecraft.dataset import QAItem
-from cachecraft.engine import Segment, blended_prefill, create_chunk_cache, generate_from
+from cachecraft.engine import Segment, blended_prefill, create_chunk_cache, generate_from, sampled_layers
 from cachecraft.methods import MethodSpec, build_segments, remember_prefix, segment_keys
 from cachecraft.metrics import best_f1, exact_match, first_line, kl_divergence, token_f1
 from cachecraft.model.loader import LoadedModel
@@ -74,12 +74,15 @@ def run_method(lm: LoadedModel, spec: MethodSpec, pieces, prefix_kv, chunk_kvs,
                      mem.peak_mb, mem.growth_mb, kv_mb)
 
 
-def warm_chunks(lm: LoadedModel, pieces, prefix_kv, kv_dtype: torch.dtype, context: Segment | None = None) -> list:
+def warm_chunks(lm: LoadedModel, pieces, prefix_kv, kv_dtype: torch.dtype, context: Segment | None = None,
+                stats_layers: Sequence[int] | None = None) -> list:
     """Chunk-caches made after the system prefix alone (or after it and a cached
-    ``context`` segment, as ``Pipeline.warm`` does), stored in ``kv_dtype``."""
+    ``context`` segment, as ``Pipeline.warm`` does), stored in ``kv_dtype``, with
+    statistics at ``stats_layers`` (every layer when None)."""
     prefix_key, keys = segment_keys(lm.fingerprint, pieces)
     before = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=prefix_key)] + ([context] if context else [])
-    return [create_chunk_cache(lm.adapter, before, ids, fingerprint=lm.fingerprint, key=key).to(kv_dtype)
+    return [create_chunk_cache(lm.adapter, before, ids, fingerprint=lm.fingerprint, key=key,
+                               stats_layers=stats_layers).to(kv_dtype)
             for ids, key in zip(pieces.chunks, keys)]
 
 
@@ -114,17 +117,20 @@ def aggregate(rows: list[dict], label: str) -> dict:
 def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[MethodSpec], *,
                 system_prompt: str, question_template: str = DEFAULT_QUESTION_TEMPLATE, kv_dtype: torch.dtype = torch.float16, max_new_tokens: int = 32,
                 on_item: Callable[[int, int], None] | None = None, store: TieredStore | None = None,
-                warm_context: str = "", warm_context_tokens: int = 1024) -> dict:
+                warm_context: str = "", warm_context_tokens: int = 1024, stats_layer_step: int = 1) -> dict:
     """Run every method on every item; returns ``{"items": [...], "methods": {...}}``.
     With a ``store``, chunk-caches are put there and loaded from it per request.
     ``warm_context``: text the chunk-caches are made after, following the system prefix
-    (empty: the system prefix alone), cut to ``warm_context_tokens``."""
+    (empty: the system prefix alone), cut to ``warm_context_tokens``. ``stats_layer_step``:
+    the chunk-caches' statistics are gathered at every that-many-th layer, as the
+    pipeline's ``stats_layer_step`` does."""
     builder = PromptBuilder(lm.tokenizer, system_prompt, question_template)
     full_spec = MethodSpec("full")
     order = [full_spec] + [s for s in specs if s.name != "full"]
     prefix_kv = context = None
     context_ids = token_ids(warm_context, builder.encode, warm_context_tokens, lm.max_context)
     prefix_cache = PrefixCache(lm.fingerprint)
+    stats_layers = sampled_layers(lm.adapter.num_layers, stats_layer_step)
     rows: list[dict] = []
     for index, item in enumerate(items):
         chunks = [PromptBuilder.chunk_text(text, title) for title, text in item.passages]
@@ -139,7 +145,7 @@ def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[Method
                                           key=context_key, collect_stats=False).to(kv_dtype)
                 context = Segment(context_ids, "chunk", cached=made, key=context_key)
         start = time.perf_counter()
-        chunk_kvs = warm_chunks(lm, pieces, prefix_kv, kv_dtype, context)
+        chunk_kvs = warm_chunks(lm, pieces, prefix_kv, kv_dtype, context, stats_layers)
         warm_s = time.perf_counter() - start
         load = None
         if store is not None:

@@ -78,7 +78,8 @@ def run_quality_default(lm: LoadedModel, config: Config, dataset: Path, out: Pat
         with TieredStore(config.replace(cache_dir=scratch), tiers=("cpu",)) as store:
             result = run_quality(lm, items, specs, system_prompt=config.system_prompt,
                                  question_template=config.question_template, kv_dtype=DTYPES[config.kv_dtype],
-                                 store=store, on_item=lambda done, total: on_progress and on_progress(
+                                 store=store, stats_layer_step=config.stats_layer_step,
+                                 on_item=lambda done, total: on_progress and on_progress(
                                      f"quality: item {done}/{total}"))
             store.close(persist=False)
     finally:

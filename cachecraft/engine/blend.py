@@ -262,14 +262,16 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
                     until_layer: int | None = None, fingerprint: str = "",
                     max_context: int | None = None,
                     on_question_attention: Callable[[int, torch.Tensor], dict[int, int]] | None = None,
-                    ) -> BlendResult:
+                    stats_layers: Sequence[int] | None = None) -> BlendResult:
     """Prefill ``segments`` in order, reusing cached KV where given; see module doc.
 
     ``observe_layers``/``token_attention_layers``: layers at which to report the
     question's attention per segment / per key token. ``until_layer``: stop after
     the layers below it (a cheap look-ahead pass; no logits). ``on_question_attention``:
     called at each observed layer with the question's mass per segment; it may return
-    ``{segment index: stop layer}`` to stop recomputing cached segments early."""
+    ``{segment index: stop layer}`` to stop recomputing cached segments early.
+    ``stats_layers``: the layers ``collect_stats`` segments gather statistics at (every
+    layer when None; each one costs about one more attention pass)."""
     t0 = time.perf_counter()
     if not segments:
         raise PromptError("nothing to prefill: no segments")
@@ -326,6 +328,10 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
     saved_k = {i: [] for i, s in enumerate(segments) if s.save}
     saved_v = {i: [] for i, s in enumerate(segments) if s.save}
     stats_rows = {i: [] for i, s in enumerate(segments) if s.collect_stats}
+    stats_at = set(range(num_layers)) if stats_layers is None else {int(x) for x in stats_layers}
+    if stats_rows and not stats_at & set(range(num_layers)):
+        raise PromptError(f"statistics were asked for at layers {sorted(stats_at)}, none of the "
+                          f"model's {num_layers}")
     in_stats = torch.zeros(n_total, dtype=torch.bool, device=device)
     for i in stats_rows:
         in_stats[bounds[i][0]:bounds[i][1]] = True
@@ -388,7 +394,7 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
         work += int(context[active].sum())
         total_work += int(active.numel())
 
-        if stats_rows:
+        if stats_rows and layer in stats_at:
             rows = in_stats[active]
             if bool(rows.all()):
                 stats_pos, mass = active, segment_mass(q, keys, plan, adapter.scaling, gqa)
@@ -447,11 +453,20 @@ def _stats_from_rows(rows: list[torch.Tensor] | None, index: int, bound: tuple[i
                           intra=mass[:, :, index].sum(dim=1))
 
 
+def sampled_layers(num_layers: int, step: int) -> tuple[int, ...]:
+    """Every ``step``-th layer, ending each run of ``step`` (``step - 1``, ``2 * step - 1``,
+    ...; at least one layer): where statistics are gathered when not at every layer.
+    Layer 0, whose attention differs most from the rest, is left out unless ``step`` is 1."""
+    assert num_layers >= 1 and step >= 1, f"need num_layers >= 1 and step >= 1, got {num_layers}, {step}"
+    return tuple(range(min(step, num_layers) - 1, num_layers, step))
+
+
 def create_chunk_cache(adapter: ArchAdapter, before: Sequence[Segment], chunk_ids: Sequence[int], *,
-                       fingerprint: str, key: str = "", collect_stats: bool = True) -> ChunkKV:
+                       fingerprint: str, key: str = "", collect_stats: bool = True,
+                       stats_layers: Sequence[int] | None = None) -> ChunkKV:
     """The KV of ``chunk_ids`` computed after the segments ``before`` (system prefix,
     perhaps earlier chunks, cached or not), with those rows dropped, plus its
-    attention statistics."""
+    attention statistics (at ``stats_layers``, every layer when None)."""
     chunk = Segment(chunk_ids, "chunk", save=True, collect_stats=collect_stats, key=key)
-    result = blended_prefill(adapter, [*before, chunk], fingerprint=fingerprint)
+    result = blended_prefill(adapter, [*before, chunk], fingerprint=fingerprint, stats_layers=stats_layers)
     return result.saved[len(before)]

@@ -98,7 +98,7 @@ def calibrate(lm, items: Sequence, alphas: Sequence[float], target: float = 0.95
               system_prompt: str, question_template: str = DEFAULT_QUESTION_TEMPLATE,
               kv_dtype: torch.dtype = torch.float16, max_new_tokens: int = 32, store=None,
               on_item: Callable[[int, int], None] | None = None, warm_context: str = "",
-              warm_context_tokens: int = 1024) -> CalibrationResult:
+              warm_context_tokens: int = 1024, stats_layer_step: int = 1) -> CalibrationResult:
     """Run ``full`` and ``cachecraft@alpha`` for every candidate on ``items`` and choose alpha;
     the chunk-caches are made after the system prefix and ``warm_context`` (as ``warm`` does)."""
     from cachecraft.bench.quality import run_quality
@@ -108,7 +108,8 @@ def calibrate(lm, items: Sequence, alphas: Sequence[float], target: float = 0.95
     specs = [MethodSpec("full")] + [MethodSpec("cachecraft", a) for a in alphas]
     result = run_quality(lm, items, specs, system_prompt=system_prompt, question_template=question_template,
                          kv_dtype=kv_dtype, max_new_tokens=max_new_tokens, on_item=on_item, store=store,
-                         warm_context=warm_context, warm_context_tokens=warm_context_tokens)
+                         warm_context=warm_context, warm_context_tokens=warm_context_tokens,
+                         stats_layer_step=stats_layer_step)
     methods = result["methods"]
     rows = tuple(AlphaRow(spec.ratio, m["recompute_fraction_mean"], m["agreement_f1_mean"], m["kl_mean"],
                           m["ttft_s_median"])
