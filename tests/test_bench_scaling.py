@@ -76,13 +76,18 @@ def test_run_rows_have_every_field(cache_dir):
     assert not list(cache_dir.iterdir())  # scratch stores are removed
 
 
-def test_cold_rows_answer_with_nothing_cached(cache_dir):
+def one_point(cache_dir, methods: str, context: int, chunk_tokens: int, **setting) -> tuple[dict, dict]:
+    """``run_scaling`` on one context with cachecraft at alpha 0.1; the result and its rows by label."""
     cache_dir.mkdir(parents=True)
     config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32", "policy_alpha": 0.1},
                          environ={})
-    result = run_scaling(tiny_model("llama"), config, ITEMS, parse_methods("full,cachecraft", 0.15, 0.1),
-                         contexts=[120], chunk_counts=[], chunk_tokens=60, repeats=1, max_new_tokens=2, cold=True)
-    requests = {r["method"]: r for r in result["requests"]}
+    result = run_scaling(tiny_model("llama"), config, ITEMS, parse_methods(methods, 0.15, 0.1), contexts=[context],
+                         chunk_counts=[], chunk_tokens=chunk_tokens, repeats=1, max_new_tokens=2, **setting)
+    return result, {r["method"]: r for r in result["requests"]}
+
+
+def test_cold_rows_answer_with_nothing_cached(cache_dir):
+    result, requests = one_point(cache_dir, "full,cachecraft", 120, 60, cold=True)
     assert list(requests) == ["full", "cachecraft@0.1", "cachecraft@0.1 cold"]
     assert requests["cachecraft@0.1"]["cached_chunks"] == 2 and requests["cachecraft@0.1"]["setup_s"] > 0
     cold = requests["cachecraft@0.1 cold"]
@@ -128,12 +133,7 @@ def test_shuffled_order_moves_the_first_chunk():
 
 
 def test_revisit_rows_reuse_the_earlier_requests_variants(cache_dir):
-    cache_dir.mkdir(parents=True)
-    config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32", "policy_alpha": 0.1},
-                         environ={})
-    result = run_scaling(tiny_model("llama"), config, ITEMS, parse_methods("full,prefix,cachecraft", 0.15, 0.1),
-                         contexts=[200], chunk_counts=[], chunk_tokens=50, repeats=1, max_new_tokens=2, revisit=True)
-    requests = {r["method"]: r for r in result["requests"]}
+    result, requests = one_point(cache_dir, "full,prefix,cachecraft", 200, 50, revisit=True)
     assert list(requests) == ["full", "prefix", "cachecraft@0.1", "cachecraft@0.1 revisit", "prefix revisit"]
     warm, again = requests["cachecraft@0.1"], requests["cachecraft@0.1 revisit"]
     assert again["cached_chunks"] == 4 and again["setup_s"] > 0

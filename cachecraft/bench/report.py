@@ -183,10 +183,8 @@ def revisit_section(data: dict, source: Path, out: Path) -> list[str]:
     summary = data.get("summary") or {}
     again = summary.get("goal_revisit")
     if again:
-        goal = summary["goal"]
-        lines += [f"`{again['method']}` is **{again['speedup']:.1f}x** faster than full prefill at agreement "
-                  f"{again['agreement_f1']:.3f}; goal >= {goal['speedup']:g}x at >= {goal['agreement_f1']:g}: "
-                  f"**{'met' if again['met'] else 'not met'}**.", ""]
+        lines += [_goal_sentence(again["method"], again["speedup"], again["agreement_f1"], again["met"],
+                                 summary["goal"]), ""]
     return lines + _goal_line(summary)
 
 
@@ -194,10 +192,14 @@ def _goal_line(summary: dict) -> list[str]:
     if summary.get("speedup_at_max_context") is None:
         return []
     goal = summary["goal"]
-    return [f"At the longest context ({summary['max_context_tokens']} tokens) `{summary['method']}` is "
-            f"**{summary['speedup_at_max_context']:.1f}x** faster than full prefill at agreement "
-            f"{summary['agreement_at_max_context']:.3f}; goal >= {goal['speedup']:g}x at >= "
-            f"{goal['agreement_f1']:g}: **{'met' if goal['met'] else 'not met'}**.", ""]
+    return [f"At the longest context ({summary['max_context_tokens']} tokens) "
+            + _goal_sentence(summary["method"], summary["speedup_at_max_context"],
+                             summary["agreement_at_max_context"], goal["met"], goal), ""]
+
+
+def _goal_sentence(method: str, speedup: float, agreement: float, met: bool, goal: dict) -> str:
+    return (f"`{method}` is **{speedup:.1f}x** faster than full prefill at agreement {agreement:.3f}; goal >= "
+            f"{goal['speedup']:g}x at >= {goal['agreement_f1']:g}: **{'met' if met else 'not met'}**.")
 
 
 def gpu_section(gpu: dict | None, source: Path | None, others: list[dict]) -> list[str]:
