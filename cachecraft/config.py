@@ -153,6 +153,13 @@ class Config:
         return {f.name: str(v) if isinstance(v, Path) else v
                 for f in fields(self) for v in [getattr(self, f.name)]}
 
+    def settings_changed(self) -> dict[str, Any]:
+        """Settings that differ from the defaults; ``cache_dir`` is left out (it moves
+        files, it does not change results)."""
+        defaults = Config(cache_dir=self.cache_dir)
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "cache_dir" and getattr(self, f.name) != getattr(defaults, f.name)}
+
     @classmethod
     def known_keys(cls) -> list[str]:
         """Names accepted in a config file, as env suffixes and as overrides."""

@@ -20,6 +20,12 @@ import torch
 FORMAT_VERSION = "1"
 
 
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype | str) -> int:
+    """Bytes a chunk-cache holds per token: K and V of ``num_layers`` layers in ``dtype``."""
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def _digest(*parts: bytes) -> str:
     h = hashlib.sha256()
     for part in parts:

@@ -52,13 +52,17 @@ Progress = Callable[[int, int], None]
 
 @dataclass(frozen=True)
 class ChunkReport:
-    """What happened to one chunk of a request."""
+    """What happened to one chunk of a request.
+
+    A chunk whose variant was found but that the plan computed in full counts as a hit
+    in the tier it was found in; its ``fraction`` is 1.0.
+    """
 
     position: int
     chunk: str
     tokens: int
     tier: str  # gpu / cpu / disk, or "miss"
-    variant: str | None
+    variant: str | None  # the variant found; not loaded when the plan computed the chunk in full
     cci: float | None
     beta_prime: float | None
     cfo: float | None
@@ -299,8 +303,8 @@ class Pipeline:
         if spec.name == "cachecraft":
             infos = {key: self._variant_infos(key, prefix_key) for key in dict.fromkeys(keys)}
             params = replace(self.policy, alpha=spec.ratio)
-            plan = self._hide_loading(plan_request(keys, [len(c) for c in pieces.chunks], infos, params))
-            plan = self._compute_mostly_fixed(plan)
+            planned = self._hide_loading(plan_request(keys, [len(c) for c in pieces.chunks], infos, params))
+            plan = self._compute_mostly_fixed(planned)
             wanted = [p.variant for p in plan.chunks]
         else:  # independent caches: any stored variant, the one made alone first
             wanted = [self._any_variant(key, prefix_key) for key in keys]
@@ -310,6 +314,11 @@ class Pipeline:
             kvs.append(kv)
             tiers[i] = tier
             used[i] = name if kv is not None else None
+        if plan is not None:  # found but computed in full by choice: still a hit, at fraction 1.0
+            for i, (chosen, final) in enumerate(zip(planned.chunks, plan.chunks)):
+                tier = self.store.locate(chosen.variant) if final.variant is None and chosen.variant else None
+                if tier is not None:
+                    tiers[i], used[i] = tier, chosen.variant
         segments = self._plain_segments(pieces, prefix_key, keys, kvs, prefix_kv)
         for seg in segments[1:-1]:
             seg.recompute = static_recompute(spec, len(seg.token_ids), seg.cached)

@@ -70,8 +70,7 @@ def bench_quality_cmd(
             store.close(persist=False)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    command = "cachecraft bench quality " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "cachecraft bench quality"
-    payload = {"benchmark": "quality", "command": command, "model": lm.name,
+    payload = {"benchmark": "quality", "command": _invocation(ctx, "quality"), "model": lm.name,
                "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""),
                "kv_dtype": config.kv_dtype, "warm_context": config.warm_context, "dataset": str(dataset),
                "limit": len(items), "skip": skip, **result}
@@ -137,8 +136,8 @@ def bench_workload_cmd(
 
         result = run_workload(lm, config, trace, names, budgets=budgets, max_new_tokens=max_new_tokens,
                               evictions=policies, on_request=tick)
-    command = "cachecraft bench workload " + " ".join(sys.argv[3:])
-    write_result(out, {"benchmark": "workload", "command": command, "model": lm.name, "dataset": str(dataset),
+    write_result(out, {"benchmark": "workload", "command": _invocation(ctx, "workload"), "model": lm.name,
+                       "dataset": str(dataset),
                        "items": len(items), "corpus_chunks": corpus, "unique_requests": len(set(trace)),
                        "top_k": top_k, "budgets": budgets, **result})
     table = Table(title=f"workload: {requests} requests, corpus of {corpus} chunks, top-{top_k}")
@@ -176,8 +175,6 @@ def bench_eviction_cmd(
     """Compare eviction policies on a long RAG trace without running the model: hit rate
     and compute saved per policy and budget. Only eviction is measured; `bench workload
     --evictions` runs the model on a short trace."""
-    import torch
-
     from cachecraft.bench.common import write_result
     from cachecraft.bench.eviction import run_replay
     from cachecraft.dataset import load_items
@@ -201,12 +198,12 @@ def bench_eviction_cmd(
     with console.status(f"embedding the corpus, then replaying {requests} requests ..."):
         try:
             result = run_replay(lm, items, requests=requests, top_k=top_k, zipf_s=zipf, seed=seed,
-                                kv_bytes_per_value=torch.empty(0, dtype=getattr(torch, config.kv_dtype)).element_size(),
+                                kv_dtype=config.kv_dtype,
                                 policies=names, budget_fractions=fractions, embed=Embedder().embed)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-    command = " ".join(["cachecraft bench eviction", *sys.argv[3:]])
-    write_result(out, {"benchmark": "eviction", "command": command, "model": lm.name, "dataset": str(dataset),
+    write_result(out, {"benchmark": "eviction", "command": _invocation(ctx, "eviction"), "model": lm.name,
+                       "dataset": str(dataset),
                        "kv_dtype": config.kv_dtype, **result})
     table = Table(title=f"eviction: {requests} requests, {result['summary']['distinct_chunks']} distinct chunks, "
                         f"top-{top_k}")
@@ -249,7 +246,8 @@ def bench_store_cmd(ctx: typer.Context,
     config = load_config(ctx)
     with console.status("measuring store throughput ..."):
         result = run_store_benchmark(out, cache_dir=config.cache_dir, num_chunks=chunks, num_tokens=tokens,
-                                     kv_dtype=config.kv_dtype, repeats=repeats)
+                                     kv_dtype=config.kv_dtype, repeats=repeats,
+                                     command=_invocation(ctx, "store"))
     table = Table(title="store throughput (GB/s)")
     tiers = result.get("tiers", {})
     metrics = sorted({m for t in tiers.values() for m in t if m.endswith("gbps")})
@@ -262,13 +260,17 @@ def bench_store_cmd(ctx: typer.Context,
     console.print(f"wrote {out}")
 
 
-def _invocation(name: str) -> str:
-    """The command line that ran ``cachecraft bench NAME``, for the result file."""
+def _invocation(ctx: typer.Context, name: str) -> str:
+    """The command line that ran ``cachecraft bench NAME``, for the result file: its
+    arguments, preceded by the settings (config file, environment, global options)
+    that differ from the defaults."""
     import shlex
+
+    from cachecraft.bench.common import with_settings
 
     args = sys.argv[1:]
     rest = args[args.index(name) + 1:] if name in args else []
-    return " ".join(["cachecraft bench", name, *map(shlex.quote, rest)])
+    return with_settings(" ".join(["cachecraft bench", name, *map(shlex.quote, rest)]), load_config(ctx))
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -332,7 +334,7 @@ def bench_scaling_cmd(
                                      task, description=what, completed=done, total=total))
         except ValueError as exc:
             raise UserError(str(exc)) from None
-    write_result(out, {"benchmark": "scaling", "command": _invocation("scaling"), "model": lm.name,
+    write_result(out, {"benchmark": "scaling", "command": _invocation(ctx, "scaling"), "model": lm.name,
                        "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""),
                        "kv_dtype": config.kv_dtype, "dataset": str(dataset), **result})
     print_scaling_table(result)

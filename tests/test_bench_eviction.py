@@ -43,10 +43,12 @@ def test_command_writes_json(tiny_dir, dataset, tmp_path, cache_dir):
     out = tmp_path / "eviction.json"
     result = CliRunner().invoke(app, ["bench", "eviction", "--dataset", str(dataset), "--model", str(tiny_dir),
                                       "--requests", "30", "--top-k", "2", "--budgets", "0.2,0.5",
-                                      "--policies", "lru,cachecraft", "--out", str(out)])
+                                      "--policies", "lru,cachecraft", "--out", str(out)],
+                                 env={"CACHECRAFT_KV_DTYPE": "float32"})
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert data["benchmark"] == "eviction" and data["command"].startswith("cachecraft bench eviction")
+    assert data["benchmark"] == "eviction" and data["kv_dtype"] == "float32"
+    assert data["command"].startswith("CACHECRAFT_KV_DTYPE=float32 cachecraft bench eviction")
     assert len(data["rows"]) == 4 and data["summary"]["lookups"] == 60
     small, large = (next(r for r in data["rows"] if r["budget_fraction"] == f and r["policy"] == "lru")
                     for f in (0.2, 0.5))

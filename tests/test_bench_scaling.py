@@ -120,6 +120,7 @@ def test_default_run_writes_the_json_and_its_command(dataset, tmp_path, cache_di
     out = run_scaling_default(tiny_model("llama"), config, dataset, tmp_path / "s.json", contexts=[100],
                               chunk_counts=[], fixed_context=100, chunk_tokens=50, repeats=1, max_new_tokens=2)
     data = json.loads(out.read_text())
+    assert data["command"].startswith("CACHECRAFT_KV_DTYPE=float32 cachecraft bench scaling --dataset")
     assert data["command"].endswith("--contexts 100 --chunks '' --fixed-context 100 --chunk-tokens 50 --repeats 1 "
                                     "--max-new-tokens 2")
     assert [r["method"] for r in data["scaling"]] == ["full", "prefix", "reuse", "cacheblend@0.15", f"cachecraft@{PolicyParams().alpha:g}"]

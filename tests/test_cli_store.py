@@ -59,7 +59,9 @@ def test_bench_store_writes_throughput(cache_dir, tmp_path):
     result = runner.invoke(app, ["bench", "store", "--out", str(out), "--chunks", "2", "--tokens", "32",
                                  "--repeats", "1"])
     assert result.exit_code == 0, result.output
-    tiers = json.loads(out.read_text())["tiers"]
+    data = json.loads(out.read_text())
+    assert data["command"].startswith("cachecraft bench store")
+    tiers = data["tiers"]
     assert {"cpu", "disk"} <= set(tiers)
     assert all(tiers[t]["put_gbps"] > 0 and tiers[t]["get_stored_gbps"] > 0 for t in ("cpu", "disk"))
 

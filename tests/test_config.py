@@ -98,3 +98,19 @@ def test_warm_context_takes_builtin_none_or_an_existing_file(tmp_path):
     assert load_text("builtin") == BUILTIN_TEXT and load_text("none") == ""
     with pytest.raises(ConfigError, match="warm_context must be"):
         Config.load(overrides={"cache_dir": tmp_path, "warm_context": str(tmp_path / "missing.txt")}, environ={})
+
+
+def test_a_result_command_carries_the_settings_that_differ_from_the_defaults(tmp_path):
+    import shlex
+
+    from cachecraft.bench.common import with_settings
+
+    config = Config.load(overrides={"cache_dir": tmp_path, "policy_alpha": 0.2, "system_prompt": "Be brief."},
+                         environ={"CACHECRAFT_WARM_CONTEXT": "none"})
+    assert config.settings_changed() == {"system_prompt": "Be brief.", "policy_alpha": 0.2, "warm_context": "none"}
+    line = with_settings("cachecraft bench scaling --repeats 2", config)
+    assert line == ("CACHECRAFT_SYSTEM_PROMPT='Be brief.' CACHECRAFT_POLICY_ALPHA=0.2 CACHECRAFT_WARM_CONTEXT=none "
+                    "cachecraft bench scaling --repeats 2")
+    environ = dict(word.split("=", 1) for word in shlex.split(line) if word.startswith("CACHECRAFT_"))
+    assert Config.load(environ=environ).settings_changed() == config.settings_changed()  # the line reproduces it
+    assert Config.load(overrides={"cache_dir": tmp_path}, environ={}).settings_changed() == {}

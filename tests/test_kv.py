@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from cachecraft.kv import AttentionStats, ChunkKV, chunk_key, variant_key
+from cachecraft.kv import AttentionStats, ChunkKV, chunk_key, kv_bytes_per_token, variant_key
 
 
 def make_kv(fingerprint="fp", tokens=(5, 6, 7), prefix=("a",)):
@@ -44,3 +44,6 @@ def test_dtype_conversion_and_nbytes():
     assert kv.keys.dtype == torch.float16
     assert kv.nbytes == 2 * 2 * 3 * 3 * 4 * 2
     assert kv.layer(1)[0].shape == (3, 3, 4)
+    per_token = kv_bytes_per_token(2, 3, 4, "float16")
+    assert per_token == 2 * 2 * 3 * 4 * 2 and kv.nbytes == per_token * kv.num_tokens
+    assert kv_bytes_per_token(30, 3, 64, torch.bfloat16) == 23040  # SmolLM2-135M, per token

@@ -251,8 +251,14 @@ def test_warmed_variants_record_their_cci_and_expected_saving(pipeline):
 def test_a_mostly_fixed_chunk_is_computed_in_full_and_kept_with_its_own_statistics(pipeline):
     pipeline.warm(CHUNKS)
     pipeline.policy = PolicyParams(alpha=0.5, floor=0.6, check_layer=2)  # every plan recomputes >= 60%
+    warmed = [[r.key for r in pipeline.store.variants_of(chunk_key(pipeline.lm.fingerprint, ids))]
+              for ids in pipeline.builder.build(CHUNKS, QUESTION).chunks]
     first = pipeline.answer(CHUNKS, QUESTION, keep_logits=True)
-    assert all(c.tier == "miss" and c.fraction == 1.0 and c.cfo is not None for c in first.chunks)
+    assert all(c.fraction == 1.0 and c.cfo is not None for c in first.chunks)
+    assert [(c.tier, [c.variant]) for c in first.chunks] == [("cpu", w) for w in warmed], (
+        "found but computed in full: a hit in the tier it was found in")
+    recorded = pipeline.catalog.get_request(first.request_id)
+    assert recorded.misses == 0 and recorded.hits_by_tier["cpu"] == len(CHUNKS)
     for position, report in enumerate(first.chunks):
         before = tuple(c.chunk for c in first.chunks[:position])
         kept = [r for r in pipeline.store.variants_of(report.chunk) if r.prefix[1:] == before]

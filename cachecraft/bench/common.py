@@ -6,12 +6,15 @@ import datetime as dt
 import json
 import os
 import platform
+import shlex
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from cachecraft.config import ENV_PREFIX, Config
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -75,6 +78,14 @@ def machine() -> dict[str, Any]:
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+def with_settings(command: str, config: Config) -> str:
+    """``command`` preceded by the environment variables that give ``config``'s
+    non-default settings, so that the line alone reproduces a result."""
+    env = [f"{ENV_PREFIX}{name.upper()}={shlex.quote(str(value))}"
+           for name, value in config.settings_changed().items()]
+    return " ".join([*env, command])
 
 
 def write_result(path: str | Path, payload: dict[str, Any]) -> Path:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from cachecraft.kv import kv_bytes_per_token
 from cachecraft.store.eviction import EntryInfo, estimate_cost_s, make_policy
 
 DEFAULT_BUDGETS = (0.05, 0.1, 0.25)
@@ -101,17 +102,17 @@ def run_eviction(requests: Sequence[Sequence[str]], sizes: Mapping[str, int], co
                                       "best_policy_by_budget": best}}
 
 
-def chunk_sizes_and_costs(lm, texts, kv_bytes_per_value: int) -> tuple[dict[str, int], dict[str, float]]:
-    """Each chunk text's KV bytes under ``lm``'s tokenizer and shape, and the prefill
-    seconds the store would credit it with."""
+def chunk_sizes_and_costs(lm, texts, kv_dtype: str) -> tuple[dict[str, int], dict[str, float]]:
+    """Each chunk text's KV bytes under ``lm``'s tokenizer and shape (stored as ``kv_dtype``),
+    and the prefill seconds the store would credit it with."""
     adapter = lm.adapter
-    per_token = 2 * adapter.num_layers * adapter.num_kv_heads * adapter.head_dim * kv_bytes_per_value
+    per_token = kv_bytes_per_token(adapter.num_layers, adapter.num_kv_heads, adapter.head_dim, kv_dtype)
     tokens = {t: len(lm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts}
     return ({t: max(1, n * per_token) for t, n in tokens.items()},
             {t: estimate_cost_s(n, adapter.num_layers) for t, n in tokens.items()})
 
 
-def run_replay(lm, items, *, requests: int, top_k: int, zipf_s: float, seed: int, kv_bytes_per_value: int,
+def run_replay(lm, items, *, requests: int, top_k: int, zipf_s: float, seed: int, kv_dtype: str,
                policies: Sequence[str] = DEFAULT_POLICIES, budget_fractions: Sequence[float] = DEFAULT_BUDGETS,
                embed: Callable) -> dict:
     """Build the trace (as ``bench workload`` does) and replay it under every policy and
@@ -119,7 +120,7 @@ def run_replay(lm, items, *, requests: int, top_k: int, zipf_s: float, seed: int
     from cachecraft.bench.workload import build_trace
 
     trace, corpus = build_trace(items, requests, top_k, zipf_s=zipf_s, seed=seed, embed=embed)
-    sizes, costs = chunk_sizes_and_costs(lm, {t for r in trace for t in r.chunks}, kv_bytes_per_value)
+    sizes, costs = chunk_sizes_and_costs(lm, {t for r in trace for t in r.chunks}, kv_dtype)
     result = run_eviction([r.chunks for r in trace], sizes, costs, policies, budget_fractions)
     return {"items": len(items), "corpus_chunks": corpus, "requests": requests, "top_k": top_k, "zipf": zipf_s,
             "seed": seed, **result}

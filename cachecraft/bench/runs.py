@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from cachecraft.bench.common import write_result
+from cachecraft.bench.common import with_settings, write_result
 from cachecraft.config import Config
 from cachecraft.model.loader import LoadedModel
 
@@ -57,9 +57,9 @@ def command(name: str, out: Path, dataset: Path | str = DATASET, **settings) -> 
     return text
 
 
-def _payload(name: str, lm: LoadedModel, dataset: Path, out: Path, **settings) -> dict:
-    return {"benchmark": name, "command": command(name, out, dataset, **settings), "model": lm.name,
-            "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""), "dataset": str(dataset)}
+def _payload(name: str, lm: LoadedModel, config: Config, dataset: Path, out: Path, **settings) -> dict:
+    return {"benchmark": name, "command": with_settings(command(name, out, dataset, **settings), config),
+            "model": lm.name, "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""), "dataset": str(dataset)}
 
 
 def run_quality_default(lm: LoadedModel, config: Config, dataset: Path, out: Path,
@@ -84,7 +84,7 @@ def run_quality_default(lm: LoadedModel, config: Config, dataset: Path, out: Pat
             store.close(persist=False)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    payload = {**_payload("quality", lm, dataset, out, limit=limit), "kv_dtype": config.kv_dtype,
+    payload = {**_payload("quality", lm, config, dataset, out, limit=limit), "kv_dtype": config.kv_dtype,
                "limit": len(items), **result}
     return write_result(out, payload)
 
@@ -106,7 +106,7 @@ def run_workload_default(lm: LoadedModel, config: Config, dataset: Path, out: Pa
     result = run_workload(lm, config, trace, WORKLOAD_METHODS.split(","), budgets=budgets, evictions=EVICTIONS,
                           on_request=lambda method, n, total: on_progress and on_progress(
                               f"workload: {method} {n}/{total}"))
-    payload = {**_payload("workload", lm, dataset, out, limit=limit, requests=requests, top_k=top_k),
+    payload = {**_payload("workload", lm, config, dataset, out, limit=limit, requests=requests, top_k=top_k),
                "items": len(items), "corpus_chunks": corpus,
                "unique_requests": len(set(trace)), "top_k": top_k, "budgets": budgets, **result}
     return write_result(out, payload)
@@ -116,8 +116,6 @@ def run_replay_default(lm: LoadedModel, config: Config, dataset: Path, out: Path
                        on_progress: Progress | None = None, requests: int = 3000, limit: int = 100, top_k: int = 5,
                        embed: Callable | None = None) -> Path:
     """``bench eviction`` with its defaults: the policies on a long trace, without the model."""
-    import torch
-
     from cachecraft.bench.eviction import run_replay
     from cachecraft.dataset import load_items
 
@@ -126,9 +124,9 @@ def run_replay_default(lm: LoadedModel, config: Config, dataset: Path, out: Path
         embed = Embedder().embed
     on_progress and on_progress(f"eviction: replaying {requests} requests")
     result = run_replay(lm, load_items(dataset, limit), requests=requests, top_k=top_k, zipf_s=1.2, seed=0,
-                        kv_bytes_per_value=torch.empty(0, dtype=getattr(torch, config.kv_dtype)).element_size(),
+                        kv_dtype=config.kv_dtype,
                         embed=embed)
-    payload = {**_payload("replay", lm, dataset, out), "benchmark": "eviction", "kv_dtype": config.kv_dtype, **result}
+    payload = {**_payload("replay", lm, config, dataset, out), "benchmark": "eviction", "kv_dtype": config.kv_dtype, **result}
     return write_result(out, payload)
 
 
@@ -142,7 +140,7 @@ def run_scaling_default(lm: LoadedModel, config: Config, dataset: Path, out: Pat
     specs = parse_methods("full,prefix,reuse,cacheblend,cachecraft", config.cacheblend_ratio, config.policy_alpha)
     result = run_scaling(lm, config, load_items(dataset), specs, on_step=lambda what, done, total: on_progress and
                          on_progress(f"scaling: {done}/{total} {what}"), **settings)
-    payload = {**_payload("scaling", lm, dataset, out, **settings), "kv_dtype": config.kv_dtype, **result}
+    payload = {**_payload("scaling", lm, config, dataset, out, **settings), "kv_dtype": config.kv_dtype, **result}
     return write_result(out, payload)
 
 
@@ -160,7 +158,7 @@ def run_revisit_default(lm: LoadedModel, config: Config, dataset: Path, out: Pat
                          chunk_tokens=chunk_tokens, repeats=repeats, max_new_tokens=max_new_tokens, revisit=True,
                          on_step=lambda what, done, total: on_progress and on_progress(f"revisit: {done}/{total} {what}"))
     settings = {"contexts": contexts, "repeats": repeats, "chunk_tokens": chunk_tokens, "max_new_tokens": max_new_tokens}
-    payload = {**_payload("revisit", lm, dataset, out, **settings), "benchmark": "scaling",
+    payload = {**_payload("revisit", lm, config, dataset, out, **settings), "benchmark": "scaling",
                "kv_dtype": config.kv_dtype, **result}
     return write_result(out, payload)
 

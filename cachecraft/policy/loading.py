@@ -24,6 +24,8 @@ from typing import Iterable, Mapping, Sequence
 
 import torch
 
+from cachecraft.kv import kv_bytes_per_token
+
 # Bytes/s to get a chunk-cache back as compute tensors, from `cachecraft bench store`
 # on the development CPU machine (cpu ~3 GB/s, disk ~0.7-1 GB/s); the GPU figure is a
 # placeholder for HBM. Measure your own machine and pass them in.
@@ -139,7 +141,6 @@ class CostModel:
                 blended_prefill(adapter, [Segment(ids, "question")])
                 seconds.append(time.perf_counter() - start)
         elapsed = max(statistics.median(seconds[1:]), 1e-9)
-        element = torch.empty((), dtype=kv_dtype).element_size()
-        kv_bytes = 2 * adapter.num_kv_heads * adapter.head_dim * element
-        return cls(elapsed / tokens / adapter.num_layers, kv_bytes, adapter.num_layers,
+        per_layer = kv_bytes_per_token(1, adapter.num_kv_heads, adapter.head_dim, kv_dtype)
+        return cls(elapsed / tokens / adapter.num_layers, per_layer, adapter.num_layers,
                    dict(bandwidths if bandwidths is not None else DEFAULT_BANDWIDTHS))

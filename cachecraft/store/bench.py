@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from cachecraft.config import Config, default_cache_dir
-from cachecraft.kv import ChunkKV
+from cachecraft.kv import ChunkKV, kv_bytes_per_token
 from cachecraft.store.store import TieredStore
 
 log = logging.getLogger(__name__)
@@ -101,8 +101,9 @@ def run_store_benchmark(out_path: str | Path | None, *, cache_dir: str | Path | 
                         tiers: Sequence[str] | None = None, num_chunks: int = 8, num_tokens: int = 600,
                         num_layers: int = 30, num_kv_heads: int = 3, head_dim: int = 64,
                         kv_dtype: str = "float16", compute_dtype: str = "float32", repeats: int = 3,
-                        seed: int = 0) -> dict:
-    """Measure put/get throughput (GB/s) per tier; writes the result as JSON to ``out_path``.
+                        seed: int = 0, command: str | None = None) -> dict:
+    """Measure put/get throughput (GB/s) per tier; writes the result as JSON to ``out_path``
+    (with ``command``, the line that made it, when given).
 
     Defaults are SmolLM2-135M-sized chunks (30 layers, 3 KV heads, head dim 64, 600
     tokens). The stores live in a temporary folder inside ``cache_dir`` (default: the
@@ -125,9 +126,10 @@ def run_store_benchmark(out_path: str | Path | None, *, cache_dir: str | Path | 
             del chunks
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    per_token = num_layers * num_kv_heads * head_dim * 2 * torch.empty((), dtype=getattr(torch, kv_dtype)).element_size()
+    per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype)
     doc = {
         "benchmark": "store",
+        **({"command": command} if command else {}),
         "chunk": {"num_tokens": num_tokens, "num_layers": num_layers, "num_kv_heads": num_kv_heads,
                   "head_dim": head_dim, "kv_dtype": kv_dtype, "compute_dtype": compute_dtype,
                   "stored_bytes_per_token": per_token, "stored_bytes_per_chunk": per_token * num_tokens},
