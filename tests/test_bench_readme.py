@@ -58,3 +58,18 @@ def test_revisit_block_has_a_row_per_method_with_its_kl_and_overlap(tmp_path):
     assert "(m, 6 questions, 2026-11-21, cpu, 2 cores)" in text
     assert "| full | 7912 | 30.00 | 1.0x | 1.000 | 0.0000 | 1.000 | - |" in text
     assert "| cachecraft@0.08 revisit | 7912 | 1.50 | 20.0x | 0.018 | 0.0266 | 0.808 | 0.50 |" in text
+
+
+def test_store_block_names_its_command_when_the_result_has_one(tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    tier = {"put_gbps": 2.0, "get_stored_gbps": 3.0, "get_compute_gbps": 4.0, "layers_gbps": 8.0}
+    data = {"benchmark": "store", "tiers": {"cpu": tier}, "created": "2026-11-21T18:00:00+0000",
+            "environment": {"cpu_count": 2}}
+    readme = tmp_path / "README.md"
+    for command, head in ((None, "| tier |"), ("cachecraft bench store", "`cachecraft bench store` (2026-11-21, 2 cores)")):
+        (results / "store.json").write_text(json.dumps({**data, **({"command": command} if command else {})}))
+        readme.write_text("<!-- results:store -->\n<!-- /results:store -->\n")
+        assert update(readme, results) == ["store"]
+        text = readme.read_text()
+        assert text.splitlines()[1].startswith(head) and "| cpu | 2.00 | 3.00 | 4.00 | 8.00 |" in text

@@ -42,8 +42,11 @@ def workload_table(data: dict) -> str:
 
 
 def store_table(data: dict) -> str:
-    """Markdown table of a ``bench store`` result."""
-    lines = ["| tier | put (GB/s) | get, stored dtype (GB/s) | get, compute dtype (GB/s) | layer by layer (GB/s) |",
+    """Markdown table of a ``bench store`` result (headed by its command when it names one)."""
+    env = data.get("environment", {})
+    head = ([f"`{data['command']}` ({str(data.get('created', ''))[:10]}, {env.get('cpu_count')} cores)", ""]
+            if data.get("command") else [])
+    lines = [*head, "| tier | put (GB/s) | get, stored dtype (GB/s) | get, compute dtype (GB/s) | layer by layer (GB/s) |",
              "|---|---|---|---|---|"]
     for tier, t in data["tiers"].items():
         lines.append(f"| {tier} | {t['put_gbps']:.2f} | {t['get_stored_gbps']:.2f} | {t['get_compute_gbps']:.2f} | "
