@@ -5,6 +5,17 @@ import json
 from cachecraft.bench.readme import update
 
 
+def render(tmp_path, name: str, data: dict) -> str:
+    """The README text after rendering block ``name`` from ``data``."""
+    results = tmp_path / "results"
+    results.mkdir(exist_ok=True)
+    (results / f"{name}.json").write_text(json.dumps(data))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"<!-- results:{name} -->\n<!-- /results:{name} -->\n")
+    assert update(readme, results) == [name]
+    return readme.read_text()
+
+
 def test_blocks_are_replaced_and_others_left(tmp_path):
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
@@ -24,52 +35,34 @@ def test_blocks_are_replaced_and_others_left(tmp_path):
 
 
 def test_scaling_block_has_one_row_per_size_and_a_column_per_method(tmp_path):
-    results = tmp_path / "results"
-    results.mkdir()
     rows = [{"sweep": "context", "method": m, "context_tokens": n, "n_chunks": n // 500, "ttft_s": t,
              "speedup_vs_full": s, "agreement_f1": 1.0}
             for m, n, t, s in (("full", 1000, 2.0, 1.0), ("cachecraft", 1000, 0.5, 4.0), ("full", 8000, 30.0, 1.0))]
     data = {"command": "cachecraft bench scaling", "model": "m", "date": "2026-11-21T00:00",
             "machine": {"cpu": "cpu", "cores": 2}, "scaling": rows}
-    (results / "scaling.json").write_text(json.dumps(data))
-    readme = tmp_path / "README.md"
-    readme.write_text("<!-- results:scaling -->\n<!-- /results:scaling -->\n")
-    assert update(readme, results) == ["scaling"]
-    text = readme.read_text()
+    text = render(tmp_path, "scaling", data)
     assert "| prompt tokens | full | cachecraft |" in text and "| chunks |" not in text
     assert "| 1000 | 2.00 s (1.0x, F1 1.00) | 0.50 s (4.0x, F1 1.00) |" in text
     assert "| 8000 | 30.00 s (1.0x, F1 1.00) | - |" in text
 
 
 def test_revisit_block_has_a_row_per_method_with_its_kl_and_overlap(tmp_path):
-    results = tmp_path / "results"
-    results.mkdir()
     rows = [{"sweep": "context", "method": m, "context_tokens": 7912, "repeats": 6, "ttft_s": t,
              "speedup_vs_full": 30.0 / t, "recompute_fraction": f, "kl": kl, "agreement_f1": a, "prefix_overlap": o}
             for m, t, f, kl, a, o in (("full", 30.0, 1.0, 0.0, 1.0, None),
                                       ("cachecraft@0.08 revisit", 1.5, 0.018, 0.0266, 0.808, 0.498))]
     data = {"command": "cachecraft bench scaling --revisit", "model": "m", "date": "2026-11-21T00:00",
             "machine": {"cpu": "cpu", "cores": 2}, "scaling": rows}
-    (results / "scaling_8k_revisit.json").write_text(json.dumps(data))
-    readme = tmp_path / "README.md"
-    readme.write_text("<!-- results:scaling_8k_revisit -->\n<!-- /results:scaling_8k_revisit -->\n")
-    assert update(readme, results) == ["scaling_8k_revisit"]
-    text = readme.read_text()
+    text = render(tmp_path, "scaling_8k_revisit", data)
     assert "(m, 6 questions, 2026-11-21, cpu, 2 cores)" in text
     assert "| full | 7912 | 30.00 | 1.0x | 1.000 | 0.0000 | 1.000 | - |" in text
     assert "| cachecraft@0.08 revisit | 7912 | 1.50 | 20.0x | 0.018 | 0.0266 | 0.808 | 0.50 |" in text
 
 
 def test_store_block_names_its_command_when_the_result_has_one(tmp_path):
-    results = tmp_path / "results"
-    results.mkdir()
     tier = {"put_gbps": 2.0, "get_stored_gbps": 3.0, "get_compute_gbps": 4.0, "layers_gbps": 8.0}
     data = {"benchmark": "store", "tiers": {"cpu": tier}, "created": "2026-11-21T18:00:00+0000",
             "environment": {"cpu_count": 2}}
-    readme = tmp_path / "README.md"
     for command, head in ((None, "| tier |"), ("cachecraft bench store", "`cachecraft bench store` (2026-11-21, 2 cores)")):
-        (results / "store.json").write_text(json.dumps({**data, **({"command": command} if command else {})}))
-        readme.write_text("<!-- results:store -->\n<!-- /results:store -->\n")
-        assert update(readme, results) == ["store"]
-        text = readme.read_text()
+        text = render(tmp_path, "store", {**data, **({"command": command} if command else {})})
         assert text.splitlines()[1].startswith(head) and "| cpu | 2.00 | 3.00 | 4.00 | 8.00 |" in text

@@ -126,6 +126,20 @@ def test_default_run_writes_the_json_and_its_command(dataset, tmp_path, cache_di
     assert [r["method"] for r in data["scaling"]] == ["full", "prefix", "reuse", "cacheblend@0.15", f"cachecraft@{PolicyParams().alpha:g}"]
 
 
+def test_default_revisit_run_takes_its_defaults_and_writes_its_command(dataset, tmp_path, cache_dir):
+    from cachecraft.bench.runs import run_revisit_default
+
+    cache_dir.mkdir(parents=True)
+    config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32"}, environ={})
+    out = run_revisit_default(tiny_model("llama"), config, dataset, tmp_path / "r.json", contexts=100,
+                              chunk_tokens=40, repeats=1, max_new_tokens=2)
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "scaling" and data["command"].startswith("CACHECRAFT_KV_DTYPE=float32 cachecraft")
+    assert "--contexts 100 --chunks '' --repeats 1 --chunk-tokens 40 --max-new-tokens 2" in data["command"]
+    assert {r["target_tokens"] for r in data["scaling"]} == {100}
+    assert any(r["method"].endswith("revisit") for r in data["scaling"])
+
+
 def test_shuffled_order_moves_the_first_chunk():
     for n in (2, 3, 4, 15):
         chunks = [f"c{i}" for i in range(n)]

@@ -59,7 +59,8 @@ def command(name: str, out: Path, dataset: Path | str = DATASET, **settings) -> 
 
 def _payload(name: str, lm: LoadedModel, config: Config, dataset: Path, out: Path, **settings) -> dict:
     return {"benchmark": name, "command": with_settings(command(name, out, dataset, **settings), config),
-            "model": lm.name, "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""), "dataset": str(dataset)}
+            "model": lm.name, "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""),
+            "dataset": str(dataset)}
 
 
 def run_quality_default(lm: LoadedModel, config: Config, dataset: Path, out: Path,
@@ -124,9 +125,9 @@ def run_replay_default(lm: LoadedModel, config: Config, dataset: Path, out: Path
         embed = Embedder().embed
     on_progress and on_progress(f"eviction: replaying {requests} requests")
     result = run_replay(lm, load_items(dataset, limit), requests=requests, top_k=top_k, zipf_s=1.2, seed=0,
-                        kv_dtype=config.kv_dtype,
-                        embed=embed)
-    payload = {**_payload("replay", lm, config, dataset, out), "benchmark": "eviction", "kv_dtype": config.kv_dtype, **result}
+                        kv_dtype=config.kv_dtype, embed=embed)
+    payload = {**_payload("replay", lm, config, dataset, out), "benchmark": "eviction", "kv_dtype": config.kv_dtype,
+               **result}
     return write_result(out, payload)
 
 
@@ -145,19 +146,20 @@ def run_scaling_default(lm: LoadedModel, config: Config, dataset: Path, out: Pat
 
 
 def run_revisit_default(lm: LoadedModel, config: Config, dataset: Path, out: Path,
-                        on_progress: Progress | None = None, contexts: int = 7900, repeats: int = 6,
-                        chunk_tokens: int = 512, max_new_tokens: int = 32) -> Path:
+                        on_progress: Progress | None = None, **settings) -> Path:
     """``bench scaling --revisit`` at one long context: the methods after an earlier
-    request saw the same chunks shuffled, next to caches made ahead."""
+    request saw the same chunks shuffled, next to caches made ahead. ``settings``
+    override :data:`DEFAULTS` (``contexts``, ``repeats``, ``chunk_tokens``, ``max_new_tokens``)."""
     from cachecraft.bench.scaling import run_scaling
     from cachecraft.dataset import load_items
     from cachecraft.methods import parse_methods
 
+    settings = {**DEFAULTS["revisit"], **settings}
     specs = parse_methods(REVISIT_METHODS, config.cacheblend_ratio, config.policy_alpha)
-    result = run_scaling(lm, config, load_items(dataset), specs, contexts=[contexts], chunk_counts=[],
-                         chunk_tokens=chunk_tokens, repeats=repeats, max_new_tokens=max_new_tokens, revisit=True,
+    result = run_scaling(lm, config, load_items(dataset), specs, contexts=[settings["contexts"]], chunk_counts=[],
+                         chunk_tokens=settings["chunk_tokens"], repeats=settings["repeats"],
+                         max_new_tokens=settings["max_new_tokens"], revisit=True,
                          on_step=lambda what, done, total: on_progress and on_progress(f"revisit: {done}/{total} {what}"))
-    settings = {"contexts": contexts, "repeats": repeats, "chunk_tokens": chunk_tokens, "max_new_tokens": max_new_tokens}
     payload = {**_payload("revisit", lm, config, dataset, out, **settings), "benchmark": "scaling",
                "kv_dtype": config.kv_dtype, **result}
     return write_result(out, payload)
