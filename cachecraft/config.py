@@ -54,6 +54,18 @@ def parse_bytes(value: int | str) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+def _parse_bool(value: Any) -> bool:
+    """``true``/``false`` as a TOML boolean or a word (1/0, yes/no, on/off), any case."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
+
+
 def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     """The cache directory: ``$CACHECRAFT_CACHE_DIR`` or the user cache directory."""
     env = (os.environ if environ is None else environ).get(ENV_PREFIX + "CACHE_DIR")
@@ -87,6 +99,7 @@ class Config:
     early_stop_layers: str = ""  # comma-separated layers, e.g. "12,20"; empty: off
     early_stop_share: float = 0.25
     stats_layer_step: int = 4  # attention statistics at every 4th layer (1: every layer)
+    stream_kv: bool = True  # read chunk-caches layer by layer while the prefill runs (false: whole, first)
     gpu_budget_bytes: int = 2 * 2**30
     cpu_budget_bytes: int = 4 * 2**30
     disk_budget_bytes: int = 50 * 2**30
@@ -229,6 +242,8 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
             return int(value)
         if kind == "float":
             return float(value)
+        if kind == "bool":
+            return _parse_bool(value)
         return str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{f.name}: cannot read {value!r} as {kind}") from None

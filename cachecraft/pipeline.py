@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -26,6 +27,7 @@ import torch
 from cachecraft.catalog import MISS, RequestChunk, RequestRecord, question_hash
 from cachecraft.config import Config
 from cachecraft.engine import DeviationCheck, Segment, blended_prefill, generate_from, sampled_layers
+from cachecraft.engine.blend import LayerSource
 from cachecraft.kv import ChunkKV, chunk_key, variant_key
 from cachecraft.methods import (MethodSpec, place_plan_tokens, prefix_segments, remember_prefix,
                                 select_question_guided, static_recompute, variant_info)
@@ -39,7 +41,7 @@ from cachecraft.retrieval.chunking import Chunker
 from cachecraft.retrieval.corpus import Corpus, IngestReport
 from cachecraft.retrieval.documents import DocumentError, read_documents
 from cachecraft.retrieval.snapshot import CorpusError
-from cachecraft.store import CorruptEntryError, TieredStore
+from cachecraft.store import CorruptEntryError, LayerReader, LayerStream, TieredStore
 from cachecraft import warm_context
 
 log = logging.getLogger(__name__)
@@ -165,12 +167,20 @@ class Pipeline:
         prefix_key = chunk_key(self.lm.fingerprint, pieces.prefix)
         keys = [chunk_key(self.lm.fingerprint, ids) for ids in pieces.chunks]
         self._note_sources(keys, sources)
-        segments, plan, used, tiers, check = self._prepare(spec, pieces, prefix_key, keys)
-        stops: dict[int, int] = {}
-        observe, callback = self._early_stop(spec, segments, stops)
-        result = blended_prefill(self.lm.adapter, segments, deviation_check=check, fingerprint=self.lm.fingerprint,
-                                 observe_layers=observe, on_question_attention=callback,
-                                 stats_layers=self.stats_layers)
+        for attempt in range(len(keys) + 1):  # each damaged entry found is removed before the next try
+            try:
+                with ExitStack() as loading:  # chunk-caches stream in while the layers compute
+                    segments, plan, used, tiers, check = self._prepare(spec, pieces, prefix_key, keys, loading)
+                    stops: dict[int, int] = {}
+                    observe, callback = self._early_stop(spec, segments, stops)
+                    result = blended_prefill(self.lm.adapter, segments, deviation_check=check,
+                                             fingerprint=self.lm.fingerprint, observe_layers=observe,
+                                             on_question_attention=callback, stats_layers=self.stats_layers)
+                break
+            except CorruptEntryError as exc:
+                if attempt == len(keys):
+                    raise
+                log.warning("%s; answering again without it", exc)
         int(result.logits.argmax())  # the first token is decided here
         ttft = time.perf_counter() - start
         if spec.name == "full":
@@ -289,8 +299,10 @@ class Pipeline:
         self.close()
 
     # -- planning and loading ----------------------------------------------------------------
-    def _prepare(self, spec: MethodSpec, pieces: PromptPieces, prefix_key: str, keys: list[str]):
-        """Segments for ``spec``, the policy plan (cachecraft only) and the tier each chunk came from."""
+    def _prepare(self, spec: MethodSpec, pieces: PromptPieces, prefix_key: str, keys: list[str],
+                 loading: ExitStack):
+        """Segments for ``spec``, the policy plan (cachecraft only) and the tier each chunk came
+        from. The chunk-caches are streamed in by a :class:`LayerStream` that ``loading`` closes."""
         tiers: list[str] = [MISS] * len(keys)
         used: list[str | None] = [None] * len(keys)
         if spec.name == "full":  # the baseline: one plain prefill, nothing gathered or kept
@@ -308,12 +320,18 @@ class Pipeline:
             wanted = [p.variant for p in plan.chunks]
         else:  # independent caches: any stored variant, the one made alone first
             wanted = [self._any_variant(key, prefix_key) for key in keys]
-        kvs: list[ChunkKV | None] = []
-        for i, name in enumerate(wanted):
-            kv, tier = self._load(name)
-            kvs.append(kv)
-            tiers[i] = tier
-            used[i] = name if kv is not None else None
+        kvs: list[LayerSource | None] = []
+        if self.config.stream_kv:
+            readers = [self._open(name) for name in wanted]
+            stream = loading.enter_context(LayerStream([r for r in readers if r is not None]))
+            streamed = iter(stream.kvs)
+            kvs = [next(streamed) if r is not None else None for r in readers]
+            tiers = [kv.tier if kv is not None else MISS for kv in kvs]
+        else:  # each variant read whole, in the compute dtype, before the prefill starts
+            for i, name in enumerate(wanted):
+                kv, tiers[i] = self._load(name)
+                kvs.append(kv)
+        used = [name if kv is not None else None for name, kv in zip(wanted, kvs)]
         if plan is not None:  # found but computed in full by choice: still a hit, at fraction 1.0
             for i, (chosen, final) in enumerate(zip(planned.chunks, plan.chunks)):
                 tier = self.store.locate(chosen.variant) if final.variant is None and chosen.variant else None
@@ -433,6 +451,12 @@ class Pipeline:
         except CorruptEntryError:
             kv = None
         return (kv, tier or MISS) if kv is not None else (None, MISS)
+
+    def _open(self, name: str | None) -> LayerReader | None:
+        """A layer-by-layer reader of the variant ``name`` in the stored dtype, or None on a miss."""
+        if name is None:
+            return None
+        return self.store.iter_layers(name, device=self.lm.device, fingerprint=self.lm.fingerprint)
 
     def _any_variant(self, key: str, prefix_key: str) -> str | None:
         """An independent variant: the one :meth:`warm` makes, else one made alone, else any."""

@@ -55,3 +55,17 @@ def same_kv(got: ChunkKV, want: ChunkKV, dtype: torch.dtype) -> bool:
 def config(cache_dir: Path, **overrides) -> Config:
     """A config on a temporary cache directory."""
     return Config(cache_dir=Path(cache_dir), **overrides)
+
+
+def disk_blob_files(store) -> dict:
+    """Blob id -> path of every file in ``store``'s disk tier."""
+    disk = store._disk()
+    return {b.blob_id: disk.path_of(b.filename) for b in disk.listing().values()}
+
+
+def flip_byte(path: Path, offset_from_end: int | None = None, offset: int | None = None) -> None:
+    """Damage one byte of ``path`` in place (at ``offset``, or ``offset_from_end`` from its end)."""
+    data = bytearray(path.read_bytes())
+    i = offset if offset is not None else len(data) - offset_from_end
+    data[i] ^= 0x40
+    path.write_bytes(bytes(data))

@@ -35,7 +35,8 @@ def test_unknown_keys_list_the_known_ones(tmp_path):
 @pytest.mark.parametrize("key,value", [("device", "tpu"), ("cacheblend_ratio", 1.5), ("max_new_tokens", 0),
                                        ("cpu_budget_bytes", 0), ("disk_budget_bytes", "-5MB"),
                                        ("check_layer", "one"), ("eviction", "random"), ("chunk_tokens", 8),
-                                       ("chunk_overlap", 200), ("top_k", 0), ("embedder", " ")])
+                                       ("chunk_overlap", 200), ("top_k", 0), ("embedder", " "),
+                                       ("stream_kv", "sometimes")])
 def test_bad_values_are_rejected_with_the_key_named(key, value):
     with pytest.raises(ConfigError, match=key.split("_")[0]):
         Config.from_mapping({key: value})
@@ -114,3 +115,14 @@ def test_a_result_command_carries_the_settings_that_differ_from_the_defaults(tmp
     environ = dict(word.split("=", 1) for word in shlex.split(line) if word.startswith("CACHECRAFT_"))
     assert Config.load(environ=environ).settings_changed() == config.settings_changed()  # the line reproduces it
     assert Config.load(overrides={"cache_dir": tmp_path}, environ={}).settings_changed() == {}
+
+
+def test_stream_kv_reads_booleans_from_toml_and_words_from_the_environment(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("stream_kv = false\n")
+    assert Config().stream_kv is True
+    assert Config.load(path, environ={}).stream_kv is False
+    for word, value in [("0", False), ("No", False), ("off", False), ("TRUE", True), ("yes", True)]:
+        assert Config.load(environ={"CACHECRAFT_STREAM_KV": word}).stream_kv is value
+    off = Config.load(environ={"CACHECRAFT_STREAM_KV": "false"})
+    assert off.settings_changed() == {"stream_kv": False}

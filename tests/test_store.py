@@ -20,7 +20,7 @@ from cachecraft.store import (CacheDirError, CorruptEntryError, DiskFullError, S
 from cachecraft.store.codec import encode
 from cachecraft.store.tiers import entry_nbytes
 
-from tests.store_helpers import bits_equal, config, make_kv, same_kv
+from tests.store_helpers import bits_equal, config, disk_blob_files, flip_byte, make_kv, same_kv
 
 gpu = pytest.mark.gpu
 
@@ -49,11 +49,6 @@ def store_factory(cache_dir):
     yield make
     for s in opened:
         s.close(persist=False)
-
-
-def disk_blob_files(store):
-    disk = store._disk()
-    return {b.blob_id: disk.path_of(b.filename) for b in disk.listing().values()}
 
 
 # ---------------------------------------------------------------- round trips
@@ -284,19 +279,12 @@ def test_randomized_budgets_hold_and_only_the_last_tier_drops(store_factory, pol
 # ---------------------------------------------------------------- integrity
 
 
-def _flip_byte(path, offset_from_end: int | None = None, offset: int | None = None) -> None:
-    data = bytearray(path.read_bytes())
-    i = offset if offset is not None else len(data) - offset_from_end
-    data[i] ^= 0x40
-    path.write_bytes(bytes(data))
-
-
 def test_damaged_blob_is_dropped_and_counted_as_a_miss(store_factory):
     store = store_factory(tiers=("disk",))
     kv = make_kv(40)
     store.put(kv)
     (path,) = disk_blob_files(store).values()
-    _flip_byte(path, offset_from_end=3)
+    flip_byte(path, offset_from_end=3)
     assert store.get(kv.variant) is None
     assert store.counters.corrupt == 1 and store.counters.misses == 1
     assert store.locate(kv.variant) is None and disk_blob_files(store) == {}
@@ -309,7 +297,7 @@ def test_damaged_header_is_never_served(store_factory):
     kv = make_kv(41)
     store.put(kv)
     (path,) = disk_blob_files(store).values()
-    _flip_byte(path, offset=20)  # inside the JSON header
+    flip_byte(path, offset=20)  # inside the JSON header
     assert store.iter_layers(kv.variant) is None
     assert store.counters.corrupt == 1 and store.locate(kv.variant) is None
 
@@ -319,7 +307,7 @@ def test_damaged_layer_raises_while_streaming_and_earlier_layers_were_sound(stor
     kv = make_kv(42, layers=4, stats=False)
     store.put(kv)
     (path,) = disk_blob_files(store).values()
-    _flip_byte(path, offset_from_end=2)  # the last tensor written: a late layer
+    flip_byte(path, offset_from_end=2)  # the last tensor written: a late layer
     reader = store.iter_layers(kv.variant, promote=False)
     seen = []
     with pytest.raises(CorruptEntryError, match="recompute"):
@@ -521,7 +509,7 @@ def test_damaged_statistics_are_caught_when_the_entry_is_opened(store_factory):
     data = path.read_bytes()
     n = struct.unpack("<Q", data[:8])[0]
     start, _ = json.loads(data[8:8 + n])["stats.intra"]["data_offsets"]
-    _flip_byte(path, offset=8 + n + start)
+    flip_byte(path, offset=8 + n + start)
     assert store.stats_of(kv.variant) is None
     assert store.iter_layers(kv.variant) is None  # never a reader over damaged bytes
     assert store.counters.corrupt == 1 and store.locate(kv.variant) is None

@@ -15,6 +15,7 @@ import gc
 import logging
 import statistics
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -29,7 +30,7 @@ from cachecraft.metrics import best_f1, exact_match, first_line, kl_divergence, 
 from cachecraft.model.loader import LoadedModel
 from cachecraft.kv import ChunkKV, chunk_key
 from cachecraft.prefix_cache import PrefixCache
-from cachecraft.store import TieredStore
+from cachecraft.store import LayerStream, TieredStore
 from cachecraft.prompt import PromptBuilder
 from cachecraft.warm_context import token_ids
 
@@ -51,20 +52,22 @@ class MethodRun:
 
 def run_method(lm: LoadedModel, spec: MethodSpec, pieces, prefix_kv, chunk_kvs,
                max_new_tokens: int, prefix_cache: PrefixCache | None = None,
-               load: Callable[[Sequence], list] | None = None) -> MethodRun:
+               load: Callable[[Sequence, ExitStack], list] | None = None) -> MethodRun:
     """Prefill ``pieces`` with ``spec``, time the first token, then decode greedily.
-    ``load`` turns ``chunk_kvs`` (handles) into ChunkKVs inside the timed region."""
+    ``load`` turns ``chunk_kvs`` (handles) into cached KV inside the timed region; what it
+    opens, it registers with the ExitStack it is given, closed once the prefill is done."""
     gc.collect()
     with PeakRSS() as mem:
         start = time.perf_counter()
-        if load is not None and spec.uses_cache:
-            prefix_kv, *chunk_kvs = load([prefix_kv, *chunk_kvs])
-        segments, check = build_segments(spec, pieces, prefix_kv, chunk_kvs, lm.adapter,
-                                         prefix_cache=prefix_cache)
-        result = blended_prefill(lm.adapter, segments, deviation_check=check,
-                                 fingerprint=lm.fingerprint)
-        int(result.logits.argmax())
-        ttft = time.perf_counter() - start
+        with ExitStack() as loading:
+            if load is not None and spec.uses_cache:
+                prefix_kv, *chunk_kvs = load([prefix_kv, *chunk_kvs], loading)
+            segments, check = build_segments(spec, pieces, prefix_kv, chunk_kvs, lm.adapter,
+                                             prefix_cache=prefix_cache)
+            result = blended_prefill(lm.adapter, segments, deviation_check=check,
+                                     fingerprint=lm.fingerprint)
+            int(result.logits.argmax())
+            ttft = time.perf_counter() - start
     kv_mb = sum(k.numel() * k.element_size() * 2 for k in result.keys) / 2**20
     if spec.name == "prefix" and prefix_cache is not None:
         remember_prefix(prefix_cache, lm.adapter, result)
@@ -86,10 +89,15 @@ def warm_chunks(lm: LoadedModel, pieces, prefix_kv, kv_dtype: torch.dtype, conte
             for ids, key in zip(pieces.chunks, keys)]
 
 
-def _load_all(store: TieredStore, lm: LoadedModel, kvs: Sequence[ChunkKV]) -> list[ChunkKV]:
-    loaded = [store.get(kv.variant, dtype=lm.dtype, device=lm.device, fingerprint=lm.fingerprint) for kv in kvs]
+def _load_all(store: TieredStore, lm: LoadedModel, kvs: Sequence[ChunkKV], loading: ExitStack) -> list:
+    """The stored variants of ``kvs``, loaded as the pipeline does: streamed in layer by layer,
+    or (``stream_kv`` off) read whole in the compute dtype."""
+    if store.config.stream_kv:
+        loaded = [store.iter_layers(kv.variant, device=lm.device, fingerprint=lm.fingerprint) for kv in kvs]
+    else:
+        loaded = [store.get(kv.variant, dtype=lm.dtype, device=lm.device, fingerprint=lm.fingerprint) for kv in kvs]
     assert all(x is not None for x in loaded), "a chunk-cache went missing from the store during the benchmark"
-    return loaded
+    return loading.enter_context(LayerStream(loaded)).kvs if store.config.stream_kv else loaded
 
 
 def aggregate(rows: list[dict], label: str) -> dict:

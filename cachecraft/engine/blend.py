@@ -359,8 +359,8 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
         for seg, (lo, hi) in zip(segments, bounds):
             if seg.cached is not None:
                 ck, cv = seg.cached.layer(layer)
-                keys[:, lo:hi] = ck.to(device=device, dtype=dtype)
-                values[:, lo:hi] = cv.to(device=device, dtype=dtype)
+                keys[:, lo:hi] = ck  # converted to the compute dtype and device in the copy
+                values[:, lo:hi] = cv
         keep = None
         if deviation_check is not None and layer == deviation_check.layer:
             candidates = (fixable & ~forced & ~must)[active]

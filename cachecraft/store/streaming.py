@@ -1,0 +1,147 @@
+"""A request's chunk-caches read layer by layer on a background thread, so loading overlaps compute.
+
+The engine consumes cached KV in layer order: layer 0 of every cached segment, then
+layer 1, and so on. :class:`LayerStream` takes the :class:`LayerReader` of every
+variant a request uses and reads them in that same order on one thread, so while the
+engine computes layer l, layer l+1 is being read (from disk: read and verified). A disk
+variant read to the end is then promoted to a memory tier, as a whole read would. Each
+variant reaches the engine as a :class:`StreamedKV`, whose ``layer(i)`` returns as
+soon as that layer has arrived.
+
+    stream = LayerStream([store.iter_layers(key) for key in keys])
+    try:
+        result = blended_prefill(adapter, segments_using(stream.kvs))
+    finally:
+        stream.close()
+
+A layer that fails its checksum makes that variant's ``layer(i)`` raise
+:class:`CorruptEntryError` (the store has already removed the entry); the other
+variants keep streaming. Layers are handed out in the reader's dtype (stored dtype
+unless asked otherwise); the engine converts them while copying them into place.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterator, Sequence
+
+import torch
+
+from cachecraft.kv import AttentionStats, variant_key
+from cachecraft.store.readers import LayerReader
+
+
+class StreamedKV:
+    """One stored variant as the engine sees it: metadata now, layers as they arrive."""
+
+    def __init__(self, reader: LayerReader, stream: "LayerStream") -> None:
+        self.tier, self.key = reader.tier, reader.key
+        self.token_ids: tuple[int, ...] = tuple(reader.token_ids)
+        self.fingerprint: str = reader.fingerprint
+        self.prefix: tuple[str, ...] = tuple(reader.prefix)
+        self.stats: AttentionStats | None = reader.stats
+        self.chunk: str = reader.chunk
+        self.num_layers: int = reader.num_layers
+        self._stream = stream
+        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._error: BaseException | None = None
+        self._finished = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def variant(self) -> str:
+        """Key of this variant (chunk + ordered prefix)."""
+        return variant_key(self.chunk, self.prefix)
+
+    @property
+    def layers_read(self) -> int:
+        """How many layers have arrived so far."""
+        return len(self._layers)
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K (pre-RoPE) and V of one layer, ``[H_kv, T, D]`` each; waits until it is read."""
+        if not 0 <= index < self.num_layers:
+            raise IndexError(f"layer {index} of a variant with {self.num_layers} layers")
+        with self._stream.arrived:
+            self._stream.arrived.wait_for(lambda: len(self._layers) > index or self._error is not None
+                                          or self._finished)
+            if len(self._layers) > index:
+                return self._layers[index]
+            if self._error is not None:
+                raise self._error
+        raise RuntimeError(f"the stream of {self.key} ended after {len(self._layers)} of "
+                           f"{self.num_layers} layers")
+
+
+class LayerStream:
+    """Reads several variants layer-major on one daemon thread; see the module doc."""
+
+    def __init__(self, readers: Sequence[LayerReader]) -> None:
+        self._readers = list(readers)
+        self.arrived = threading.Condition()
+        self.kvs = [StreamedKV(reader, self) for reader in self._readers]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, name="cachecraft-kv-stream", daemon=True)
+        if self._readers:
+            self._thread.start()
+
+    def _read(self) -> None:
+        iterators: list[Iterator[tuple[torch.Tensor, torch.Tensor]] | None] = []
+        for reader, kv in zip(self._readers, self.kvs):
+            iterators.append(self._guarded(kv, lambda: iter(reader)))
+        for layer in range(max((kv.num_layers for kv in self.kvs), default=0)):
+            if self._stop.is_set():
+                break
+            for i, (it, kv) in enumerate(zip(iterators, self.kvs)):
+                if it is None or layer >= kv.num_layers:
+                    continue
+                pair = self._guarded(kv, lambda: next(it))
+                if pair is None:
+                    iterators[i] = None
+                    continue
+                with self.arrived:
+                    kv._layers.append(pair)
+                    self.arrived.notify_all()
+        else:
+            for it, kv in zip(iterators, self.kvs):
+                if it is not None:  # run the reader past its last layer (a disk reader then promotes)
+                    self._guarded(kv, lambda: next(it, None))
+        for kv in self.kvs:
+            self._finish(kv)
+        for reader in self._readers:
+            reader.close()
+
+    def _guarded(self, kv: StreamedKV, step):
+        """``step()``, or None after recording its exception against ``kv`` (then finished)."""
+        try:
+            return step()
+        except StopIteration:  # fewer layers than announced: layer() reports it
+            self._finish(kv)
+            return None
+        except BaseException as exc:  # handed to the engine's thread by kv.layer()
+            with self.arrived:
+                kv._error = exc
+            self._finish(kv)
+            return None
+
+    def _finish(self, kv: StreamedKV) -> None:
+        with self.arrived:
+            kv._finished = True
+            self.arrived.notify_all()
+
+    def close(self) -> None:
+        """Stop reading (layers not read yet never arrive) and wait for the thread to release
+        the readers. Called after a prefill that used every layer, it only waits for a disk
+        variant's promotion to finish."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def __enter__(self) -> "LayerStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
