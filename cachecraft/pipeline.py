@@ -302,7 +302,8 @@ class Pipeline:
     def _prepare(self, spec: MethodSpec, pieces: PromptPieces, prefix_key: str, keys: list[str],
                  loading: ExitStack):
         """Segments for ``spec``, the policy plan (cachecraft only) and the tier each chunk came
-        from. The chunk-caches are streamed in by a :class:`LayerStream` that ``loading`` closes."""
+        from. With ``stream_kv`` the chunk-caches stream in through a :class:`LayerStream`
+        that ``loading`` closes; without it they are read whole here."""
         tiers: list[str] = [MISS] * len(keys)
         used: list[str | None] = [None] * len(keys)
         if spec.name == "full":  # the baseline: one plain prefill, nothing gathered or kept

@@ -126,3 +126,6 @@ def test_stream_kv_reads_booleans_from_toml_and_words_from_the_environment(tmp_p
         assert Config.load(environ={"CACHECRAFT_STREAM_KV": word}).stream_kv is value
     off = Config.load(environ={"CACHECRAFT_STREAM_KV": "false"})
     assert off.settings_changed() == {"stream_kv": False}
+    from cachecraft.bench.common import with_settings
+
+    assert with_settings("cachecraft bench scaling", off) == "CACHECRAFT_STREAM_KV=false cachecraft bench scaling"

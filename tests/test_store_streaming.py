@@ -33,6 +33,8 @@ def test_memory_tier_layers_arrive_bit_for_bit_with_the_variant_metadata(store):
         for layer in range(3):
             k, v = got.layer(layer)
             assert bits_equal(k, kv.keys[layer].half()) and bits_equal(v, kv.values[layer].half())
+        stored = store._memory_tiers()[0].get(kv.variant).kv  # handed over as held, not copied
+        assert got.layer(2)[1].data_ptr() == stored.values[2].data_ptr() and got.layers_read == 3
 
 
 def test_disk_layers_stream_in_and_the_entry_is_promoted_when_read_to_the_end(cache_dir):
@@ -42,7 +44,7 @@ def test_disk_layers_stream_in_and_the_entry_is_promoted_when_read_to_the_end(ca
             writer.put(kv)
     with TieredStore(config(cache_dir), tiers=("cpu", "disk")) as store:
         readers = [store.iter_layers(kv.variant) for kv in kvs]
-        assert [r.tier for r in readers] == ["disk"] * 3
+        assert [r.tier for r in readers] == ["disk"] * 3 and all(r.held() is None for r in readers)
         stream = LayerStream(readers)
         for layer in reversed(range(4)):  # any order of asking works
             for got, kv in zip(stream.kvs, kvs):

@@ -83,7 +83,8 @@ def machine() -> dict[str, Any]:
 def with_settings(command: str, config: Config) -> str:
     """``command`` preceded by the environment variables that give ``config``'s
     non-default settings, so that the line alone reproduces a result."""
-    env = [f"{ENV_PREFIX}{name.upper()}={shlex.quote(str(value))}"
+    text = lambda value: str(value).lower() if isinstance(value, bool) else str(value)  # noqa: E731
+    env = [f"{ENV_PREFIX}{name.upper()}={shlex.quote(text(value))}"
            for name, value in config.settings_changed().items()]
     return " ".join([*env, command])
 

@@ -49,6 +49,12 @@ class LayerReader:
         """Every layer, stacked into a ChunkKV (in the requested dtype and device)."""
         raise NotImplementedError
 
+    def held(self) -> ChunkKV | None:
+        """The stored variant itself, with no copy, when it already sits in memory on the
+        device asked for (in its stored dtype; shared with the store, so never to be
+        written to); None when its layers have to be read."""
+        return None
+
     def close(self) -> None:
         """Release what the reader holds."""
 
@@ -77,6 +83,11 @@ class MemoryLayerReader(LayerReader):
     def read_all(self) -> ChunkKV:
         return dataclasses.replace(self._kv, keys=copy_to(self._kv.keys, self._dtype, self._device),
                                    values=copy_to(self._kv.values, self._dtype, self._device))
+
+    def held(self) -> ChunkKV | None:
+        wanted, there = torch.device(self._device), self._kv.keys.device
+        same = wanted.type == there.type and (wanted.index is None or wanted.index == there.index)
+        return self._kv if same else None
 
 
 class DiskLayerReader(LayerReader):

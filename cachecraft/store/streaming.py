@@ -4,7 +4,9 @@ The engine consumes cached KV in layer order: layer 0 of every cached segment, t
 layer 1, and so on. :class:`LayerStream` takes the :class:`LayerReader` of every
 variant a request uses and reads them in that same order on one thread, so while the
 engine computes layer l, layer l+1 is being read (from disk: read and verified). A disk
-variant read to the end is then promoted to a memory tier, as a whole read would. Each
+variant read to the end is then promoted to a memory tier, as a whole read would. A
+variant already in memory on the compute device is not read at all: the engine gets its
+stored layers as they are (it only ever copies them into its own buffers). Each
 variant reaches the engine as a :class:`StreamedKV`, whose ``layer(i)`` returns as
 soon as that layer has arrived.
 
@@ -80,9 +82,18 @@ class LayerStream:
     """Reads several variants layer-major on one daemon thread; see the module doc."""
 
     def __init__(self, readers: Sequence[LayerReader]) -> None:
-        self._readers = list(readers)
         self.arrived = threading.Condition()
-        self.kvs = [StreamedKV(reader, self) for reader in self._readers]
+        self.kvs = [StreamedKV(reader, self) for reader in readers]
+        self._readers, self._streamed = [], []
+        for reader, kv in zip(readers, self.kvs):
+            held = reader.held()
+            if held is None:
+                self._readers.append(reader)
+                self._streamed.append(kv)
+            else:  # already in memory where compute runs: hand out its layers as they are, no copy
+                kv._layers = [held.layer(i) for i in range(held.num_layers)]
+                kv._finished = True
+                reader.close()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, name="cachecraft-kv-stream", daemon=True)
         if self._readers:
@@ -90,12 +101,12 @@ class LayerStream:
 
     def _read(self) -> None:
         iterators: list[Iterator[tuple[torch.Tensor, torch.Tensor]] | None] = []
-        for reader, kv in zip(self._readers, self.kvs):
+        for reader, kv in zip(self._readers, self._streamed):
             iterators.append(self._guarded(kv, lambda: iter(reader)))
-        for layer in range(max((kv.num_layers for kv in self.kvs), default=0)):
+        for layer in range(max((kv.num_layers for kv in self._streamed), default=0)):
             if self._stop.is_set():
                 break
-            for i, (it, kv) in enumerate(zip(iterators, self.kvs)):
+            for i, (it, kv) in enumerate(zip(iterators, self._streamed)):
                 if it is None or layer >= kv.num_layers:
                     continue
                 pair = self._guarded(kv, lambda: next(it))
@@ -106,10 +117,10 @@ class LayerStream:
                     kv._layers.append(pair)
                     self.arrived.notify_all()
         else:
-            for it, kv in zip(iterators, self.kvs):
+            for it, kv in zip(iterators, self._streamed):
                 if it is not None:  # run the reader past its last layer (a disk reader then promotes)
                     self._guarded(kv, lambda: next(it, None))
-        for kv in self.kvs:
+        for kv in self._streamed:
             self._finish(kv)
         for reader in self._readers:
             reader.close()
