@@ -305,6 +305,8 @@ def bench_scaling_cmd(
                               "request makes the chunk-caches and their statistics (a first question)."),
     revisit: bool = typer.Option(False, "--revisit", help="Also time cachecraft after an earlier question "
                                  "retrieved the same chunks in a shuffled order and kept their in-context caches."),
+    whole_read: bool = typer.Option(False, "--whole-read", help="Also time every cache-reusing method with its "
+                                    "chunk-caches read whole before the prefill, beside streaming them in."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
 ) -> None:
     """TTFT and peak memory against context length and number of chunks, per method,
@@ -330,7 +332,8 @@ def bench_scaling_cmd(
             result = run_scaling(lm, config, items, specs, contexts=context_list, chunk_counts=chunk_list,
                                  fixed_context=fixed_context, chunk_tokens=chunk_tokens, repeats=repeats,
                                  prefix_shared=prefix_shared, max_new_tokens=max_new_tokens, tier=tier,
-                                 cold=cold, revisit=revisit, on_step=lambda what, done, total: progress.update(
+                                 cold=cold, revisit=revisit, whole_read=whole_read,
+                                 on_step=lambda what, done, total: progress.update(
                                      task, description=what, completed=done, total=total))
         except ValueError as exc:
             raise UserError(str(exc)) from None
@@ -387,6 +390,8 @@ def bench_report_cmd(
     scaling: Path = typer.Option(Path("benchmarks/results/scaling.json"), help="`bench scaling` result."),
     revisit: Path = typer.Option(Path("benchmarks/results/scaling_8k_revisit.json"),
                                  help="`bench scaling --revisit` result: chunks an earlier request saw, shuffled."),
+    loading: Path = typer.Option(Path("benchmarks/results/scaling_8k_disk.json"),
+                                 help="`bench scaling --whole-read` result: chunk-caches streamed in, or read whole."),
     gpu_json: Optional[Path] = typer.Option(None, help="A result measured on a GPU, for the GPU section."),
     run: bool = typer.Option(False, "--run", help="Run the missing benchmarks first (long: see the report's "
                                                   "commands)."),
@@ -400,7 +405,7 @@ def bench_report_cmd(
     from cachecraft.bench.runs import RUNS
 
     sources = {"quality": quality, "workload": workload, "eviction": eviction, "replay": replay, "scaling": scaling,
-               "revisit": revisit}
+               "revisit": revisit, "loading": loading}
     missing = [name for name, path in sources.items() if not path.is_file()]
     if run and missing:
         config = load_config(ctx)

@@ -219,3 +219,28 @@ def test_a_revisit_run_gets_its_section_plot_and_losses(tmp_path):
     assert "shuffled, the goal is not met either" not in text
     image = tmp_path / "r" / "revisit.png"
     assert image.read_bytes()[:8] == PNG_MAGIC and "](revisit.png)" in text
+
+
+def test_a_whole_read_run_gets_its_loading_section_and_losses(tmp_path):
+    def row(method, ttft, rss):
+        return {"sweep": "context", "method": method, "target_tokens": 7900, "context_tokens": 7912, "n_chunks": 15,
+                "ttft_s": ttft, "speedup_vs_full": 28.0 / ttft, "agreement_f1": 0.8, "kl": 0.1,
+                "recompute_fraction": 0.02, "peak_rss_mb": rss}
+    rows = [row("full", 28.0, 1900.0), row("reuse", 0.8, 1700.0), row("cachecraft@0.08", 2.2, 1800.0),
+            row("reuse whole-read", 1.0, 2100.0), row("cachecraft@0.08 whole-read", 2.0, 2050.0)]
+    loading = {"date": "2026-11-21T00:00:00+00:00", "machine": MACHINE, "benchmark": "scaling",
+               "command": "cachecraft bench scaling --tier disk --whole-read --out l.json", "model": "smollm2",
+               "dataset": "d.json", "scaling": rows, "requests": [], "summary": {},
+               "setup": {"tier": "disk", "whole_read": "the same caches read whole first"}}
+    path = tmp_path / "loading.json"
+    path.write_text(json.dumps(loading))
+    text = write_report(tmp_path / "r", {"loading": path}).read_text()
+    assert "## Loading: streamed in during the prefill, or read whole first" in text and loading["command"] in text
+    assert "- setup, tier: disk" in text
+    assert "| reuse | 7912 | 1.00 | 0.80 | -20% | 2100 | 1700 | 0.800 / 0.800 |" in text
+    assert "| cachecraft@0.08 | 7912 | 2.00 | 2.20 | +10% | 2050 | 1800 | 0.800 / 0.800 |" in text
+    assert ("Loading: streaming `cachecraft@0.08`'s chunk-caches in during the prefill is slower than reading "
+            "them whole first at 7912 tokens (2.20 s vs 2.00 s).") in text
+    assert "Loading: streaming `reuse`" not in text
+    missing = write_report(tmp_path / "m", {"loading": tmp_path / "none.json"}).read_text()
+    assert "--tier disk --methods full,reuse,cachecraft --whole-read --out" in missing

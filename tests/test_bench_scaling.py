@@ -140,6 +140,27 @@ def test_default_revisit_run_takes_its_defaults_and_writes_its_command(dataset, 
     assert any(r["method"].endswith("revisit") for r in data["scaling"])
 
 
+def test_whole_read_rows_time_the_same_caches_read_whole_with_the_same_answers(dataset, tmp_path, cache_dir):
+    from cachecraft.bench.runs import run_loading_default
+
+    cache_dir.mkdir(parents=True)
+    config = Config.load(overrides={"cache_dir": cache_dir}, environ={})
+    out = run_loading_default(tiny_model("qwen3"), config, dataset, tmp_path / "l.json", contexts=100,
+                              chunk_tokens=40, repeats=1, max_new_tokens=3)
+    data = json.loads(out.read_text())
+    assert "--tier disk --methods full,reuse,cachecraft --whole-read --out" in data["command"]
+    assert data["setup"]["tier"] == "disk" and "read whole" in data["setup"]["whole_read"]
+    rows = {r["method"]: r for r in data["requests"]}
+    craft = f"cachecraft@{PolicyParams().alpha:g}"
+    assert set(rows) == {"full", "reuse", craft, "reuse whole-read", f"{craft} whole-read"}
+    for method in ("reuse", craft):
+        streamed, whole = rows[method], rows[f"{method} whole-read"]
+        assert streamed["answer"] == whole["answer"] and streamed["kl"] == whole["kl"]
+        assert streamed["recompute_fraction"] == whole["recompute_fraction"]
+        assert streamed["cached_chunks"] == whole["cached_chunks"] > 0
+    assert data["summary"]["method"] == craft  # the goal is read off the default (streamed) rows
+
+
 def test_shuffled_order_moves_the_first_chunk():
     for n in (2, 3, 4, 15):
         chunks = [f"c{i}" for i in range(n)]

@@ -182,3 +182,23 @@ def scaling_losses(data: dict | None, what: str = "Scaling") -> list[str]:
         lines.append(f"{what}: with the chunks seen before, shuffled, the goal is not met either: `{again['method']}` "
                      f"is {again['speedup']:.1f}x at agreement {again['agreement_f1']:.3f}.")
     return lines
+
+
+def loading_pairs(data: dict | None) -> list[tuple[dict, dict]]:
+    """(streamed row, whole-read row) of each method a ``bench scaling --whole-read`` result
+    timed both ways, at each point."""
+    from cachecraft.bench.scaling import WHOLE
+
+    rows = (data or {}).get("scaling") or []
+    by_key = {(r["sweep"], r["target_tokens"], r["n_chunks"], r["method"]): r for r in rows}
+    return [(by_key[(sweep, target, n, method[:-len(WHOLE)])], r)
+            for (sweep, target, n, method), r in by_key.items()
+            if method.endswith(WHOLE) and (sweep, target, n, method[:-len(WHOLE)]) in by_key]
+
+
+def loading_losses(data: dict | None) -> list[str]:
+    """Methods whose chunk-caches streamed in reach the first token later than read whole first."""
+    return [f"Loading: streaming `{streamed['method']}`'s chunk-caches in during the prefill is slower than "
+            f"reading them whole first at {streamed['context_tokens']} tokens ({streamed['ttft_s']:.2f} s vs "
+            f"{whole['ttft_s']:.2f} s)." for streamed, whole in loading_pairs(data)
+            if streamed["ttft_s"] > whole["ttft_s"]]

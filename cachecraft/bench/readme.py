@@ -111,8 +111,8 @@ RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
              "workload": workload_table, "workload_eviction": workload_table, "store": store_table,
              "eviction_replay": eviction_table, "scaling_8k_revisit": revisit_table,
              **{name: scaling_table
-                for name in ("scaling", "scaling_8k", "scaling_8k_warm", "scaling_8k_disk", "scaling_8k_disk_whole",
-                             "scaling_cold", "scaling_prefix")}}
+                for name in ("scaling", "scaling_8k", "scaling_8k_warm", "scaling_8k_disk", "scaling_cold",
+                             "scaling_prefix")}}
 
 
 def update(readme: Path, results: Path) -> list[str]:

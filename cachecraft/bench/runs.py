@@ -23,6 +23,7 @@ QUALITY_METHODS = ("full,prefix,reuse,cacheblend@0.05,cacheblend@0.15,cacheblend
 WORKLOAD_METHODS = "full,prefix,reuse,cacheblend,cachecraft"
 EVICTIONS = ("lru", "lfu", "pgdsf", "cachecraft")
 REVISIT_METHODS = "full,prefix,reuse,cachecraft"
+LOADING_METHODS = "full,reuse,cachecraft"
 COMMANDS = {
     "quality": f"cachecraft bench quality --dataset {{dataset}} --limit {{limit}} --methods {QUALITY_METHODS} "
                "--out {out}",
@@ -36,6 +37,9 @@ COMMANDS = {
     "revisit": "cachecraft bench scaling --dataset {dataset} --contexts {contexts} --chunks '' --repeats {repeats} "
                "--chunk-tokens {chunk_tokens} --max-new-tokens {max_new_tokens} "
                f"--methods {REVISIT_METHODS} --revisit --out {{out}}",
+    "loading": "cachecraft bench scaling --dataset {dataset} --contexts {contexts} --chunks '' --repeats {repeats} "
+               "--chunk-tokens {chunk_tokens} --max-new-tokens {max_new_tokens} --tier {tier} "
+               f"--methods {LOADING_METHODS} --whole-read --out {{out}}",
 }
 Progress = Callable[[str], None]
 
@@ -43,7 +47,8 @@ Progress = Callable[[str], None]
 DEFAULTS = {"quality": {"limit": 10}, "workload": {"limit": 20, "requests": 40, "top_k": 5},
             "eviction": {"limit": 20, "requests": 40, "top_k": 3, "cpu_budget": "32MiB", "disk_budget": "128MiB"},
             "replay": {}, "scaling": {},
-            "revisit": {"contexts": 7900, "repeats": 6, "chunk_tokens": 512, "max_new_tokens": 32}}
+            "revisit": {"contexts": 7900, "repeats": 6, "chunk_tokens": 512, "max_new_tokens": 32},
+            "loading": {"contexts": 7900, "repeats": 6, "chunk_tokens": 512, "max_new_tokens": 32, "tier": "disk"}}
 SCALING_FLAGS = {"chunk_counts": "chunks"}
 
 
@@ -150,20 +155,37 @@ def run_revisit_default(lm: LoadedModel, config: Config, dataset: Path, out: Pat
     """``bench scaling --revisit`` at one long context: the methods after an earlier
     request saw the same chunks shuffled, next to caches made ahead. ``settings``
     override :data:`DEFAULTS` (``contexts``, ``repeats``, ``chunk_tokens``, ``max_new_tokens``)."""
+    return _run_long_context("revisit", REVISIT_METHODS, lm, config, dataset, out, on_progress, settings,
+                             revisit=True)
+
+
+def run_loading_default(lm: LoadedModel, config: Config, dataset: Path, out: Path,
+                        on_progress: Progress | None = None, **settings) -> Path:
+    """``bench scaling --whole-read`` at one long context from the disk tier: chunk-caches
+    streamed in during the prefill next to the same caches read whole before it.
+    ``settings`` override :data:`DEFAULTS` (as for the revisit run, plus ``tier``)."""
+    return _run_long_context("loading", LOADING_METHODS, lm, config, dataset, out, on_progress, settings,
+                             whole_read=True)
+
+
+def _run_long_context(name: str, methods: str, lm: LoadedModel, config: Config, dataset: Path, out: Path,
+                      on_progress: Progress | None, settings: dict, **flags) -> Path:
     from cachecraft.bench.scaling import run_scaling
     from cachecraft.dataset import load_items
     from cachecraft.methods import parse_methods
 
-    settings = {**DEFAULTS["revisit"], **settings}
-    specs = parse_methods(REVISIT_METHODS, config.cacheblend_ratio, config.policy_alpha)
+    settings = {**DEFAULTS[name], **settings}
+    specs = parse_methods(methods, config.cacheblend_ratio, config.policy_alpha)
+    extra = {"tier": settings["tier"]} if "tier" in settings else {}
     result = run_scaling(lm, config, load_items(dataset), specs, contexts=[settings["contexts"]], chunk_counts=[],
                          chunk_tokens=settings["chunk_tokens"], repeats=settings["repeats"],
-                         max_new_tokens=settings["max_new_tokens"], revisit=True,
-                         on_step=lambda what, done, total: on_progress and on_progress(f"revisit: {done}/{total} {what}"))
-    payload = {**_payload("revisit", lm, config, dataset, out, **settings), "benchmark": "scaling",
+                         max_new_tokens=settings["max_new_tokens"], **extra, **flags,
+                         on_step=lambda what, done, total: on_progress and on_progress(
+                             f"{name}: {done}/{total} {what}"))
+    payload = {**_payload(name, lm, config, dataset, out, **settings), "benchmark": "scaling",
                "kv_dtype": config.kv_dtype, **result}
     return write_result(out, payload)
 
 
 RUNS = {"quality": run_quality_default, "workload": run_workload_default, "replay": run_replay_default,
-        "scaling": run_scaling_default, "revisit": run_revisit_default}
+        "scaling": run_scaling_default, "revisit": run_revisit_default, "loading": run_loading_default}

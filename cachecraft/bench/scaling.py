@@ -18,7 +18,9 @@ chunks in another order (label ``... revisit``): that untimed request made each
 chunk's cache in its own context and kept it as a variant, as Cache-Craft does, so
 the timed request reuses caches made beside the same passages; ``prefix``, when
 asked for, gets the same history, which its cache cannot match past the system
-prompt. TTFT is
+prompt. With ``whole_read``, every method that reuses chunk-caches also answers with
+them read whole before the prefill (``stream_kv`` off; label ``... whole-read``), beside
+the default of streaming them in layer by layer. TTFT is
 ``Pipeline.answer``'s (store loading included); quality is agreement with ``full``'s
 answer (and first-token KL against it) on the same request.
 """
@@ -53,8 +55,9 @@ GOAL_SPEEDUP = 10.0
 GOAL_AGREEMENT = 0.95
 COLD = " cold"  # label suffix of a request answered with nothing cached
 REVISIT = " revisit"  # label suffix of a request whose chunks an earlier request saw, shuffled
+WHOLE = " whole-read"  # label suffix of a request whose chunk-caches were read whole before the prefill
 SHUFFLE_SEED = 0  # the earlier request's order in revisit rows
-SETTING_SUFFIX = {"warm": "", "cold": COLD, "revisit": REVISIT}
+SETTING_SUFFIX = {"warm": "", "cold": COLD, "revisit": REVISIT, "whole": WHOLE}
 EARLIER_QUESTION = "What is this text about?"
 
 
@@ -101,7 +104,7 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
                 contexts: Sequence[int] = DEFAULT_CONTEXTS, chunk_counts: Sequence[int] = DEFAULT_CHUNK_COUNTS,
                 fixed_context: int = 4000, chunk_tokens: int = 512, repeats: int = 2, prefix_shared: int = 1,
                 max_new_tokens: int = 32, tier: str = "cpu", cold: bool = False, revisit: bool = False,
-                on_step: Callable[[str, int, int], None] | None = None) -> dict:
+                whole_read: bool = False, on_step: Callable[[str, int, int], None] | None = None) -> dict:
     """Run both sweeps; returns ``{"scaling": [...], "requests": [...], "summary": {...}, "setup": {...}}``.
     ``on_step(description, done, total)`` is called after each timed request."""
     points = plan_points(contexts, chunk_counts, fixed_context=fixed_context, chunk_tokens=chunk_tokens)
@@ -119,6 +122,8 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
         order.append((craft, "cold"))
     if revisit:  # prefix caching on the same history, where any is asked for
         order += [(craft, "revisit")] + [(s, "revisit") for s in specs if s.name == "prefix"]
+    if whole_read:
+        order += [(s, "whole") for s in specs if s.uses_cache]
     builder = builder_for(lm.tokenizer, config)
     starts = [(r * len(items)) // repeats for r in range(repeats)]  # questions far apart in the file
     streams = [passage_stream(builder, items, s, longest) for s in starts]
@@ -151,6 +156,9 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
                         "method, nothing cached ahead) over the same chunks in a shuffled order "
                         f"(seed {SHUFFLE_SEED}); cachecraft kept each chunk's cache made in that context as a "
                         "variant, prefix caching its blocks" if revisit else None,
+             "whole_read": f"'{WHOLE.strip()}' rows: the same chunk-caches read whole, in the compute dtype, "
+                           "before the prefill (stream_kv off); the other rows stream them in layer by layer "
+                           "during it" if whole_read else None,
              "fresh_pipeline_per_request": True, "chunk_tokens": chunk_tokens, "fixed_context": fixed_context,
              "repeats": repeats, "prefix_shared": prefix_shared, "tier": tier, "max_new_tokens": max_new_tokens,
              "context_tokens": "whole prompt: system prefix, chunks and question",
@@ -198,7 +206,7 @@ class _Runner:
 
     def run(self, spec: MethodSpec, chunks: list[str], question: str, reference,
             setting: str = "warm") -> tuple[dict, object]:
-        """Time ``spec`` on one request (``setting``: warm, cold or revisit, see the module doc); its row
+        """Time ``spec`` on one request (``setting``: warm, cold, revisit or whole, see the module doc); its row
         (quality against ``reference``) and its answer."""
         if spec.name == "full":
             answer, mem, setup_s = self._plain_prefill(chunks, question)
@@ -248,7 +256,7 @@ class _Runner:
         from cachecraft.store import TieredStore
 
         scratch = Path(tempfile.mkdtemp(prefix=f"scaling-{spec.name}-", dir=self.config.cache_dir))
-        config = self.config.replace(cache_dir=scratch)
+        config = self.config.replace(cache_dir=scratch, **({"stream_kv": False} if setting == "whole" else {}))
         try:
             with TieredStore(config, tiers=(self.tier,)) as store:
                 pipeline = Pipeline(config, lm=self.lm, store=store)
@@ -258,7 +266,7 @@ class _Runner:
                 if setting == "revisit":
                     pipeline.answer(shuffled(chunks), EARLIER_QUESTION, method=spec.name, ratio=spec.ratio,
                                     max_new_tokens=1, record=False)
-                elif spec.uses_cache and setting == "warm":
+                elif spec.uses_cache and setting in ("warm", "whole"):
                     pipeline.warm(chunks)
                 elif spec.name == "prefix":
                     earlier = chunks[:self.prefix_shared] or ["An earlier, unrelated passage.\n\n"]
@@ -334,7 +342,7 @@ def summarize(table: Sequence[dict]) -> dict:
     top = max(r["target_tokens"] for r in context)
     at = {r["method"]: r for r in context if r["target_tokens"] == top}
     crafts = [label for label in at if label.split("@")[0] == "cachecraft"]
-    craft = next((label for label in crafts if not label.endswith((COLD, REVISIT))), None)
+    craft = next((label for label in crafts if not label.endswith((COLD, REVISIT, WHOLE))), None)
     revisit = next((label for label in crafts if label.endswith(REVISIT)), None)
     meets = lambda r: r["speedup_vs_full"] >= GOAL_SPEEDUP and r["agreement_f1"] >= GOAL_AGREEMENT  # noqa: E731
     summary = {"max_context_tokens": next(iter(at.values()))["context_tokens"],
