@@ -39,11 +39,11 @@ def test_check_model_on_a_local_directory(tiny_dir, cache_dir):
 def test_bench_quality_writes_results(tiny_dir, dataset, tmp_path, cache_dir):
     out = tmp_path / "q.json"
     result = runner.invoke(app, ["bench", "quality", "--dataset", str(dataset), "--limit", "2",
-                                 "--methods", "full,reuse,cacheblend@0.5", "--out", str(out),
+                                 "--methods", "full,reuse,cacheblend@0.5,cachecraft@0.5", "--out", str(out),
                                  "--model", str(tiny_dir), "--max-new-tokens", "4"])
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
-    assert set(data["methods"]) == {"full", "reuse", "cacheblend@0.5"}
+    assert set(data["methods"]) == {"full", "reuse", "cacheblend@0.5", "cachecraft@0.5"}
     full, blend = data["methods"]["full"], data["methods"]["cacheblend@0.5"]
     for key in ("ttft_s_median", "recompute_fraction_mean", "kl_mean", "agreement_f1_mean",
                 "exact_match_rate", "gold_f1_mean", "peak_rss_mb_max"):
@@ -51,8 +51,9 @@ def test_bench_quality_writes_results(tiny_dir, dataset, tmp_path, cache_dir):
     assert full["kl_mean"] == 0.0 and full["agreement_f1_mean"] == 1.0 and full["recompute_fraction_mean"] == 1.0
     assert data["methods"]["reuse"]["recompute_fraction_mean"] == 0.0
     assert 0.5 <= blend["recompute_fraction_mean"] < 0.6
-    assert len(data["items"]) == 6 and data["machine"]["cores"] >= 1
-    assert [r["item"] for r in data["items"]] == [0, 0, 0, 1, 1, 1]
+    assert 0 < data["methods"]["cachecraft@0.5"]["recompute_fraction_mean"] < 1  # planned from the stored statistics
+    assert len(data["items"]) == 8 and data["machine"]["cores"] >= 1
+    assert [r["item"] for r in data["items"]] == [0, 0, 0, 0, 1, 1, 1, 1]
     held_out = tmp_path / "held-out.json"
     result = runner.invoke(app, ["bench", "quality", "--dataset", str(dataset), "--skip", "1", "--methods", "full",
                                  "--out", str(held_out), "--model", str(tiny_dir), "--max-new-tokens", "2"])

@@ -21,13 +21,14 @@ def store(cache_dir):
 
 
 def test_memory_tier_layers_arrive_bit_for_bit_with_the_variant_metadata(store):
-    kv = make_kv(1, layers=3)
+    kv = make_kv(1, layers=3, prefix=("system", "other"))
     store.put(kv)
     reader = store.iter_layers(kv.variant)
     assert reader.tier == "cpu"
     with LayerStream([reader]) as stream:
         (got,) = stream.kvs
         assert got.variant == kv.variant and got.token_ids == kv.token_ids and got.prefix == kv.prefix
+        assert got.prefix_tokens == kv.prefix_tokens and got.fingerprint == kv.fingerprint
         assert got.num_tokens == 8 and got.num_layers == 3 and got.tier == "cpu"
         assert bits_equal(got.stats.outside, kv.stats.outside)
         for layer in range(3):
