@@ -190,6 +190,14 @@ def test_an_eviction_replay_gets_its_section_plot_and_losses(tmp_path):
     assert "at a 10% budget" not in text  # cachecraft ahead there
 
 
+def one_context_result(path, command: str, rows: list[dict], summary: dict, setup: dict):
+    """Write a one-context ``bench scaling`` result with these rows at ``path``."""
+    path.write_text(json.dumps({"date": "2026-11-21T00:00:00+00:00", "machine": MACHINE, "benchmark": "scaling",
+                                "command": command, "model": "smollm2", "dataset": "d.json", "scaling": rows,
+                                "requests": [], "summary": summary, "setup": setup}))
+    return path
+
+
 def test_a_revisit_run_gets_its_section_plot_and_losses(tmp_path):
     def row(method, ttft, kl, agreement, overlap):
         return {"sweep": "context", "method": method, "target_tokens": 7900, "context_tokens": 7912, "n_chunks": 15,
@@ -202,14 +210,11 @@ def test_a_revisit_run_gets_its_section_plot_and_losses(tmp_path):
                "agreement_at_max_context": 0.71, "goal": {"speedup": 10.0, "agreement_f1": 0.95, "met": False},
                "goal_revisit": {"method": "cachecraft@0.08 revisit", "speedup": 16.0, "agreement_f1": 0.96,
                                 "met": True}}
-    revisit = {"date": "2026-11-21T00:00:00+00:00", "machine": MACHINE, "benchmark": "scaling",
-               "command": "cachecraft bench scaling --contexts 7900 --revisit --out r.json", "model": "smollm2",
-               "dataset": "d.json", "scaling": rows, "requests": [], "summary": summary,
-               "setup": {"revisit": "one earlier request over the same chunks, shuffled"}}
-    path = tmp_path / "revisit.json"
-    path.write_text(json.dumps(revisit))
+    command = "cachecraft bench scaling --contexts 7900 --revisit --out r.json"
+    path = one_context_result(tmp_path / "revisit.json", command, rows, summary,
+                              {"revisit": "one earlier request over the same chunks, shuffled"})
     text = write_report(tmp_path / "r", {"revisit": path}).read_text()
-    assert "## Chunks seen before, in another order" in text and revisit["command"] in text
+    assert "## Chunks seen before, in another order" in text and command in text
     assert "| cachecraft@0.08 revisit | 7912 | 6 | 1.75 | 16.0x | 0.020 | 0.0350 | 0.960 | 0.41 |" in text
     assert "| reuse | 7912 | 6 | 0.80 | 35.0x | 0.020 | 0.1200 | 0.840 | - |" in text
     assert "`cachecraft@0.08 revisit` is **16.0x** faster than full prefill at agreement 0.960" in text
@@ -228,14 +233,11 @@ def test_a_whole_read_run_gets_its_loading_section_and_losses(tmp_path):
                 "recompute_fraction": 0.02, "peak_rss_mb": rss}
     rows = [row("full", 28.0, 1900.0), row("reuse", 0.8, 1700.0), row("cachecraft@0.08", 2.2, 1800.0),
             row("reuse whole-read", 1.0, 2100.0), row("cachecraft@0.08 whole-read", 2.0, 2050.0)]
-    loading = {"date": "2026-11-21T00:00:00+00:00", "machine": MACHINE, "benchmark": "scaling",
-               "command": "cachecraft bench scaling --tier disk --whole-read --out l.json", "model": "smollm2",
-               "dataset": "d.json", "scaling": rows, "requests": [], "summary": {},
-               "setup": {"tier": "disk", "whole_read": "the same caches read whole first"}}
-    path = tmp_path / "loading.json"
-    path.write_text(json.dumps(loading))
+    command = "cachecraft bench scaling --tier disk --whole-read --out l.json"
+    path = one_context_result(tmp_path / "loading.json", command, rows, {},
+                              {"tier": "disk", "whole_read": "the same caches read whole first"})
     text = write_report(tmp_path / "r", {"loading": path}).read_text()
-    assert "## Loading: streamed in during the prefill, or read whole first" in text and loading["command"] in text
+    assert "## Loading: streamed in during the prefill, or read whole first" in text and command in text
     assert "- setup, tier: disk" in text
     assert "| reuse | 7912 | 1.00 | 0.80 | -20% | 2100 | 1700 | 0.800 / 0.800 |" in text
     assert "| cachecraft@0.08 | 7912 | 2.00 | 2.20 | +10% | 2050 | 1800 | 0.800 / 0.800 |" in text

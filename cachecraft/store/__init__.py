@@ -17,6 +17,6 @@ from cachecraft.store.bench import run_store_benchmark
 __all__ = [
     "CacheDirError", "CorruptEntryError", "DiskFullError", "StoreBusyError", "StoreConfigError",
     "StoreError", "POLICIES", "CacheCraftPolicy", "EntryInfo", "EvictionPolicy", "LFUPolicy",
-    "LRUPolicy", "PGDSFPolicy", "make_policy", "LayerReader", "LayerStream", "StreamedKV", "StoreCounters", "TieredStore",
-    "TierState", "store_paths", "Problem", "VerifyReport", "verify", "run_store_benchmark",
+    "LRUPolicy", "PGDSFPolicy", "make_policy", "LayerReader", "LayerStream", "StreamedKV",
+    "StoreCounters", "TieredStore", "TierState", "store_paths", "Problem", "VerifyReport", "verify", "run_store_benchmark",
 ]
