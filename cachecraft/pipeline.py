@@ -170,7 +170,8 @@ class Pipeline:
         for attempt in range(len(keys) + 1):  # each damaged entry found is removed before the next try
             try:
                 with ExitStack() as loading:  # chunk-caches stream in while the layers compute
-                    segments, plan, used, tiers, check = self._prepare(spec, pieces, prefix_key, keys, loading)
+                    segments, plan, used, tiers, check = self._prepare(spec, pieces, prefix_key, keys, loading,
+                                                                        count_hits=attempt == 0)
                     stops: dict[int, int] = {}
                     observe, callback = self._early_stop(spec, segments, stops)
                     result = blended_prefill(self.lm.adapter, segments, deviation_check=check,
@@ -300,10 +301,11 @@ class Pipeline:
 
     # -- planning and loading ----------------------------------------------------------------
     def _prepare(self, spec: MethodSpec, pieces: PromptPieces, prefix_key: str, keys: list[str],
-                 loading: ExitStack):
+                 loading: ExitStack, count_hits: bool = True):
         """Segments for ``spec``, the policy plan (cachecraft only) and the tier each chunk came
         from. With ``stream_kv`` the chunk-caches stream in through a :class:`LayerStream`
-        that ``loading`` closes; without it they are read whole here."""
+        that ``loading`` closes; without it they are read whole here. ``count_hits`` is
+        false when a request is prepared again after a damaged entry: its hits counted once."""
         tiers: list[str] = [MISS] * len(keys)
         used: list[str | None] = [None] * len(keys)
         if spec.name == "full":  # the baseline: one plain prefill, nothing gathered or kept
@@ -311,7 +313,7 @@ class Pipeline:
         if spec.name == "prefix":
             match = self.prefix_cache.match(pieces.token_ids, limit=pieces.num_tokens - 1)
             return prefix_segments(pieces, match), None, used, tiers, None
-        prefix_kv = self._prefix_kv(pieces, prefix_key)
+        prefix_kv = self._prefix_kv(pieces, prefix_key, count_hit=count_hits)
         plan = None
         if spec.name == "cachecraft":
             infos = {key: self._variant_infos(key, prefix_key) for key in dict.fromkeys(keys)}
@@ -323,14 +325,14 @@ class Pipeline:
             wanted = [self._any_variant(key, prefix_key) for key in keys]
         kvs: list[LayerSource | None] = []
         if self.config.stream_kv:
-            readers = [self._open(name) for name in wanted]
+            readers = [self._open(name, count_hits) for name in wanted]
             stream = loading.enter_context(LayerStream([r for r in readers if r is not None]))
             streamed = iter(stream.kvs)
             kvs = [next(streamed) if r is not None else None for r in readers]
             tiers = [kv.tier if kv is not None else MISS for kv in kvs]
         else:  # each variant read whole, in the compute dtype, before the prefill starts
             for i, name in enumerate(wanted):
-                kv, tiers[i] = self._load(name)
+                kv, tiers[i] = self._load(name, count_hits)
                 kvs.append(kv)
         used = [name if kv is not None else None for name, kv in zip(wanted, kvs)]
         if plan is not None:  # found but computed in full by choice: still a hit, at fraction 1.0
@@ -433,31 +435,33 @@ class Pipeline:
             self._put(kv)
         return Segment(ids, "chunk", cached=kv, key=key)
 
-    def _prefix_kv(self, pieces: PromptPieces, prefix_key: str) -> ChunkKV:
+    def _prefix_kv(self, pieces: PromptPieces, prefix_key: str, count_hit: bool = True) -> ChunkKV:
         """The system prefix's KV (exact: it always comes first); made once and stored."""
         name = variant_key(prefix_key, ())
-        kv, _ = self._load(name)
+        kv, _ = self._load(name, count_hit)
         if kv is None:
             kv = blended_prefill(self.lm.adapter, [Segment(pieces.prefix, "chunk", save=True, key=prefix_key)],
                                  fingerprint=self.lm.fingerprint).saved[0]
             self._put(kv)
         return kv
 
-    def _load(self, name: str | None) -> tuple[ChunkKV | None, str]:
+    def _load(self, name: str | None, count_hit: bool = True) -> tuple[ChunkKV | None, str]:
         if name is None:
             return None, MISS
         tier = self.store.locate(name)
         try:
-            kv = self.store.get(name, dtype=self.lm.dtype, device=self.lm.device, fingerprint=self.lm.fingerprint)
+            kv = self.store.get(name, dtype=self.lm.dtype, device=self.lm.device, fingerprint=self.lm.fingerprint,
+                                count_hit=count_hit)
         except CorruptEntryError:
             kv = None
         return (kv, tier or MISS) if kv is not None else (None, MISS)
 
-    def _open(self, name: str | None) -> LayerReader | None:
+    def _open(self, name: str | None, count_hit: bool = True) -> LayerReader | None:
         """A layer-by-layer reader of the variant ``name`` in the stored dtype, or None on a miss."""
         if name is None:
             return None
-        return self.store.iter_layers(name, device=self.lm.device, fingerprint=self.lm.fingerprint)
+        return self.store.iter_layers(name, device=self.lm.device, fingerprint=self.lm.fingerprint,
+                                      count_hit=count_hit)
 
     def _any_variant(self, key: str, prefix_key: str) -> str | None:
         """An independent variant: the one :meth:`warm` makes, else one made alone, else any."""

@@ -225,6 +225,10 @@ def test_hits_and_requests_reach_the_catalog(store_factory):
     for _ in range(3):
         store.get(kv.variant)
     assert store.info(kv.variant).hits == 3
+    # A read again for the same request is served, not counted.
+    assert same_kv(store.get(kv.variant, count_hit=False), kv, torch.float16)
+    assert store.iter_layers(kv.variant, count_hit=False) is not None
+    assert store.info(kv.variant).hits == 3 and sum(store.counters.hits.values()) == 3
     assert store.get("missing") is None and store.counters.misses == 1
     top = stats.top_chunks(store.catalog)
     assert top[0].chunk_key == kv.chunk and top[0].hits == 3

@@ -117,9 +117,16 @@ def test_a_request_that_meets_a_damaged_cache_answers_as_if_it_were_never_stored
             blob = tx.entry(store.variants_of(first.chunks[1].chunk)[0].key, "disk").blob
         path = disk_blob_files(store)[blob]
         flip_byte(path, offset=path.stat().st_size // 2)  # inside a layer: found only while streaming
+        hits_before = store.counters.hits["disk"]
         again = pipe.answer(chunks, "w200 w201", method="reuse", keep_logits=True)
+        with store.catalog.read() as tx:
+            variant_hits = [tx.variant(store.variants_of(c.chunk)[0].key).hits for c in again.chunks[::2]]
     assert [c.tier for c in again.chunks] == ["disk", "miss", "disk"]
     assert store.counters.corrupt == 1
+    # Each cache was looked up once for the request, though a streamed one was read twice:
+    # the prefix and the two sound chunks, plus the damaged one where it was opened before failing.
+    assert store.counters.hits["disk"] - hits_before == (4 if stream_kv else 3)
+    assert variant_hits == [1, 1]
     assert ("answering again without it" in caplog.text) == stream_kv  # read whole, it is a miss up front
     assert again.text == first.text and (again.logits - first.logits).abs().max() < 1e-5
 

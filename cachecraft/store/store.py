@@ -267,10 +267,11 @@ class TieredStore:
             return None
 
     def get(self, key: str, *, dtype: torch.dtype | None = None, device: torch.device | str = "cpu",
-            fingerprint: str | None = None, promote: bool = True) -> ChunkKV | None:
+            fingerprint: str | None = None, promote: bool = True, count_hit: bool = True) -> ChunkKV | None:
         """The variant ``key`` as a fresh ChunkKV in ``dtype`` (default: stored) on ``device``.
 
-        None on a miss, a damaged entry (removed) or a ``fingerprint`` mismatch.
+        None on a miss, a damaged entry (removed) or a ``fingerprint`` mismatch. Without
+        ``count_hit`` a hit is served but not counted (a request read again after a retry).
         """
         with self._lock:
             for i, tier in enumerate(self._memory_tiers()):
@@ -280,7 +281,7 @@ class TieredStore:
                 if fingerprint is not None and entry.kv.fingerprint != fingerprint:
                     return self._miss(key, f"fingerprint {entry.kv.fingerprint} is not {fingerprint}")
                 out = _convert(entry.kv, dtype, device)
-                self._hit(tier.name, key, entry)
+                self._hit(tier.name, key, entry, count_hit)
                 if promote and i > 0:
                     self._promote_memory(i, key)
                 return out
@@ -301,19 +302,20 @@ class TieredStore:
                 return self._miss(key)
             if fingerprint is not None and kv.fingerprint != fingerprint:
                 return self._miss(key, f"fingerprint {kv.fingerprint} is not {fingerprint}")
-            self._hit("disk", key, None)
+            self._hit("disk", key, None, count_hit)
             if promote:
                 self._promote_from_disk(key, kv, row)
             return _convert(kv, dtype, device)
 
     def iter_layers(self, key: str, *, dtype: torch.dtype | None = None,
                     device: torch.device | str = "cpu", fingerprint: str | None = None,
-                    promote: bool = True) -> LayerReader | None:
+                    promote: bool = True, count_hit: bool = True) -> LayerReader | None:
         """A :class:`LayerReader` over the variant ``key`` (layer by layer), or None on a miss.
 
         From disk, each layer is read and verified only when reached; a damaged layer
         raises :class:`CorruptEntryError` during iteration (the entry is removed). With
         ``promote``, a disk entry read to the end is copied into the fastest memory tier.
+        ``count_hit`` as in :meth:`get`.
         """
         with self._lock:
             for i, tier in enumerate(self._memory_tiers()):
@@ -322,7 +324,7 @@ class TieredStore:
                     continue
                 if fingerprint is not None and entry.kv.fingerprint != fingerprint:
                     return self._miss(key, f"fingerprint {entry.kv.fingerprint} is not {fingerprint}")
-                self._hit(tier.name, key, entry)
+                self._hit(tier.name, key, entry, count_hit)
                 reader = MemoryLayerReader(tier.name, key, entry.kv, dtype, device)
                 if promote and i > 0:
                     self._promote_memory(i, key)
@@ -334,7 +336,7 @@ class TieredStore:
             if fingerprint is not None and blob.metadata["fingerprint"] != fingerprint:
                 blob.close()
                 return self._miss(key, f"fingerprint {blob.metadata['fingerprint']} is not {fingerprint}")
-            self._hit("disk", key, None)
+            self._hit("disk", key, None, count_hit)
 
         def on_corrupt(exc: Exception) -> None:
             with self._lock:
@@ -537,7 +539,9 @@ class TieredStore:
             log.info("miss on %s: %s", key, why)
         return None
 
-    def _hit(self, tier: str, key: str, entry: MemEntry | None) -> None:
+    def _hit(self, tier: str, key: str, entry: MemEntry | None, count: bool = True) -> None:
+        if not count:
+            return
         self.counters.hits[tier] += 1
         self._policies[tier].on_hit(key)
         if entry is not None:
