@@ -34,7 +34,7 @@ from cachecraft.methods import (MethodSpec, place_plan_tokens, prefix_segments, 
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.policy.planner import (PolicyParams, RecomputePlan, VariantInfo, early_stop_decision,
                                        expected_reuse, params_from_config, plan_request)
-from cachecraft.policy.loading import CostModel
+from cachecraft.policy.loading import DEFAULT_BANDWIDTHS, CostModel
 from cachecraft.prefix_cache import PrefixCache
 from cachecraft.prompt import PromptInputError, PromptPieces, builder_for
 from cachecraft.retrieval.chunking import Chunker
@@ -141,6 +141,7 @@ class Pipeline:
         self.prefix_cache = PrefixCache(self.lm.fingerprint, budget_bytes=config.cpu_budget_bytes)
         self._seconds_per_token: float | None = None
         self.cost_model: CostModel | None = None  # measured on first use
+        self._timed_tiers: set[str] = set()  # tiers whose bandwidth a measured load has replaced
         self._token_counts: dict[str, int] = {}
         self._sources: dict[str, str] = {}  # chunk key -> the document it came from (catalog rows)
         self._warm: tuple[tuple[int, ...], str] | None = None  # warm context ids and chunk key
@@ -273,8 +274,7 @@ class Pipeline:
         if not question or not question.strip():
             raise PromptInputError("the question is empty")
         self._require_corpus()
-        if self.cost_model is None:  # measured here, outside the TTFT clock; it also estimates savings
-            self.cost_model = CostModel.measure(self.lm, kv_dtype=self.store.stored_dtype)
+        self._ensure_cost_model()  # measured here, outside the TTFT clock; it also estimates savings
         self.corpus.load_embedder()  # retrieval time excludes loading the model
         start = time.perf_counter()
         hits = self.corpus.search(question, self.config.top_k if top_k is None else top_k)
@@ -327,12 +327,16 @@ class Pipeline:
         if self.config.stream_kv:
             readers = [self._open(name, count_hits) for name in wanted]
             stream = loading.enter_context(LayerStream([r for r in readers if r is not None]))
+            loading.callback(self._learn_from_stream, stream)  # runs first on exit: closes, then reads
             streamed = iter(stream.kvs)
             kvs = [next(streamed) if r is not None else None for r in readers]
             tiers = [kv.tier if kv is not None else MISS for kv in kvs]
         else:  # each variant read whole, in the compute dtype, before the prefill starts
             for i, name in enumerate(wanted):
+                start = time.perf_counter()
                 kv, tiers[i] = self._load(name, count_hits)
+                if kv is not None:
+                    self._learn_bandwidth(tiers[i], self._stored_nbytes(kv), time.perf_counter() - start)
                 kvs.append(kv)
         used = [name if kv is not None else None for name, kv in zip(wanted, kvs)]
         if plan is not None:  # found but computed in full by choice: still a hit, at fraction 1.0
@@ -368,11 +372,44 @@ class Pipeline:
         segments.append(Segment(pieces.question, "question"))
         return segments
 
+    def starting_bandwidths(self) -> dict[str, float]:
+        """Per tier, the bandwidth the loading controller assumes before it has timed a load:
+        free (infinite) for a memory tier on the compute device when streaming (its variants
+        are used as stored), the default elsewhere."""
+        bandwidths = dict(DEFAULT_BANDWIDTHS)
+        if self.config.stream_kv:
+            bandwidths.update(dict.fromkeys(self.store.tiers_on(self.lm.device), math.inf))
+        return bandwidths
+
+    def _ensure_cost_model(self) -> CostModel:
+        """The cost model, measured on first use, starting from :meth:`starting_bandwidths`."""
+        if self.cost_model is None:
+            self.cost_model = CostModel.measure(self.lm, kv_dtype=self.store.stored_dtype,
+                                                bandwidths=self.starting_bandwidths())
+        return self.cost_model
+
+    def _learn_bandwidth(self, tier: str, nbytes: int, seconds: float) -> None:
+        """Fold one timed load from ``tier`` into the cost model's bandwidth for it."""
+        if self.cost_model is None or tier == MISS:
+            return
+        updated = self.cost_model.observe_load(tier, nbytes, seconds, first=tier not in self._timed_tiers)
+        if updated is not self.cost_model:
+            self._timed_tiers.add(tier)
+            self.cost_model = updated
+
+    def _learn_from_stream(self, stream: LayerStream) -> None:
+        stream.close()  # the reading thread has finished with its counters
+        for tier, nbytes in stream.read_bytes.items():
+            self._learn_bandwidth(tier, nbytes, stream.read_seconds[tier])
+
+    def _stored_nbytes(self, kv: ChunkKV) -> int:
+        """Bytes of ``kv``'s K and V in the stored dtype (what a tier moves)."""
+        return 2 * kv.keys.numel() * torch.tensor([], dtype=self.store.stored_dtype).element_size()
+
     def _hide_loading(self, plan: RecomputePlan) -> RecomputePlan:
         """Loading controller: raise a chunk's recompute to the fraction whose compute time
         hides loading it from its tier (CacheBlend's r = max(r*, r_load))."""
-        if self.cost_model is None:
-            self.cost_model = CostModel.measure(self.lm, kv_dtype=self.store.stored_dtype)
+        self._ensure_cost_model()
         chunks = []
         for chunk_plan in plan.chunks:
             tier = self.store.locate(chunk_plan.variant) if chunk_plan.variant else None

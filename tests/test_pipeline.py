@@ -8,6 +8,7 @@ import torch
 from cachecraft.config import Config
 from cachecraft.kv import chunk_key, variant_key
 from cachecraft.pipeline import Pipeline
+from cachecraft.policy.loading import DEFAULT_BANDWIDTHS
 from cachecraft.policy.planner import PolicyParams
 from cachecraft.store import TieredStore
 from tests.conftest import tiny_model
@@ -134,6 +135,27 @@ def test_loading_controller_raises_recompute_on_a_slow_tier(pipeline):
     before = sum(planned.chunks[i].fraction * planned.chunks[i].tokens for i in fixed)
     after = sum(raised.chunks[i].fraction * raised.chunks[i].tokens for i in fixed)
     assert before < 0.5 * tokens <= after + 1e-6
+
+
+@pytest.mark.parametrize("stream_kv", [True, False])
+@pytest.mark.parametrize("tier", ["cpu", "disk"])
+def test_loading_controller_times_loads_and_counts_held_caches_free(cache_dir, monkeypatch, stream_kv, tier):
+    monkeypatch.setattr("cachecraft.policy.loading.MIN_OBSERVED_BYTES", 0)  # the tiny model's caches count
+    config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 2, "stream_kv": stream_kv},
+                         environ={})
+    with TieredStore(config, tiers=(tier,)) as store:
+        pipe = Pipeline(config, lm=tiny_model("llama"), store=store, policy=PolicyParams(alpha=0.5, check_layer=2))
+        guessed = dict(pipe._ensure_cost_model().bandwidths)
+        pipe.answer(CHUNKS, QUESTION, method="reuse")  # makes the caches
+        pipe.answer(CHUNKS, QUESTION, method="reuse")  # loads them
+        learned = pipe.cost_model.bandwidths
+    # Streamed, a cache in the CPU tier is used where it is stored: free to load, never timed.
+    held = stream_kv and tier == "cpu"
+    assert guessed == dict(DEFAULT_BANDWIDTHS, **({"cpu": float("inf")} if held else {}))
+    if held:
+        assert learned == guessed
+    else:
+        assert learned[tier] != guessed[tier] and 0 < learned[tier] < float("inf")
 
 
 def test_policy_comes_from_config_and_early_stop_is_recorded(cache_dir):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cachecraft.policy.loading import (CostModel, cheapest_tier, load_hiding_fraction, raise_fractions,
-                                       tier_for_new_variant)
+from cachecraft.policy.loading import (MIN_OBSERVED_BYTES, OBSERVED_WEIGHT, CostModel, cheapest_tier,
+                                       load_hiding_fraction, raise_fractions, tier_for_new_variant)
 from tests.conftest import tiny_model
 
 # 1 ms of prefill and 2000 KV bytes per token; loading hides at 2000 / (bw * 0.001).
@@ -64,3 +64,16 @@ def test_cost_model_measure_on_a_tiny_model():
     assert model.num_layers == 4
     assert model.kv_bytes_per_token_layer == 2 * 2 * 16 * 2  # K and V, 2 KV heads, head_dim 16, float16
     assert 0 < model.r_load("cpu") <= 1
+
+
+def test_measured_loads_replace_then_move_the_bandwidth():
+    model = CostModel(0.001 / 4, 500, 4, dict(BANDWIDTHS, gpu=float("inf")))
+    assert model.r_load("gpu") == 0.0  # used where it is stored: nothing to load
+    first = model.observe_load("disk", 4_000_000, 0.1, first=True)  # 4e7 B/s replaces the 1e7 guess
+    assert first.bandwidths["disk"] == pytest.approx(4e7) and first.r_load("disk") == pytest.approx(0.05)
+    assert model.bandwidths["disk"] == 1e7  # a new model; the old one is unchanged
+    second = first.observe_load("disk", 2_000_000, 0.1)  # 2e7 B/s, weighted in
+    assert second.bandwidths["disk"] == pytest.approx((1 - OBSERVED_WEIGHT) * 4e7 + OBSERVED_WEIGHT * 2e7)
+    assert first.observe_load("disk", MIN_OBSERVED_BYTES - 1, 1e-6) is first  # too small to time
+    assert first.observe_load("disk", 4_000_000, 0.0) is first
+    assert model.observe_load("gpu", 4_000_000, 0.001).bandwidths["gpu"] == pytest.approx(4e9)

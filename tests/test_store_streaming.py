@@ -36,6 +36,7 @@ def test_memory_tier_layers_arrive_bit_for_bit_with_the_variant_metadata(store):
             assert bits_equal(k, kv.keys[layer].half()) and bits_equal(v, kv.values[layer].half())
         stored = store._memory_tiers()[0].get(kv.variant).kv  # handed over as held, not copied
         assert got.layer(2)[1].data_ptr() == stored.values[2].data_ptr() and got.layers_read == 3
+    assert stream.read_bytes == {} and stream.read_seconds == {}  # nothing was read
 
 
 def test_disk_layers_stream_in_and_the_entry_is_promoted_when_read_to_the_end(cache_dir):
@@ -76,6 +77,10 @@ def test_a_damaged_layer_fails_its_own_variant_and_the_others_stream_on(cache_di
             assert bits_equal(good.layer(layer)[1], sound.values[layer].half())
         stream.close()
         assert store.locate(damaged.variant) is None and store.counters.corrupt == 1
+        # Timed for the loading controller: the sound variant's 4 layers, the 3 of the damaged one
+        # before its last, in float16.
+        assert stream.read_bytes == {"disk": 2 * (4 + 3) * damaged.keys[0].numel() * 2}
+        assert stream.read_seconds["disk"] > 0
         assert store.locate(sound.variant) == "disk"
 
 

@@ -28,6 +28,7 @@ answer (and first-token KL against it) on the same request.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import logging
 import random
@@ -198,6 +199,7 @@ class _Runner:
         # A server measures its cost model once at start-up; so do we, outside the timed requests.
         self.cost_model = (CostModel.measure(lm, kv_dtype=getattr(torch, config.kv_dtype))
                            if needs_cost_model else None)
+        self.bandwidths: dict[str, dict[str, float]] = {}  # per setting, as the last request left them
 
     def warm_up(self, order: Sequence[tuple[MethodSpec, str]], chunks: list[str]) -> None:
         """One untimed small request per method, so lazy initialisation is not timed."""
@@ -260,8 +262,9 @@ class _Runner:
         try:
             with TieredStore(config, tiers=(self.tier,)) as store:
                 pipeline = Pipeline(config, lm=self.lm, store=store)
-                if self.cost_model is not None:
-                    pipeline.cost_model = self.cost_model
+                if self.cost_model is not None:  # one measured prefill cost; bandwidths as timed so far
+                    bandwidths = self.bandwidths.get(setting) or pipeline.starting_bandwidths()
+                    pipeline.cost_model = dataclasses.replace(self.cost_model, bandwidths=bandwidths)
                 start = time.perf_counter()
                 if setting == "revisit":
                     pipeline.answer(shuffled(chunks), EARLIER_QUESTION, method=spec.name, ratio=spec.ratio,
@@ -276,6 +279,8 @@ class _Runner:
                 with PeakRSS() as mem:
                     answer = pipeline.answer(chunks, question, method=spec.name, ratio=spec.ratio,
                                              keep_logits=True, record=False)
+                if pipeline.cost_model is not None:  # later requests start from what this one timed
+                    self.bandwidths[setting] = dict(pipeline.cost_model.bandwidths)
                 store.close(persist=False)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -17,6 +17,8 @@ tokens, always computed, would hide a little more; they are left out (conservati
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -28,8 +30,16 @@ from cachecraft.kv import kv_bytes_per_token
 
 # Bytes/s to get a chunk-cache back as compute tensors, from `cachecraft bench store`
 # on the development CPU machine (cpu ~3 GB/s, disk ~0.7-1 GB/s); the GPU figure is a
-# placeholder for HBM. Measure your own machine and pass them in.
+# placeholder for HBM. Starting points only: the pipeline replaces each with what it
+# measures while loading (see CostModel.observe_load).
 DEFAULT_BANDWIDTHS: dict[str, float] = {"gpu": 100e9, "cpu": 3e9, "disk": 0.7e9}
+
+# Weight of a new load measurement in a tier's running bandwidth; the first
+# measurement replaces the default outright.
+OBSERVED_WEIGHT = 0.3
+
+# Loads smaller than this are not timed into the bandwidth (timer noise dominates).
+MIN_OBSERVED_BYTES = 256 * 1024
 
 # Minimum value, in seconds of prefill saved per GB stored over the variant's expected
 # reuses, for a new variant to earn each tier. A SmolLM2-135M passage (~600 tokens,
@@ -105,6 +115,17 @@ class CostModel:
     def r_load(self, tier: str) -> float:
         """The recompute fraction that hides loading from ``tier``."""
         return load_hiding_fraction(self.prefill_s_per_token, self.kv_bytes_per_token, self.bandwidths[tier])
+
+    def observe_load(self, tier: str, nbytes: int, seconds: float, first: bool = False) -> "CostModel":
+        """This model with ``tier``'s bandwidth moved towards ``nbytes / seconds``, one
+        measured load (replaced outright when ``first``); unchanged for loads under
+        :data:`MIN_OBSERVED_BYTES` or without a positive time."""
+        if nbytes < MIN_OBSERVED_BYTES or seconds <= 0:
+            return self
+        seen = nbytes / seconds
+        old = self.bandwidths.get(tier)
+        new = seen if first or old is None or math.isinf(old) else (1 - OBSERVED_WEIGHT) * old + OBSERVED_WEIGHT * seen
+        return dataclasses.replace(self, bandwidths={**self.bandwidths, tier: new})
 
     def cheapest_tier(self, recompute_fraction: float) -> str | None:
         """The slowest tier that ``recompute_fraction`` hides (see :func:`cheapest_tier`)."""

@@ -355,6 +355,12 @@ class TieredStore:
 
     __contains__ = contains
 
+    def tiers_on(self, device: torch.device | str) -> list[str]:
+        """Names of the memory tiers whose tensors live on ``device`` (its type): their
+        variants can be handed to compute there as stored, with no copy."""
+        wanted = torch.device(device).type
+        return [t.name for t in self._memory_tiers() if torch.device(t.device).type == wanted]
+
     def locate(self, key: str) -> str | None:
         """The tier a get of ``key`` would read from, or None."""
         with self._lock:

@@ -16,6 +16,10 @@ soon as that layer has arrived.
     finally:
         stream.close()
 
+``read_bytes`` and ``read_seconds`` (per tier) say how fast the thread read, so the
+loading controller can use this machine's bandwidth rather than a guess; read them
+after :meth:`close`.
+
 A layer that fails its checksum makes that variant's ``layer(i)`` raise
 :class:`CorruptEntryError` (the store has already removed the entry); the other
 variants keep streaming. Layers are handed out in the reader's dtype (stored dtype
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Iterator, Sequence
 
 import torch
@@ -96,6 +101,8 @@ class LayerStream:
                 kv._layers = [held.layer(i) for i in range(held.num_layers)]
                 kv._finished = True
                 reader.close()
+        self.read_bytes: dict[str, int] = {}  # per tier, bytes read on the thread (held variants: none)
+        self.read_seconds: dict[str, float] = {}  # per tier, time spent reading them
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._read, name="cachecraft-kv-stream", daemon=True)
         if self._readers:
@@ -111,10 +118,12 @@ class LayerStream:
             for i, (it, kv) in enumerate(zip(iterators, self._streamed)):
                 if it is None or layer >= kv.num_layers:
                     continue
+                start = time.perf_counter()
                 pair = self._guarded(kv, lambda: next(it))
                 if pair is None:
                     iterators[i] = None
                     continue
+                self._count(kv.tier, pair, time.perf_counter() - start)
                 with self.arrived:
                     kv._layers.append(pair)
                     self.arrived.notify_all()
@@ -126,6 +135,10 @@ class LayerStream:
             self._finish(kv)
         for reader in self._readers:
             reader.close()
+
+    def _count(self, tier: str, pair: tuple[torch.Tensor, torch.Tensor], seconds: float) -> None:
+        self.read_bytes[tier] = self.read_bytes.get(tier, 0) + sum(t.numel() * t.element_size() for t in pair)
+        self.read_seconds[tier] = self.read_seconds.get(tier, 0.0) + seconds
 
     def _guarded(self, kv: StreamedKV, step):
         """``step()``, or None after recording its exception against ``kv`` (then finished)."""
