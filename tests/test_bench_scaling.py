@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from cachecraft.bench.scaling import Point, cut_chunks, passage_stream, plan_points, run_scaling, shuffled
 from cachecraft.cli.app import app
 from cachecraft.config import Config
+from cachecraft.policy.loading import DEFAULT_BANDWIDTHS
 from cachecraft.policy.planner import PolicyParams
 from cachecraft.dataset import QAItem
 from cachecraft.methods import parse_methods
@@ -159,6 +160,9 @@ def test_whole_read_rows_time_the_same_caches_read_whole_with_the_same_answers(d
         assert streamed["recompute_fraction"] == whole["recompute_fraction"]
         assert streamed["cached_chunks"] == whole["cached_chunks"] > 0
     assert data["summary"]["method"] == craft  # the goal is read off the default (streamed) rows
+    bandwidths = data["setup"]["loading_bandwidths"]  # what the loading controller assumed, per setting
+    assert set(bandwidths) == {"warm", "whole"}
+    assert bandwidths["warm"]["disk"] == DEFAULT_BANDWIDTHS["disk"]  # this tiny model's loads are too small to time
 
 
 def test_shuffled_order_moves_the_first_chunk():

@@ -31,6 +31,7 @@ import ctypes
 import dataclasses
 import gc
 import logging
+import math
 import random
 import shutil
 import statistics
@@ -160,6 +161,8 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
              "whole_read": f"'{WHOLE.strip()}' rows: the same chunk-caches read whole, in the compute dtype, "
                            "before the prefill (stream_kv off); the other rows stream them in layer by layer "
                            "during it" if whole_read else None,
+             "loading_bandwidths": {setting: {t: ("free: used as stored" if math.isinf(b) else b) for t, b in seen.items()}
+                                    for setting, seen in runner.bandwidths.items()} or None,
              "fresh_pipeline_per_request": True, "chunk_tokens": chunk_tokens, "fixed_context": fixed_context,
              "repeats": repeats, "prefix_shared": prefix_shared, "tier": tier, "max_new_tokens": max_new_tokens,
              "context_tokens": "whole prompt: system prefix, chunks and question",
