@@ -235,10 +235,14 @@ def test_a_whole_read_run_gets_its_loading_section_and_losses(tmp_path):
             row("reuse whole-read", 1.0, 2100.0), row("cachecraft@0.08 whole-read", 2.0, 2050.0)]
     command = "cachecraft bench scaling --tier disk --whole-read --out l.json"
     path = one_context_result(tmp_path / "loading.json", command, rows, {},
-                              {"tier": "disk", "whole_read": "the same caches read whole first"})
+                              {"tier": "disk", "whole_read": "the same caches read whole first",
+                               "loading_bandwidths": {"warm": {"cpu": 3e9, "disk": 2.5e9},
+                                                      "whole": {"disk": 1.25e9}}})
     text = write_report(tmp_path / "r", {"loading": path}).read_text()
     assert "## Loading: streamed in during the prefill, or read whole first" in text and command in text
     assert "- setup, tier: disk" in text
+    assert "- loading controller's bandwidths, streamed: cpu 3.00 GB/s, disk 2.50 GB/s" in text
+    assert "- loading controller's bandwidths, read whole: disk 1.25 GB/s" in text
     assert "| reuse | 7912 | 1.00 | 0.80 | -20% | 2100 | 1700 | 0.800 / 0.800 |" in text
     assert "| cachecraft@0.08 | 7912 | 2.00 | 2.20 | +10% | 2050 | 1800 | 0.800 / 0.800 |" in text
     assert ("Loading: streaming `cachecraft@0.08`'s chunk-caches in during the prefill is slower than reading "

@@ -197,6 +197,9 @@ def loading_section(data: dict, source: Path, out: Path) -> list[str]:
     for key in ("chunk_caches", "whole_read"):
         if setup.get(key):
             lines.append(f"- setup, {key.replace('_', ' ')}: {setup[key]}")
+    for setting, bandwidths in (setup.get("loading_bandwidths") or {}).items():
+        seen = ", ".join(f"{tier} {_bandwidth(b)}" for tier, b in bandwidths.items())
+        lines.append(f"- loading controller's bandwidths, {LOADING_SETTINGS.get(setting, setting)}: {seen}")
     lines.append("")
     rows = [[streamed["method"], str(streamed["context_tokens"]), f"{whole['ttft_s']:.2f}",
              f"{streamed['ttft_s']:.2f}", f"{streamed['ttft_s'] / whole['ttft_s'] - 1:+.0%}",
@@ -208,10 +211,19 @@ def loading_section(data: dict, source: Path, out: Path) -> list[str]:
     lines += _table(["method", "tokens", "TTFT, read whole (s)", "TTFT, streamed (s)", "change",
                      "peak RSS, read whole (MB)", "peak RSS, streamed (MB)", "agreement F1 (whole / streamed)"],
                     rows)
-    return lines + ["Both rows of a method use the same chunk-caches from the same tier and give the same "
-                    "answers; only when and how the bytes are read differs. Streaming overlaps reading with "
-                    "compute, which pays where compute leaves a core or the accelerator idle while bytes "
-                    "arrive.", ""]
+    return lines + ["Both rows of a method use the same chunk-caches from the same tier; only when and how "
+                    "the bytes are read differs, and with it the bandwidth the loading controller has timed, "
+                    "which sets how many tokens cachecraft recomputes to hide a load. Streaming overlaps "
+                    "reading with compute, which pays where compute leaves a core or the accelerator idle "
+                    "while bytes arrive.", ""]
+
+
+LOADING_SETTINGS = {"warm": "streamed", "whole": "read whole"}
+
+
+def _bandwidth(value) -> str:
+    """A bandwidth from a result's setup: bytes/s as GB/s, or the reason it has none."""
+    return f"{value / 1e9:.2f} GB/s" if isinstance(value, (int, float)) else str(value)
 
 
 def _goal_line(summary: dict) -> list[str]:
