@@ -404,7 +404,7 @@ class Pipeline:
 
     def _stored_nbytes(self, kv: ChunkKV) -> int:
         """Bytes of ``kv``'s K and V in the stored dtype (what a tier moves)."""
-        return 2 * kv.keys.numel() * torch.tensor([], dtype=self.store.stored_dtype).element_size()
+        return 2 * kv.keys.numel() * self.store.stored_dtype.itemsize
 
     def _hide_loading(self, plan: RecomputePlan) -> RecomputePlan:
         """Loading controller: raise a chunk's recompute to the fraction whose compute time

@@ -58,6 +58,7 @@ GOAL_AGREEMENT = 0.95
 COLD = " cold"  # label suffix of a request answered with nothing cached
 REVISIT = " revisit"  # label suffix of a request whose chunks an earlier request saw, shuffled
 WHOLE = " whole-read"  # label suffix of a request whose chunk-caches were read whole before the prefill
+FREE = "free: used as stored"  # a loading bandwidth in a result: the tier's caches are never copied
 SHUFFLE_SEED = 0  # the earlier request's order in revisit rows
 SETTING_SUFFIX = {"warm": "", "cold": COLD, "revisit": REVISIT, "whole": WHOLE}
 EARLIER_QUESTION = "What is this text about?"
@@ -161,7 +162,7 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
              "whole_read": f"'{WHOLE.strip()}' rows: the same chunk-caches read whole, in the compute dtype, "
                            "before the prefill (stream_kv off); the other rows stream them in layer by layer "
                            "during it" if whole_read else None,
-             "loading_bandwidths": {setting: {t: ("free: used as stored" if math.isinf(b) else b) for t, b in seen.items()}
+             "loading_bandwidths": {setting: {t: FREE if math.isinf(b) else b for t, b in seen.items()}
                                     for setting, seen in runner.bandwidths.items()} or None,
              "fresh_pipeline_per_request": True, "chunk_tokens": chunk_tokens, "fixed_context": fixed_context,
              "repeats": repeats, "prefix_shared": prefix_shared, "tier": tier, "max_new_tokens": max_new_tokens,
