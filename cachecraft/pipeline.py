@@ -141,7 +141,6 @@ class Pipeline:
         self.prefix_cache = PrefixCache(self.lm.fingerprint, budget_bytes=config.cpu_budget_bytes)
         self._seconds_per_token: float | None = None
         self.cost_model: CostModel | None = None  # measured on first use
-        self._timed_tiers: set[str] = set()  # tiers whose bandwidth a measured load has replaced
         self._token_counts: dict[str, int] = {}
         self._sources: dict[str, str] = {}  # chunk key -> the document it came from (catalog rows)
         self._warm: tuple[tuple[int, ...], str] | None = None  # warm context ids and chunk key
@@ -390,12 +389,8 @@ class Pipeline:
 
     def _learn_bandwidth(self, tier: str, nbytes: int, seconds: float) -> None:
         """Fold one timed load from ``tier`` into the cost model's bandwidth for it."""
-        if self.cost_model is None or tier == MISS:
-            return
-        updated = self.cost_model.observe_load(tier, nbytes, seconds, first=tier not in self._timed_tiers)
-        if updated is not self.cost_model:
-            self._timed_tiers.add(tier)
-            self.cost_model = updated
+        if self.cost_model is not None and tier != MISS:
+            self.cost_model = self.cost_model.observe_load(tier, nbytes, seconds)
 
     def _learn_from_stream(self, stream: LayerStream) -> None:
         stream.close()  # the reading thread has finished with its counters

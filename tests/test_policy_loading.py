@@ -69,7 +69,7 @@ def test_cost_model_measure_on_a_tiny_model():
 def test_measured_loads_replace_then_move_the_bandwidth():
     model = CostModel(0.001 / 4, 500, 4, dict(BANDWIDTHS, gpu=float("inf")))
     assert model.r_load("gpu") == 0.0  # used where it is stored: nothing to load
-    first = model.observe_load("disk", 4_000_000, 0.1, first=True)  # 4e7 B/s replaces the 1e7 guess
+    first = model.observe_load("disk", 4_000_000, 0.1)  # 4e7 B/s replaces the 1e7 guess
     assert first.bandwidths["disk"] == pytest.approx(4e7) and first.r_load("disk") == pytest.approx(0.05)
     assert model.bandwidths["disk"] == 1e7  # a new model; the old one is unchanged
     second = first.observe_load("disk", 2_000_000, 0.1)  # 2e7 B/s, weighted in

@@ -61,7 +61,7 @@ def test_disk_layers_stream_in_and_the_entry_is_promoted_when_read_to_the_end(ca
 
 
 def test_a_damaged_layer_fails_its_own_variant_and_the_others_stream_on(cache_dir):
-    sound, damaged = make_kv(20, layers=4, stats=False), make_kv(21, layers=4, stats=False)
+    sound, damaged = make_kv(20, layers=4, stats=False, prefix=("system",)), make_kv(21, layers=4, stats=False)
     with TieredStore(config(cache_dir), tiers=("disk",)) as store:
         store.put(damaged)
         (path,) = disk_blob_files(store).values()
@@ -69,6 +69,7 @@ def test_a_damaged_layer_fails_its_own_variant_and_the_others_stream_on(cache_di
         store.put(sound)
         stream = LayerStream([store.iter_layers(damaged.variant), store.iter_layers(sound.variant)])
         bad, good = stream.kvs
+        assert good.prefix == ("system",) and good.prefix_tokens == sound.prefix_tokens == (5,)  # read from disk
         assert bits_equal(bad.layer(0)[0], damaged.keys[0].half())
         with pytest.raises(CorruptEntryError, match="recompute"):
             for layer in range(4):

@@ -162,8 +162,8 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
              "whole_read": f"'{WHOLE.strip()}' rows: the same chunk-caches read whole, in the compute dtype, "
                            "before the prefill (stream_kv off); the other rows stream them in layer by layer "
                            "during it" if whole_read else None,
-             "loading_bandwidths": {setting: {t: FREE if math.isinf(b) else b for t, b in seen.items()}
-                                    for setting, seen in runner.bandwidths.items()} or None,
+             "loading_bandwidths": {setting: {t: FREE if math.isinf(b) else b for t, b in model.bandwidths.items()}
+                                    for setting, model in runner.learned.items()} or None,
              "fresh_pipeline_per_request": True, "chunk_tokens": chunk_tokens, "fixed_context": fixed_context,
              "repeats": repeats, "prefix_shared": prefix_shared, "tier": tier, "max_new_tokens": max_new_tokens,
              "context_tokens": "whole prompt: system prefix, chunks and question",
@@ -203,7 +203,7 @@ class _Runner:
         # A server measures its cost model once at start-up; so do we, outside the timed requests.
         self.cost_model = (CostModel.measure(lm, kv_dtype=getattr(torch, config.kv_dtype))
                            if needs_cost_model else None)
-        self.bandwidths: dict[str, dict[str, float]] = {}  # per setting, as the last request left them
+        self.learned: dict[str, CostModel] = {}  # per setting, as the last request left it (bandwidths timed)
 
     def warm_up(self, order: Sequence[tuple[MethodSpec, str]], chunks: list[str]) -> None:
         """One untimed small request per method, so lazy initialisation is not timed."""
@@ -267,8 +267,8 @@ class _Runner:
             with TieredStore(config, tiers=(self.tier,)) as store:
                 pipeline = Pipeline(config, lm=self.lm, store=store)
                 if self.cost_model is not None:  # one measured prefill cost; bandwidths as timed so far
-                    bandwidths = self.bandwidths.get(setting) or pipeline.starting_bandwidths()
-                    pipeline.cost_model = dataclasses.replace(self.cost_model, bandwidths=bandwidths)
+                    pipeline.cost_model = self.learned.get(setting) or dataclasses.replace(
+                        self.cost_model, bandwidths=pipeline.starting_bandwidths())
                 start = time.perf_counter()
                 if setting == "revisit":
                     pipeline.answer(shuffled(chunks), EARLIER_QUESTION, method=spec.name, ratio=spec.ratio,
@@ -284,7 +284,7 @@ class _Runner:
                     answer = pipeline.answer(chunks, question, method=spec.name, ratio=spec.ratio,
                                              keep_logits=True, record=False)
                 if pipeline.cost_model is not None:  # later requests start from what this one timed
-                    self.bandwidths[setting] = dict(pipeline.cost_model.bandwidths)
+                    self.learned[setting] = pipeline.cost_model
                 store.close(persist=False)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -18,7 +18,6 @@ tokens, always computed, would hide a little more; they are left out (conservati
 from __future__ import annotations
 
 import dataclasses
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -99,6 +98,7 @@ class CostModel:
     kv_bytes_per_token_layer: int
     num_layers: int
     bandwidths: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_BANDWIDTHS))
+    timed: frozenset[str] = frozenset()  # tiers whose bandwidth comes from measured loads
 
     def __post_init__(self) -> None:
         assert self.prefill_s_per_token_layer > 0, "prefill_s_per_token_layer must be > 0"
@@ -116,16 +116,16 @@ class CostModel:
         """The recompute fraction that hides loading from ``tier``."""
         return load_hiding_fraction(self.prefill_s_per_token, self.kv_bytes_per_token, self.bandwidths[tier])
 
-    def observe_load(self, tier: str, nbytes: int, seconds: float, first: bool = False) -> "CostModel":
+    def observe_load(self, tier: str, nbytes: int, seconds: float) -> "CostModel":
         """This model with ``tier``'s bandwidth moved towards ``nbytes / seconds``, one
-        measured load (replaced outright when ``first``); unchanged for loads under
-        :data:`MIN_OBSERVED_BYTES` or without a positive time."""
+        measured load (the first one from a tier replaces the assumed value); unchanged
+        for loads under :data:`MIN_OBSERVED_BYTES` or without a positive time."""
         if nbytes < MIN_OBSERVED_BYTES or seconds <= 0:
             return self
         seen = nbytes / seconds
-        old = self.bandwidths.get(tier)
-        new = seen if first or old is None or math.isinf(old) else (1 - OBSERVED_WEIGHT) * old + OBSERVED_WEIGHT * seen
-        return dataclasses.replace(self, bandwidths={**self.bandwidths, tier: new})
+        if tier in self.timed:
+            seen = (1 - OBSERVED_WEIGHT) * self.bandwidths[tier] + OBSERVED_WEIGHT * seen
+        return dataclasses.replace(self, bandwidths={**self.bandwidths, tier: seen}, timed=self.timed | {tier})
 
     def cheapest_tier(self, recompute_fraction: float) -> str | None:
         """The slowest tier that ``recompute_fraction`` hides (see :func:`cheapest_tier`)."""

@@ -18,5 +18,6 @@ __all__ = [
     "CacheDirError", "CorruptEntryError", "DiskFullError", "StoreBusyError", "StoreConfigError",
     "StoreError", "POLICIES", "CacheCraftPolicy", "EntryInfo", "EvictionPolicy", "LFUPolicy",
     "LRUPolicy", "PGDSFPolicy", "make_policy", "LayerReader", "LayerStream", "StreamedKV",
-    "StoreCounters", "TieredStore", "TierState", "store_paths", "Problem", "VerifyReport", "verify", "run_store_benchmark",
+    "StoreCounters", "TieredStore", "TierState", "store_paths", "Problem", "VerifyReport", "verify",
+    "run_store_benchmark",
 ]

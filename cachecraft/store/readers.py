@@ -38,6 +38,7 @@ class LayerReader:
     fingerprint: str
     token_ids: tuple[int, ...]
     prefix: tuple[str, ...]
+    prefix_tokens: tuple[int, ...]
     stats: AttentionStats | None
     num_layers: int
     metadata: dict[str, str]
@@ -73,6 +74,7 @@ class MemoryLayerReader(LayerReader):
         self.tier, self.key, self._kv, self._dtype, self._device = tier, key, kv, dtype, device
         self.chunk, self.fingerprint, self.token_ids = kv.chunk, kv.fingerprint, kv.token_ids
         self.prefix, self.stats, self.num_layers = kv.prefix, kv.stats, kv.num_layers
+        self.prefix_tokens = kv.prefix_tokens
         self.metadata = kv.to_tensors()[1]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -102,6 +104,7 @@ class DiskLayerReader(LayerReader):
         self.metadata = dict(blob.metadata)
         self.chunk, self.fingerprint = self.metadata["chunk"], self.metadata["fingerprint"]
         self.token_ids, self.prefix = blob.token_ids, tuple(json.loads(self.metadata["prefix"]))
+        self.prefix_tokens = tuple(json.loads(self.metadata.get("prefix_tokens", "[]")))
         self.num_layers, self.stats = blob.num_layers, blob.stats
 
     def _fail(self, exc: Exception) -> None:

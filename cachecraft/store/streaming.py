@@ -28,7 +28,6 @@ unless asked otherwise); the engine converts them while copying them into place.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from typing import Iterator, Sequence
@@ -47,7 +46,7 @@ class StreamedKV:
         self.token_ids: tuple[int, ...] = tuple(reader.token_ids)
         self.fingerprint: str = reader.fingerprint
         self.prefix: tuple[str, ...] = tuple(reader.prefix)
-        self.prefix_tokens: tuple[int, ...] = tuple(json.loads(reader.metadata.get("prefix_tokens", "[]")))
+        self.prefix_tokens: tuple[int, ...] = tuple(reader.prefix_tokens)
         self.stats: AttentionStats | None = reader.stats
         self.chunk: str = reader.chunk
         self.num_layers: int = reader.num_layers
