@@ -20,7 +20,7 @@ def test_blocks_are_replaced_and_others_left(tmp_path):
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
     data = {"command": "cachecraft bench quality --limit 2", "model": "m", "limit": 2, "date": "2026-11-21T00:00",
-            "machine": {"cpu": "cpu", "cores": 2},
+            "machine": {"cpu": "cpu", "cores": 2}, "code": {"version": "0.1.0", "commit": "feedbeef" * 5},
             "methods": {"full": {"ttft_s_median": 2.0, "speedup_vs_full_median": 1.0, "recompute_fraction_mean": 1.0,
                                  "kl_mean": 0.0, "agreement_f1_mean": 1.0, "exact_match_rate": 1.0,
                                  "gold_f1_mean": 0.5}}}
@@ -32,6 +32,7 @@ def test_blocks_are_replaced_and_others_left(tmp_path):
     text = readme.read_text()
     assert "| full | 2.00 | 1.0x | 1.000 | 0.0000 | 1.000 | 1.00 | 0.500 |" in text
     assert "STALE-TABLE" not in text and "keep" in text
+    assert "(m, 2 items, 2026-11-21, commit feedbeeffe, cpu, 2 cores)" in text
 
 
 def test_scaling_block_has_one_row_per_size_and_a_column_per_method(tmp_path):

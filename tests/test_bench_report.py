@@ -101,6 +101,7 @@ def test_report_has_sections_commands_and_valid_plots(results, tmp_path):
         assert heading in text
     assert "No GPU run was made on this machine" in text and "Gold-answer F1 is near zero" in text
     assert "Test CPU, 2 cores" in text and "| cachecraft[lru] |" in text
+    assert "- code: not recorded" in text  # these results predate the record of the code
     assert "**8.0x**" in text and "not met" in text
     # losses computed from the data
     assert "`reuse` is faster than every cachecraft setting" in text

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from cachecraft.bench.common import code_identity
 from cachecraft.store.bench import run_store_benchmark
 
 
@@ -18,4 +19,5 @@ def test_store_benchmark_writes_json(tmp_path):
             assert tier[f"{name}_gbps"] > 0
         assert tier["stored_bytes"] == 2 * 16 * 3 * 3 * 64 * 2 * 2
     assert doc["chunk"]["stored_bytes_per_token"] == 3 * 3 * 64 * 2 * 2
+    assert doc["code"] == code_identity()
     assert not any((tmp_path / "cache").glob("bench-store-*"))  # its temporary stores are gone

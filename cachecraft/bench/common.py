@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import torch
 
+import cachecraft
 from cachecraft.config import ENV_PREFIX, Config
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -80,6 +82,34 @@ def machine() -> dict[str, Any]:
     return info
 
 
+# The paths whose changes alter results (results and docs do not).
+_CODE_PATHS = ("cachecraft", "cli", "integrations", "pyproject.toml")
+
+
+def code_identity(source_dir: Path | None = None) -> dict[str, Any]:
+    """Which code made a result: the package version and, from a git checkout, the
+    commit and whether the code (not results or docs) differed from it; ``commit`` is
+    None outside a checkout (an installed wheel)."""
+    root = Path(source_dir) if source_dir is not None else Path(cachecraft.__file__).resolve().parent.parent
+    info: dict[str, Any] = {"version": cachecraft.__version__, "commit": None, "modified": None}
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or Path(top).resolve() != root.resolve():  # e.g. installed into a venv inside some checkout
+        return info
+    commit = git("rev-parse", "HEAD")
+    if commit:
+        changes = git("status", "--porcelain", "--", *_CODE_PATHS)
+        info.update(commit=commit, modified=bool(changes) if changes is not None else None)
+    return info
+
+
 def with_settings(command: str, config: Config) -> str:
     """``command`` preceded by the environment variables that give ``config``'s
     non-default settings, so that the line alone reproduces a result."""
@@ -90,11 +120,11 @@ def with_settings(command: str, config: Config) -> str:
 
 
 def write_result(path: str | Path, payload: dict[str, Any]) -> Path:
-    """Write a result JSON atomically, adding date and machine."""
+    """Write a result JSON atomically, adding date, machine and the code that made it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-               "machine": machine(), **payload}
+               "machine": machine(), "code": code_identity(), **payload}
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2), encoding="utf-8")
     os.replace(tmp, path)

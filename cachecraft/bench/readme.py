@@ -13,10 +13,16 @@ import sys
 from pathlib import Path
 
 
+def _commit(data: dict) -> str:
+    """``, commit 0123456789`` for a result that recorded the commit it was made at, else nothing."""
+    commit = (data.get("code") or {}).get("commit")
+    return f", commit {commit[:10]}" if commit else ""
+
+
 def quality_table(data: dict) -> str:
     """Markdown table of a ``bench quality`` result."""
-    lines = [f"`{data['command']}` ({data['model']}, {data['limit']} items, {data['date'][:10]}, "
-             f"{data['machine']['cpu']}, {data['machine']['cores']} cores)", "",
+    lines = [f"`{data['command']}` ({data['model']}, {data['limit']} items, "
+             f"{data['date'][:10]}{_commit(data)}, {data['machine']['cpu']}, {data['machine']['cores']} cores)", "",
              "| method | TTFT median (s) | speedup vs full | recompute | KL vs full | answer agreement F1 | "
              "exact match vs full | gold F1 |", "|---|---|---|---|---|---|---|---|"]
     for label, m in data["methods"].items():
@@ -30,7 +36,7 @@ def workload_table(data: dict) -> str:
     """Markdown table of a ``bench workload`` result."""
     lines = [f"`{data['command']}` ({data['model']}, {len(data['requests']) // max(1, len(data['methods']))} "
              f"requests, {data['unique_requests']} distinct, corpus of {data['corpus_chunks']} chunks, "
-             f"top-{data['top_k']}, {data['date'][:10]})", "",
+             f"top-{data['top_k']}, {data['date'][:10]}{_commit(data)})", "",
              "| method | TTFT mean (s) | TTFT p95 (s) | requests/s | recompute | chunk hit rate | "
              "compute saved vs full | vs prefix | agreement F1 vs full |", "|---|---|---|---|---|---|---|---|---|"]
     for label, m in data["methods"].items():
@@ -56,8 +62,8 @@ def store_table(data: dict) -> str:
 
 def scaling_table(data: dict) -> str:
     """Markdown table of a ``bench scaling`` result: TTFT (speedup vs full) per method and size."""
-    lines = [f"`{data['command']}` ({data['model']}, {data['date'][:10]}, {data['machine']['cpu']}, "
-             f"{data['machine']['cores']} cores)"]
+    lines = [f"`{data['command']}` ({data['model']}, {data['date'][:10]}{_commit(data)}, "
+             f"{data['machine']['cpu']}, {data['machine']['cores']} cores)"]
     for sweep, size, unit in (("context", "context_tokens", "prompt tokens"), ("chunks", "n_chunks", "chunks")):
         rows = [r for r in data["scaling"] if r["sweep"] == sweep]
         if not rows:
@@ -79,8 +85,8 @@ def scaling_table(data: dict) -> str:
 def revisit_table(data: dict) -> str:
     """Markdown table of a ``bench scaling --revisit`` result: one row per method at its context."""
     rows = [r for r in data["scaling"] if r["sweep"] == "context"]
-    lines = [f"`{data['command']}` ({data['model']}, {rows[0]['repeats']} questions, {data['date'][:10]}, "
-             f"{data['machine']['cpu']}, {data['machine']['cores']} cores)", "",
+    lines = [f"`{data['command']}` ({data['model']}, {rows[0]['repeats']} questions, "
+             f"{data['date'][:10]}{_commit(data)}, {data['machine']['cpu']}, {data['machine']['cores']} cores)", "",
              "| method | prompt tokens | TTFT (s) | speedup vs full | recompute | KL vs full | agreement F1 | "
              "prefix overlap |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -94,7 +100,8 @@ def eviction_table(data: dict) -> str:
     """Markdown table of a ``bench eviction`` replay: hit rate and compute saved per policy and budget."""
     summary = data["summary"]
     lines = [f"`{data['command']}` ({data['model']} sizes, {data['requests']} requests, "
-             f"{summary['distinct_chunks']} distinct chunks, top-{data['top_k']}, {data['date'][:10]})", ""]
+             f"{summary['distinct_chunks']} distinct chunks, top-{data['top_k']}, "
+             f"{data['date'][:10]}{_commit(data)})", ""]
     policies = list(dict.fromkeys(r["policy"] for r in data["rows"]))
     lines += ["| budget | " + " | ".join(policies) + " |", "|---" * (len(policies) + 1) + "|"]
     for fraction in dict.fromkeys(r["budget_fraction"] for r in data["rows"]):

@@ -44,8 +44,24 @@ def provenance(data: dict, source: Path) -> list[str]:
     m = data.get("machine") or {}
     machine = f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, torch {m.get('torch', '?')}"
     machine += f", GPU {m['gpu']}" if m.get("gpu") else ", no GPU"
-    return [f"- result: `{source}`", f"- command: `{data.get('command', '?')}`", f"- model: {data.get('model', '?')}",
-            f"- dataset: {data.get('dataset', '?')}", f"- machine: {machine}", f"- date: {data.get('date', '?')}", ""]
+    return [f"- result: `{source}`", f"- command: `{data.get('command', '?')}`", f"- code: {describe_code(data)}",
+            f"- model: {data.get('model', '?')}", f"- dataset: {data.get('dataset', '?')}", f"- machine: {machine}",
+            f"- date: {data.get('date', '?')}", ""]
+
+
+def describe_code(data: dict) -> str:
+    """The code a result was made with, as a report line (results older than this record say so)."""
+    code = data.get("code")
+    if not code:
+        return "not recorded"
+    text = f"cachecraft {code.get('version', '?')}"
+    if code.get("commit"):
+        text += f", commit {code['commit'][:10]}"
+        if code.get("modified"):
+            text += " with uncommitted changes"
+    else:
+        text += ", not from a git checkout"
+    return text
 
 
 def _plots(out: Path, data: dict, makers: list[tuple[str, Callable, str]]) -> list[str]:
@@ -298,7 +314,8 @@ def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = 
     lines += [f"- {line}" for line in losses] or ["- No such case in these results."]
     lines.append("")
     lines += gpu_section(gpu, gpu_source, [r for r in results.values() if r])
-    lines += ["## Reproduce", "", "Each result records the command that made it:", "", "```"]
+    lines += ["## Reproduce", "", "Each result records the command that made it and, run from a git checkout, the "
+              "commit of the code (each section's `code` line):", "", "```"]
     lines += [results[n]["command"] if results[n] else command(n, p) for n, p in sources.items()]
     lines += [f"cachecraft bench report --out {out}" + "".join(f" --{n} {p}" for n, p in sources.items())
               + (f" --gpu-json {gpu_source}" if gpu_source else ""), "```", ""]

@@ -1,0 +1,63 @@
+"""Result files record the code that made them."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+
+import cachecraft
+from cachecraft.bench.common import code_identity, write_result
+from cachecraft.bench.report import describe_code
+
+needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+
+
+def _git(root, *args):
+    return subprocess.run(["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@example.org", *args],
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+@needs_git
+def test_code_identity_names_the_commit_and_only_code_changes_mark_it_modified(tmp_path):
+    (tmp_path / "cachecraft").mkdir()
+    (tmp_path / "cachecraft" / "engine.py").write_text("x = 1\n")
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "result.json").write_text("{}\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "first")
+    head = _git(tmp_path, "rev-parse", "HEAD")
+    assert code_identity(tmp_path) == {"version": cachecraft.__version__, "commit": head, "modified": False}
+
+    (tmp_path / "benchmarks" / "result.json").write_text('{"new": 1}\n')  # a rerun's result is not a code change
+    (tmp_path / "README.md").write_text("docs\n")
+    assert code_identity(tmp_path)["modified"] is False
+    (tmp_path / "cachecraft" / "engine.py").write_text("x = 2\n")
+    assert code_identity(tmp_path) == {"version": cachecraft.__version__, "commit": head, "modified": True}
+
+
+def test_code_identity_outside_a_checkout_has_no_commit(tmp_path):
+    assert code_identity(tmp_path) == {"version": cachecraft.__version__, "commit": None, "modified": None}
+
+
+@needs_git
+def test_an_install_inside_a_checkout_is_not_taken_for_it(tmp_path):
+    site = tmp_path / ".venv" / "lib" / "site-packages"
+    site.mkdir(parents=True)
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "commit", "-q", "--allow-empty", "-m", "first")
+    assert code_identity(site)["commit"] is None
+
+
+def test_write_result_records_the_code_and_the_report_names_it(tmp_path):
+    data = json.loads(write_result(tmp_path / "r.json", {"command": "cachecraft bench x"}).read_text())
+    assert data["code"]["version"] == cachecraft.__version__ and data["command"] == "cachecraft bench x"
+    assert describe_code({"code": {"version": "0.1.0", "commit": "0123456789abcdef", "modified": False}}) \
+        == "cachecraft 0.1.0, commit 0123456789"
+    assert describe_code({"code": {"version": "0.1.0", "commit": "0123456789abcdef", "modified": True}}) \
+        == "cachecraft 0.1.0, commit 0123456789 with uncommitted changes"
+    assert describe_code({"code": {"version": "0.1.0", "commit": None}}) == "cachecraft 0.1.0, not from a git checkout"
+    assert describe_code({}) == "not recorded"
