@@ -50,8 +50,8 @@ def workload_table(data: dict) -> str:
 def store_table(data: dict) -> str:
     """Markdown table of a ``bench store`` result (headed by its command when it names one)."""
     env = data.get("environment", {})
-    head = ([f"`{data['command']}` ({str(data.get('created', ''))[:10]}, {env.get('cpu_count')} cores)", ""]
-            if data.get("command") else [])
+    made = f"{str(data.get('created', ''))[:10]}{_commit(data)}"
+    head = [f"`{data['command']}` ({made}, {env.get('cpu_count')} cores)", ""] if data.get("command") else []
     lines = [*head, "| tier | put (GB/s) | get, stored dtype (GB/s) | get, compute dtype (GB/s) | layer by layer (GB/s) |",
              "|---|---|---|---|---|"]
     for tier, t in data["tiers"].items():
