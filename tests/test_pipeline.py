@@ -140,7 +140,8 @@ def test_loading_controller_raises_recompute_on_a_slow_tier(pipeline):
 @pytest.mark.parametrize("stream_kv", [True, False])
 @pytest.mark.parametrize("tier", ["cpu", "disk"])
 def test_loading_controller_times_loads_and_counts_held_caches_free(cache_dir, monkeypatch, stream_kv, tier):
-    monkeypatch.setattr("cachecraft.policy.loading.MIN_OBSERVED_BYTES", 0)  # the tiny model's caches count
+    monkeypatch.setattr("cachecraft.policy.loading.MIN_OBSERVED_BYTES", 0)  # the tiny model's caches count,
+    monkeypatch.setattr("cachecraft.policy.loading.FULL_WEIGHT_BYTES", 1)  # in full
     config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 2, "stream_kv": stream_kv},
                          environ={})
     with TieredStore(config, tiers=(tier,)) as store:

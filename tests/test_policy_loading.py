@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cachecraft.policy.loading import (MIN_OBSERVED_BYTES, OBSERVED_WEIGHT, CostModel, cheapest_tier,
-                                       load_hiding_fraction, raise_fractions, tier_for_new_variant)
+from cachecraft.policy.loading import (FULL_WEIGHT_BYTES, MIN_OBSERVED_BYTES, OBSERVED_WEIGHT, CostModel,
+                                       cheapest_tier, load_hiding_fraction, raise_fractions, tier_for_new_variant)
 from tests.conftest import tiny_model
 
 # 1 ms of prefill and 2000 KV bytes per token; loading hides at 2000 / (bw * 0.001).
@@ -67,13 +67,31 @@ def test_cost_model_measure_on_a_tiny_model():
 
 
 def test_measured_loads_replace_then_move_the_bandwidth():
+    full = FULL_WEIGHT_BYTES
     model = CostModel(0.001 / 4, 500, 4, dict(BANDWIDTHS, gpu=float("inf")))
     assert model.r_load("gpu") == 0.0  # used where it is stored: nothing to load
-    first = model.observe_load("disk", 4_000_000, 0.1)  # 4e7 B/s replaces the 1e7 guess
+    first = model.observe_load("disk", full, full / 4e7)  # a full-size load at 4e7 B/s replaces the 1e7 guess
     assert first.bandwidths["disk"] == pytest.approx(4e7) and first.r_load("disk") == pytest.approx(0.05)
+    assert first.timed == {"disk"} and model.timed == frozenset()
     assert model.bandwidths["disk"] == 1e7  # a new model; the old one is unchanged
-    second = first.observe_load("disk", 2_000_000, 0.1)  # 2e7 B/s, weighted in
-    assert second.bandwidths["disk"] == pytest.approx((1 - OBSERVED_WEIGHT) * 4e7 + OBSERVED_WEIGHT * 2e7)
+    second = first.observe_load("disk", full, full / 2e7)  # 2e7 B/s, weighted in as seconds per byte
+    assert OBSERVED_WEIGHT == 0.3
+    assert second.bandwidths["disk"] == pytest.approx(1 / (0.7 / 4e7 + 0.3 / 2e7))  # 3.077e7
     assert first.observe_load("disk", MIN_OBSERVED_BYTES - 1, 1e-6) is first  # too small to time
-    assert first.observe_load("disk", 4_000_000, 0.0) is first
-    assert model.observe_load("gpu", 4_000_000, 0.001).bandwidths["gpu"] == pytest.approx(4e9)
+    assert first.observe_load("disk", full, 0.0) is first
+    assert model.observe_load("gpu", full, full / 4e9).bandwidths["gpu"] == pytest.approx(4e9)
+
+
+def test_small_loads_count_in_proportion_to_their_size():
+    full = FULL_WEIGHT_BYTES
+    model = CostModel(0.001 / 4, 500, 4, dict(BANDWIDTHS))
+    # A quarter-size load read at 1e6 B/s (per-read overhead) moves the 1e7 guess a quarter of the way.
+    small = model.observe_load("disk", full // 4, (full // 4) / 1e6)
+    assert small.bandwidths["disk"] == pytest.approx(1 / (0.75 / 1e7 + 0.25 / 1e6))  # 3.077e6
+    assert small.timed == frozenset()  # not a full-size measurement yet
+    # so the first full-size load still replaces the estimate outright
+    assert small.observe_load("disk", full, full / 4e7).bandwidths["disk"] == pytest.approx(4e7)
+    # once timed, a small load moves it by its share of OBSERVED_WEIGHT
+    timed = small.observe_load("disk", full, full / 4e7)
+    after = timed.observe_load("disk", full // 2, (full // 2) / 1e7)
+    assert after.bandwidths["disk"] == pytest.approx(1 / (0.85 / 4e7 + 0.15 / 1e7))

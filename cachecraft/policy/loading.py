@@ -33,12 +33,20 @@ from cachecraft.kv import kv_bytes_per_token
 # measures while loading (see CostModel.observe_load).
 DEFAULT_BANDWIDTHS: dict[str, float] = {"gpu": 100e9, "cpu": 3e9, "disk": 0.7e9}
 
-# Weight of a new load measurement in a tier's running bandwidth; the first
-# measurement replaces the default outright.
+# Weight of a new load measurement in a tier's running bandwidth; until a full-size
+# load (below) has been timed from a tier, the weight is 1: the measurement replaces
+# the assumed value.
 OBSERVED_WEIGHT = 0.3
 
 # Loads smaller than this are not timed into the bandwidth (timer noise dominates).
 MIN_OBSERVED_BYTES = 256 * 1024
+
+# A load of at least this many bytes counts in full; a smaller one in proportion to its
+# size. A short chunk's read is mostly per-layer overhead, so its rate says little about
+# the large reads the controller must hide. (In `bench scaling --tier disk`, with the
+# warm-up request's two 32-token chunks counted in full, the first question recomputed
+# 3.1% of its chunk tokens to hide loading, the later ones 1.5-1.7%.)
+FULL_WEIGHT_BYTES = 16 * 1024 * 1024
 
 # Minimum value, in seconds of prefill saved per GB stored over the variant's expected
 # reuses, for a new variant to earn each tier. A SmolLM2-135M passage (~600 tokens,
@@ -98,7 +106,7 @@ class CostModel:
     kv_bytes_per_token_layer: int
     num_layers: int
     bandwidths: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_BANDWIDTHS))
-    timed: frozenset[str] = frozenset()  # tiers whose bandwidth comes from measured loads
+    timed: frozenset[str] = frozenset()  # tiers whose bandwidth a full-size load has set
 
     def __post_init__(self) -> None:
         assert self.prefill_s_per_token_layer > 0, "prefill_s_per_token_layer must be > 0"
@@ -118,14 +126,20 @@ class CostModel:
 
     def observe_load(self, tier: str, nbytes: int, seconds: float) -> "CostModel":
         """This model with ``tier``'s bandwidth moved towards ``nbytes / seconds``, one
-        measured load (the first one from a tier replaces the assumed value); unchanged
-        for loads under :data:`MIN_OBSERVED_BYTES` or without a positive time."""
+        measured load; unchanged for loads under :data:`MIN_OBSERVED_BYTES` or without a
+        positive time.
+
+        The first full-size load (:data:`FULL_WEIGHT_BYTES`) timed from a tier replaces the
+        assumed value, later ones move it by :data:`OBSERVED_WEIGHT`; smaller loads count
+        in proportion to their size. Estimates are averaged as seconds per byte, the
+        quantity a load time is predicted from."""
         if nbytes < MIN_OBSERVED_BYTES or seconds <= 0:
             return self
-        seen = nbytes / seconds
-        if tier in self.timed:
-            seen = (1 - OBSERVED_WEIGHT) * self.bandwidths[tier] + OBSERVED_WEIGHT * seen
-        return dataclasses.replace(self, bandwidths={**self.bandwidths, tier: seen}, timed=self.timed | {tier})
+        share = min(1.0, nbytes / FULL_WEIGHT_BYTES)
+        weight = (OBSERVED_WEIGHT if tier in self.timed else 1.0) * share
+        per_byte = (1 - weight) / self.bandwidths[tier] + weight * seconds / nbytes
+        timed = self.timed | {tier} if share == 1.0 else self.timed
+        return dataclasses.replace(self, bandwidths={**self.bandwidths, tier: 1.0 / per_byte}, timed=timed)
 
     def cheapest_tier(self, recompute_fraction: float) -> str | None:
         """The slowest tier that ``recompute_fraction`` hides (see :func:`cheapest_tier`)."""
