@@ -127,7 +127,8 @@ def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[Method
                 on_item: Callable[[int, int], None] | None = None, store: TieredStore | None = None,
                 warm_context: str = "", warm_context_tokens: int = 1024, stats_layer_step: int = 1) -> dict:
     """Run every method on every item; returns ``{"items": [...], "methods": {...}}``.
-    With a ``store``, chunk-caches are put there and loaded from it per request.
+    With a ``store``, chunk-caches are put there and loaded from it per request; an
+    item's chunk-caches leave it once the item is done, so it holds one item's at a time.
     ``warm_context``: text the chunk-caches are made after, following the system prefix
     (empty: the system prefix alone), cut to ``warm_context_tokens``. ``stats_layer_step``:
     the chunk-caches' statistics are gathered at every that-many-th layer, as the
@@ -178,6 +179,9 @@ def run_quality(lm: LoadedModel, items: Sequence[QAItem], specs: Sequence[Method
                 "warm_s": warm_s, "answer": run.answer,
             })
             log.info("item %d %s ttft %.2fs", item.index, spec.label, run.ttft_s)
+        if store is not None:  # no later item reads them; left there, they would crowd its caches out
+            for kv in chunk_kvs:
+                store.delete(kv.variant)
         if on_item:
             on_item(index + 1, len(items))
     return {"items": rows, "methods": {s.label: aggregate(rows, s.label) for s in order}}
