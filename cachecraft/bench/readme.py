@@ -113,7 +113,7 @@ def eviction_table(data: dict) -> str:
 
 
 QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_heldout", "quality_alpha",
-                   "quality_warm", "quality_warm_heldout")
+                   "quality_warm", "quality_warm_heldout", "quality_40")
 RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
              "workload": workload_table, "workload_eviction": workload_table, "store": store_table,
              "eviction_replay": eviction_table, "scaling_8k_revisit": revisit_table,
