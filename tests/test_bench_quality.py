@@ -28,8 +28,9 @@ def _stored_bytes(lm, item) -> tuple[int, int]:
 
 def test_a_run_longer_than_the_budget_keeps_the_caches_of_the_item_it_measures(tiny_llama, dataset, tmp_path):
     items = load_items(dataset)
-    prefix_bytes, item_bytes = _stored_bytes(tiny_llama, items[0])
-    assert max(_stored_bytes(tiny_llama, item)[1] for item in items) < 1.5 * item_bytes
+    sizes = [_stored_bytes(tiny_llama, item) for item in items]
+    prefix_bytes, item_bytes = sizes[0]
+    assert max(size for _, size in sizes) < 1.5 * item_bytes
     # Room for the prefix and one item's caches, not for two items': the second item's
     # caches, which have no hits yet, would be the first to be evicted to make room.
     config = Config.load(overrides={"cache_dir": tmp_path / "scratch",
