@@ -392,6 +392,9 @@ def bench_report_cmd(
                                  help="`bench scaling --revisit` result: chunks an earlier request saw, shuffled."),
     loading: Path = typer.Option(Path("benchmarks/results/scaling_8k_disk.json"),
                                  help="`bench scaling --whole-read` result: chunk-caches streamed in, or read whole."),
+    tradeoff: Path = typer.Option(Path("benchmarks/results/scaling_8k_sweep.json"),
+                                  help="`bench scaling` result at one long context over a sweep of recompute "
+                                       "ratios: agreement bought against speed, next to the goal."),
     gpu_json: Optional[Path] = typer.Option(None, help="A result measured on a GPU, for the GPU section."),
     run: bool = typer.Option(False, "--run", help="Run the missing benchmarks first (long: see the report's "
                                                   "commands)."),
@@ -405,7 +408,7 @@ def bench_report_cmd(
     from cachecraft.bench.runs import RUNS
 
     sources = {"quality": quality, "workload": workload, "eviction": eviction, "replay": replay, "scaling": scaling,
-               "revisit": revisit, "loading": loading}
+               "revisit": revisit, "loading": loading, "tradeoff": tradeoff}
     missing = [name for name, path in sources.items() if not path.is_file()]
     if run and missing:
         config = load_config(ctx)

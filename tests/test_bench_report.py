@@ -142,7 +142,8 @@ def test_command(results, tmp_path):
                                       "--workload", str(results["workload"]), "--scaling", str(results["scaling"]),
                                       "--eviction", str(tmp_path / "no-eviction-run.json"),
                                       "--replay", str(tmp_path / "no-replay.json"),
-                                      "--revisit", str(tmp_path / "no-revisit.json")])
+                                      "--revisit", str(tmp_path / "no-revisit.json"),
+                                      "--tradeoff", str(tmp_path / "no-tradeoff.json")])
     assert result.exit_code == 0, result.output
     assert (out / "report.md").is_file() and "10 plots" in " ".join(result.output.split())
     missing = CliRunner().invoke(app, ["bench", "report", "--out", str(out), "--gpu-json", str(tmp_path / "no.json"),
@@ -225,6 +226,35 @@ def test_a_revisit_run_gets_its_section_plot_and_losses(tmp_path):
     assert "shuffled, the goal is not met either" not in text
     image = tmp_path / "r" / "revisit.png"
     assert image.read_bytes()[:8] == PNG_MAGIC and "](revisit.png)" in text
+
+
+def test_a_ratio_sweep_gets_its_section_plot_and_goal_reach(tmp_path):
+    def row(method, ttft, agreement, recompute):
+        return {"sweep": "context", "method": method, "target_tokens": 7900, "context_tokens": 7912, "n_chunks": 15,
+                "repeats": 6, "ttft_s": ttft, "speedup_vs_full": 30.0 / ttft, "agreement_f1": agreement,
+                "exact_match": 0.5, "kl": 0.1 * (1 - agreement), "recompute_fraction": recompute,
+                "peak_rss_mb": 2000.0}
+    rows = [row("full", 30.0, 1.0, 1.0), row("reuse", 0.75, 0.84, 0.0), row("cachecraft@0.08", 1.5, 0.80, 0.01),
+            row("qguided@0.05", 2.0, 0.85, 0.05), row("qguided@0.4", 12.0, 0.90, 0.4),
+            row("cacheblend@0.15", 6.0, 0.83, 0.15), row("cacheblend@0.5", 15.0, 0.96, 0.5)]
+    summary = {"max_context_tokens": 7912, "method": "cachecraft@0.08", "speedup_at_max_context": 20.0,
+               "agreement_at_max_context": 0.80, "goal": {"speedup": 10.0, "agreement_f1": 0.95, "met": False}}
+    command = "cachecraft bench scaling --contexts 7900 --methods full,reuse,qguided@0.05 --out t.json"
+    path = one_context_result(tmp_path / "tradeoff.json", command, rows, summary, {"chunk_caches": "made by warm"})
+    text = write_report(tmp_path / "r", {"tradeoff": path}).read_text()
+    assert "## Recompute against agreement at the longest context" in text and command in text
+    assert "| qguided@0.4 | 7912 | 6 | 12.00 | 2.5x | 0.400 | 0.0100 | 0.900 | 0.50 |" in text
+    # 30 s / 15 s = 2x for the one setting at >= 0.95; qguided's best is 0.90 at 2.5x, its best >= 10x 0.85 at 15x
+    assert "`cacheblend` reaches 0.95 agreement at best at `cacheblend@0.5`, 2.0x sooner than full" in text
+    assert ("`qguided` stays below 0.95 agreement at every setting tried; its best is `qguided@0.4`, 0.900 at 2.5x "
+            "(recompute 0.400); at 10x or more its closest is `qguided@0.05`, agreement 0.850.") in text
+    assert "- Settings with both: none." in text
+    assert "Recompute sweep: the goal (10x faster than full at agreement >= 0.95" in text
+    image = tmp_path / "r" / "goal_tradeoff.png"
+    assert image.read_bytes()[:8] == PNG_MAGIC and "](goal_tradeoff.png)" in text
+    rows[2] = row("cachecraft@0.08", 2.5, 0.97, 0.02)
+    path = one_context_result(tmp_path / "tradeoff.json", command, rows, summary, {})
+    assert "- Settings with both: `cachecraft@0.08`." in write_report(tmp_path / "r2", {"tradeoff": path}).read_text()
 
 
 def test_a_whole_read_run_gets_its_loading_section_and_losses(tmp_path):

@@ -202,3 +202,36 @@ def loading_losses(data: dict | None) -> list[str]:
             f"reading them whole first at {streamed['context_tokens']} tokens ({streamed['ttft_s']:.2f} s vs "
             f"{whole['ttft_s']:.2f} s)." for streamed, whole in loading_pairs(data)
             if streamed["ttft_s"] > whole["ttft_s"]]
+
+
+def goal_reach(data: dict | None, speedup: float = 10.0, agreement: float = AGREEMENT_BAR) -> list[str]:
+    """At the longest context of a ``bench scaling`` result: per method family, the
+    fastest setting that agrees with full at ``agreement`` or better and the closest
+    setting at least ``speedup`` times sooner than full; and whether any setting has both."""
+    rows = [r for r in (data or {}).get("scaling") or [] if r["sweep"] == "context"]
+    if not rows:
+        return []
+    top = max(r["target_tokens"] for r in rows)
+    rows = [r for r in rows if r["target_tokens"] == top and family(r["method"]) not in ("full", "prefix")]
+    lines = []
+    for name in dict.fromkeys(family(r["method"]) for r in rows):
+        mine = [r for r in rows if family(r["method"]) == name]
+        close = [r for r in mine if r["agreement_f1"] >= agreement]
+        fast = [r for r in mine if r["speedup_vs_full"] >= speedup]
+        if close:
+            best = max(close, key=lambda r: r["speedup_vs_full"])
+            reach = (f"reaches {agreement:g} agreement at best at `{best['method']}`, "
+                     f"{best['speedup_vs_full']:.1f}x sooner than full (recompute {best['recompute_fraction']:.3f})")
+        else:
+            best = max(mine, key=lambda r: r["agreement_f1"])
+            reach = (f"stays below {agreement:g} agreement at every setting tried; its best is `{best['method']}`, "
+                     f"{best['agreement_f1']:.3f} at {best['speedup_vs_full']:.1f}x (recompute "
+                     f"{best['recompute_fraction']:.3f})")
+        if fast:
+            top_fast = max(fast, key=lambda r: r["agreement_f1"])
+            reach += (f"; at {speedup:g}x or more its closest is `{top_fast['method']}`, agreement "
+                      f"{top_fast['agreement_f1']:.3f}")
+        lines.append(f"`{name}` {reach}.")
+    both = [r for r in rows if r["agreement_f1"] >= agreement and r["speedup_vs_full"] >= speedup]
+    lines.append("Settings with both: " + (", ".join(f"`{r['method']}`" for r in both) if both else "none") + ".")
+    return lines

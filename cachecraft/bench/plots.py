@@ -455,3 +455,53 @@ def revisit_bars(data: dict, path: Path) -> Path | None:
                      f"{rows[0].get('repeats', '?')} questions, {data.get('model', '?')}", fontsize=15)
         fig.tight_layout()
         return _save(fig, path)
+
+
+def goal_tradeoff(data: dict, path: Path, goal_speedup: float = 10.0, goal_agreement: float = 0.95) -> Path | None:
+    """Agreement and first-token KL against speedup over full at the longest context, one
+    point per method and ratio, with the goal region (fast enough and close enough) shaded."""
+    rows = [r for r in data.get("scaling") or [] if r["sweep"] == "context"]
+    if not rows:
+        return None
+    top = max(r["target_tokens"] for r in rows)
+    rows = [r for r in rows if r["target_tokens"] == top and family(r["method"]) != "full"]
+    if not rows:
+        return None
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(1, 2, figsize=(14, 5.8))
+        for ax, key, ylabel in ((axes[0], "agreement_f1", "answer agreement with full (token F1)"),
+                                (axes[1], "kl", "first-token KL(full || method) (nats, log scale)")):
+            groups: dict[str, list[dict]] = {}
+            for r in rows:
+                groups.setdefault(family(r["method"]), []).append(r)
+            for name, points in groups.items():
+                points.sort(key=lambda r: ratio(r["method"]) or 0.0)
+                ax.plot([r["speedup_vs_full"] for r in points], [r[key] for r in points],
+                        "o-" if len(points) > 1 else "o", color=COLORS.get(name, "#17becf"), markersize=8,
+                        linewidth=1.5, label=name)
+                for r in points:
+                    if ratio(r["method"]) is not None:
+                        ax.annotate(f"{ratio(r['method']):g}", (r["speedup_vs_full"], r[key]),
+                                    textcoords="offset points", xytext=(6, 5), fontsize=9,
+                                    color=COLORS.get(name, "#17becf"))
+            _log_axis(ax, "x")
+            ax.set_xlabel("speedup of the first token over full prefill (x, log scale)")
+            ax.set_ylabel(ylabel)
+        right = max(goal_speedup * 1.5, max(r["speedup_vs_full"] for r in rows) * 1.4)
+        for ax in axes:
+            ax.set_xlim(right=right)
+        if all(r["kl"] > 0 for r in rows):
+            _log_axis(axes[1], "y")
+        axes[0].fill_between([goal_speedup, right], goal_agreement, 1.02, color="#2ca02c", alpha=0.18,
+                             label=f"goal: >= {goal_speedup:g}x at >= {goal_agreement:g}")
+        axes[0].set_ylim(min(0.5, min(r["agreement_f1"] for r in rows) - 0.05), 1.02)
+        axes[0].set_title("Answer agreement (goal region shaded)")
+        axes[1].set_title("First-token KL (lower is better)")
+        handles, names = axes[0].get_legend_handles_labels()
+        fig.legend(handles, names, loc="lower center", ncol=len(names),
+                   title="method (point labels: recompute ratio / alpha)", bbox_to_anchor=(0.5, -0.01))
+        tokens = round(statistics.fmean(r["context_tokens"] for r in rows))
+        fig.suptitle(f"How much recompute buys how much agreement, {tokens}-token prompts, "
+                     f"{rows[0].get('repeats', '?')} questions, {data.get('model', '?')}", fontsize=15)
+        fig.tight_layout(rect=(0, 0.13, 1, 1))
+        return _save(fig, path)

@@ -82,8 +82,9 @@ def scaling_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def revisit_table(data: dict) -> str:
-    """Markdown table of a ``bench scaling --revisit`` result: one row per method at its context."""
+def method_rows_table(data: dict) -> str:
+    """Markdown table of a one-context ``bench scaling`` result (``--revisit``, a ratio
+    sweep): one row per method."""
     rows = [r for r in data["scaling"] if r["sweep"] == "context"]
     lines = [f"`{data['command']}` ({data['model']}, {rows[0]['repeats']} questions, "
              f"{data['date'][:10]}{_commit(data)}, {data['machine']['cpu']}, {data['machine']['cores']} cores)", "",
@@ -116,7 +117,8 @@ QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_heldo
                    "quality_warm", "quality_warm_heldout", "quality_40")
 RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
              "workload": workload_table, "workload_eviction": workload_table, "store": store_table,
-             "eviction_replay": eviction_table, "scaling_8k_revisit": revisit_table,
+             "eviction_replay": eviction_table, "scaling_8k_revisit": method_rows_table,
+             "scaling_8k_sweep": method_rows_table,
              **{name: scaling_table
                 for name in ("scaling", "scaling_8k", "scaling_8k_warm", "scaling_8k_disk", "scaling_cold",
                              "scaling_prefix")}}

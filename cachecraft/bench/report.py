@@ -204,6 +204,30 @@ def revisit_section(data: dict, source: Path, out: Path) -> list[str]:
     return lines + _goal_line(summary)
 
 
+def tradeoff_section(data: dict, source: Path, out: Path) -> list[str]:
+    """A `bench scaling` result at one long context over a sweep of recompute ratios: how
+    much agreement each method buys with its recompute, against the goal."""
+    lines = ["## Recompute against agreement at the longest context", "", *provenance(data, source)]
+    setup = data.get("setup") or {}
+    if setup.get("chunk_caches"):
+        lines.append(f"- setup, chunk caches: {setup['chunk_caches']}")
+    lines.append("")
+    goal = (data.get("summary") or {}).get("goal") or {}
+    speedup, agreement = goal.get("speedup", 10.0), goal.get("agreement_f1", findings.AGREEMENT_BAR)
+    lines += _plots(out, data, [("goal_tradeoff.png",
+                                 lambda d, p: plots.goal_tradeoff(d, p, speedup, agreement),
+                                 "agreement and KL against speedup, goal shaded")])
+    rows = [r for r in data.get("scaling") or [] if r["sweep"] == "context"]
+    lines += _table(["method", "tokens", "questions", "TTFT (s)", "speedup vs full", "recompute", "KL",
+                     "agreement F1", "exact match"],
+                    [[r["method"], str(r["context_tokens"]), str(r["repeats"]), f"{r['ttft_s']:.2f}",
+                      f"{r['speedup_vs_full']:.1f}x", f"{r['recompute_fraction']:.3f}", f"{r['kl']:.4f}",
+                      f"{r['agreement_f1']:.3f}", f"{r.get('exact_match', float('nan')):.2f}"] for r in rows])
+    lines += [f"Against the goal ({speedup:g}x sooner than full at agreement >= {agreement:g}):", ""]
+    lines += [f"- {line}" for line in findings.goal_reach(data, speedup, agreement)]
+    return lines + [""]
+
+
 def loading_section(data: dict, source: Path, out: Path) -> list[str]:
     """A `bench scaling --whole-read` result: chunk-caches streamed in during the prefill,
     against the same caches read whole before it."""
@@ -280,7 +304,7 @@ def gpu_section(gpu: dict | None, source: Path | None, others: list[dict]) -> li
 
 SECTIONS = {"quality": quality_section, "workload": workload_section, "eviction": eviction_section,
             "replay": replay_section, "scaling": scaling_section, "revisit": revisit_section,
-            "loading": loading_section}
+            "loading": loading_section, "tradeoff": tradeoff_section}
 
 
 def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = None) -> Path:
@@ -307,7 +331,8 @@ def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = 
               + findings.replay_losses(results.get("replay"))
               + findings.scaling_losses(results.get("scaling"))
               + findings.scaling_losses(results.get("revisit"), what="Revisit")
-              + findings.loading_losses(results.get("loading")))
+              + findings.loading_losses(results.get("loading"))
+              + findings.scaling_losses(results.get("tradeoff"), what="Recompute sweep"))
     lines += ["## Where cachecraft loses", "",
               "Read off the results above: every case where another method is faster, closer to full, or saves "
               "more, and every setting that falls below 0.95 agreement with full.", ""]

@@ -24,6 +24,8 @@ WORKLOAD_METHODS = "full,prefix,reuse,cacheblend,cachecraft"
 EVICTIONS = ("lru", "lfu", "pgdsf", "cachecraft")
 REVISIT_METHODS = "full,prefix,reuse,cachecraft"
 LOADING_METHODS = "full,reuse,cachecraft"
+TRADEOFF_METHODS = ("full,reuse,cacheblend@0.15,cacheblend@0.5,cachecraft@0.08,qguided@0.05,qguided@0.1,"
+                    "qguided@0.2,qguided@0.4,qguided@0.7")
 COMMANDS = {
     "quality": f"cachecraft bench quality --dataset {{dataset}} --limit {{limit}} --methods {QUALITY_METHODS} "
                "--out {out}",
@@ -40,6 +42,9 @@ COMMANDS = {
     "loading": "cachecraft bench scaling --dataset {dataset} --contexts {contexts} --chunks '' --repeats {repeats} "
                "--chunk-tokens {chunk_tokens} --max-new-tokens {max_new_tokens} --tier {tier} "
                f"--methods {LOADING_METHODS} --whole-read --out {{out}}",
+    "tradeoff": "cachecraft bench scaling --dataset {dataset} --contexts {contexts} --chunks '' --repeats {repeats} "
+                "--chunk-tokens {chunk_tokens} --max-new-tokens {max_new_tokens} "
+                f"--methods {TRADEOFF_METHODS} --out {{out}}",
 }
 Progress = Callable[[str], None]
 
@@ -48,7 +53,8 @@ DEFAULTS = {"quality": {"limit": 10}, "workload": {"limit": 20, "requests": 40, 
             "eviction": {"limit": 20, "requests": 40, "top_k": 3, "cpu_budget": "32MiB", "disk_budget": "128MiB"},
             "replay": {}, "scaling": {},
             "revisit": {"contexts": 7900, "repeats": 6, "chunk_tokens": 512, "max_new_tokens": 32},
-            "loading": {"contexts": 7900, "repeats": 6, "chunk_tokens": 512, "max_new_tokens": 32, "tier": "disk"}}
+            "loading": {"contexts": 7900, "repeats": 6, "chunk_tokens": 512, "max_new_tokens": 32, "tier": "disk"},
+            "tradeoff": {"contexts": 7900, "repeats": 6, "chunk_tokens": 512, "max_new_tokens": 32}}
 SCALING_FLAGS = {"chunk_counts": "chunks"}
 
 
@@ -168,6 +174,14 @@ def run_loading_default(lm: LoadedModel, config: Config, dataset: Path, out: Pat
                              whole_read=True)
 
 
+def run_tradeoff_default(lm: LoadedModel, config: Config, dataset: Path, out: Path,
+                         on_progress: Progress | None = None, **settings) -> Path:
+    """``bench scaling`` at one long context over a sweep of recompute ratios (CacheBlend's
+    check and the question-guided choice) next to full, reuse and the policy: what each
+    share of recomputed tokens buys in agreement. ``settings`` as for the revisit run."""
+    return _run_long_context("tradeoff", TRADEOFF_METHODS, lm, config, dataset, out, on_progress, settings)
+
+
 def _run_long_context(name: str, methods: str, lm: LoadedModel, config: Config, dataset: Path, out: Path,
                       on_progress: Progress | None, settings: dict, **flags) -> Path:
     from cachecraft.bench.scaling import run_scaling
@@ -188,4 +202,5 @@ def _run_long_context(name: str, methods: str, lm: LoadedModel, config: Config, 
 
 
 RUNS = {"quality": run_quality_default, "workload": run_workload_default, "replay": run_replay_default,
-        "scaling": run_scaling_default, "revisit": run_revisit_default, "loading": run_loading_default}
+        "scaling": run_scaling_default, "revisit": run_revisit_default, "loading": run_loading_default,
+        "tradeoff": run_tradeoff_default}
