@@ -248,6 +248,7 @@ def test_a_ratio_sweep_gets_its_section_plot_and_goal_reach(tmp_path):
     assert "`cacheblend` reaches 0.95 agreement at best at `cacheblend@0.5`, 2.0x sooner than full" in text
     assert ("`qguided` stays below 0.95 agreement at every setting tried; its best is `qguided@0.4`, 0.900 at 2.5x "
             "(recompute 0.400); at 10x or more its closest is `qguided@0.05`, agreement 0.850.") in text
+    assert "- `reuse`: agreement 0.840 at 40.0x (recompute 0.000)." in text
     assert "- Settings with both: none." in text
     assert "Recompute sweep: the goal (10x faster than full at agreement >= 0.95" in text
     image = tmp_path / "r" / "goal_tradeoff.png"
