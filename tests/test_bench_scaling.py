@@ -141,6 +141,23 @@ def test_default_revisit_run_takes_its_defaults_and_writes_its_command(dataset, 
     assert any(r["method"].endswith("revisit") for r in data["scaling"])
 
 
+def test_default_tradeoff_run_sweeps_the_ratios_at_one_context(dataset, tmp_path, cache_dir):
+    from cachecraft.bench.runs import TRADEOFF_METHODS, run_tradeoff_default
+
+    cache_dir.mkdir(parents=True)
+    config = Config.load(overrides={"cache_dir": cache_dir}, environ={})
+    out = run_tradeoff_default(tiny_model("mistral"), config, dataset, tmp_path / "t.json", contexts=100,
+                               chunk_tokens=40, repeats=1, max_new_tokens=2)
+    data = json.loads(out.read_text())
+    assert f"--methods {TRADEOFF_METHODS} --out" in data["command"]
+    rows = {r["method"]: r for r in data["scaling"]}
+    assert list(rows) == TRADEOFF_METHODS.split(",")
+    assert rows["full"]["kl"] == 0.0 and rows["reuse"]["recompute_fraction"] == 0.0
+    swept = [rows[f"qguided@{r}"]["recompute_fraction"] for r in ("0.05", "0.1", "0.2", "0.4", "0.7")]
+    assert swept == sorted(swept) and swept[0] < swept[-1]  # more recomputed tokens as the ratio grows
+    assert rows["cacheblend@0.5"]["recompute_fraction"] > rows["cacheblend@0.15"]["recompute_fraction"]
+
+
 def test_whole_read_rows_time_the_same_caches_read_whole_with_the_same_answers(dataset, tmp_path, cache_dir):
     from cachecraft.bench.runs import run_loading_default
 
