@@ -68,6 +68,22 @@ def _family_legend(ax, labels: Sequence[str], **kwargs) -> None:
 
 # -- quality ----------------------------------------------------------------------------------
 
+def _ratio_families(ax, points: list[tuple[float, float, str]]) -> None:
+    """Plot (x, y, label) points, one line per method family in order of ratio, each point
+    with a ratio labelled by it."""
+    groups: dict[str, list[tuple[float, float, str]]] = {}
+    for point in points:
+        groups.setdefault(family(point[2]), []).append(point)
+    for name, mine in groups.items():
+        mine.sort(key=lambda p: (ratio(p[2]) or 0.0, p[0]))
+        ax.plot([p[0] for p in mine], [p[1] for p in mine], "o-" if len(mine) > 1 else "o",
+                color=COLORS.get(name, "#17becf"), markersize=8, linewidth=1.5, label=name)
+        for x, y, label in mine:
+            if ratio(label) is not None:
+                ax.annotate(f"{ratio(label):g}", (x, y), textcoords="offset points", xytext=(6, 5), fontsize=9,
+                            color=COLORS.get(name, "#17becf"))
+
+
 def quality_tradeoff(data: dict, path: Path) -> Path | None:
     """Agreement and first-token KL against median TTFT, one point per method and ratio."""
     methods = {k: v for k, v in (data.get("methods") or {}).items() if v}
@@ -77,18 +93,7 @@ def quality_tradeoff(data: dict, path: Path) -> Path | None:
         fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
         for ax, key, ylabel in ((axes[0], "agreement_f1_mean", "answer agreement with full (token F1)"),
                                 (axes[1], "kl_mean", "first-token KL(full || method) (nats)")):
-            groups: dict[str, list[tuple[float, float, str]]] = {}
-            for label, m in methods.items():
-                groups.setdefault(family(label), []).append((m["ttft_s_median"], m[key], label))
-            for name, points in groups.items():
-                points.sort(key=lambda p: (ratio(p[2]) or 0.0, p[0]))
-                xs, ys = [p[0] for p in points], [p[1] for p in points]
-                ax.plot(xs, ys, "o-" if len(points) > 1 else "o", color=COLORS.get(name, "#17becf"),
-                        markersize=8, linewidth=1.5, label=name)
-                for x, y, label in points:
-                    if ratio(label) is not None:
-                        ax.annotate(f"{ratio(label):g}", (x, y), textcoords="offset points", xytext=(6, 5),
-                                    fontsize=9, color=COLORS.get(name, "#17becf"))
+            _ratio_families(ax, [(m["ttft_s_median"], m[key], label) for label, m in methods.items()])
             _log_axis(ax, "x")
             ax.set_xlabel("median time to first token (s, log scale)")
             ax.set_ylabel(ylabel)
@@ -471,19 +476,7 @@ def goal_tradeoff(data: dict, path: Path, goal_speedup: float = 10.0, goal_agree
         fig, axes = plt.subplots(1, 2, figsize=(14, 5.8))
         for ax, key, ylabel in ((axes[0], "agreement_f1", "answer agreement with full (token F1)"),
                                 (axes[1], "kl", "first-token KL(full || method) (nats, log scale)")):
-            groups: dict[str, list[dict]] = {}
-            for r in rows:
-                groups.setdefault(family(r["method"]), []).append(r)
-            for name, points in groups.items():
-                points.sort(key=lambda r: ratio(r["method"]) or 0.0)
-                ax.plot([r["speedup_vs_full"] for r in points], [r[key] for r in points],
-                        "o-" if len(points) > 1 else "o", color=COLORS.get(name, "#17becf"), markersize=8,
-                        linewidth=1.5, label=name)
-                for r in points:
-                    if ratio(r["method"]) is not None:
-                        ax.annotate(f"{ratio(r['method']):g}", (r["speedup_vs_full"], r[key]),
-                                    textcoords="offset points", xytext=(6, 5), fontsize=9,
-                                    color=COLORS.get(name, "#17becf"))
+            _ratio_families(ax, [(r["speedup_vs_full"], r[key], r["method"]) for r in rows])
             _log_axis(ax, "x")
             ax.set_xlabel("speedup of the first token over full prefill (x, log scale)")
             ax.set_ylabel(ylabel)
