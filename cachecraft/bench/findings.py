@@ -5,7 +5,7 @@ Each function returns Markdown bullet lines; none judges beyond the numbers give
 
 from __future__ import annotations
 
-from cachecraft.bench.plots import EVICTION, family, ratio
+from cachecraft.bench.plots import EVICTION, family, longest_context_rows, ratio
 
 AGREEMENT_BAR = 0.95  # the agreement with full we aim to keep
 TOLERANCE = 0.01  # agreement differences smaller than this are noise at these sample sizes
@@ -208,11 +208,9 @@ def goal_reach(data: dict | None, speedup: float = 10.0, agreement: float = AGRE
     """At the longest context of a ``bench scaling`` result: per method family, the
     fastest setting that agrees with full at ``agreement`` or better and the closest
     setting at least ``speedup`` times sooner than full; and whether any setting has both."""
-    rows = [r for r in (data or {}).get("scaling") or [] if r["sweep"] == "context"]
+    rows = [r for r in longest_context_rows(data) if family(r["method"]) not in ("full", "prefix")]
     if not rows:
         return []
-    top = max(r["target_tokens"] for r in rows)
-    rows = [r for r in rows if r["target_tokens"] == top and family(r["method"]) not in ("full", "prefix")]
     lines = []
     for name in dict.fromkeys(family(r["method"]) for r in rows):
         mine = [r for r in rows if family(r["method"]) == name]

@@ -422,14 +422,19 @@ def scaling_memory(data: dict, path: Path) -> Path | None:
         return _save(fig, path)
 
 
+def longest_context_rows(data: dict | None) -> list[dict]:
+    """The context-sweep rows of a ``bench scaling`` result at its longest target length."""
+    rows = [r for r in (data or {}).get("scaling") or [] if r["sweep"] == "context"]
+    top = max((r["target_tokens"] for r in rows), default=None)
+    return [r for r in rows if r["target_tokens"] == top]
+
+
 def revisit_bars(data: dict, path: Path) -> Path | None:
     """TTFT, first-token KL and agreement per method at one context length, with the
     rows of requests whose chunks an earlier request saw (``... revisit``) hatched."""
-    rows = [r for r in data.get("scaling") or [] if r["sweep"] == "context"]
-    if not rows or not any(r["method"].endswith(" revisit") for r in rows):
+    rows = longest_context_rows(data)
+    if not any(r["method"].endswith(" revisit") for r in rows):
         return None
-    top = max(r["target_tokens"] for r in rows)
-    rows = [r for r in rows if r["target_tokens"] == top]
     labels = [r["method"] for r in rows]
     panels = (("ttft_s", "time to first token", "seconds (log scale)"),
               ("kl", "first-token KL vs full", "nats"),
@@ -465,11 +470,7 @@ def revisit_bars(data: dict, path: Path) -> Path | None:
 def goal_tradeoff(data: dict, path: Path, goal_speedup: float = 10.0, goal_agreement: float = 0.95) -> Path | None:
     """Agreement and first-token KL against speedup over full at the longest context, one
     point per method and ratio, with the goal region (fast enough and close enough) shaded."""
-    rows = [r for r in data.get("scaling") or [] if r["sweep"] == "context"]
-    if not rows:
-        return None
-    top = max(r["target_tokens"] for r in rows)
-    rows = [r for r in rows if r["target_tokens"] == top and family(r["method"]) != "full"]
+    rows = [r for r in longest_context_rows(data) if family(r["method"]) != "full"]
     if not rows:
         return None
     with plt.rc_context(STYLE):
