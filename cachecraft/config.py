@@ -9,8 +9,10 @@ flags). Unknown keys are an error that lists the known ones.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
+import tempfile
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -247,3 +249,73 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
         return str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{f.name}: cannot read {value!r} as {kind}") from None
+
+
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_string(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch == '"' or ch == "\\":
+            out.append("\\" + ch)
+        elif ch in "\b\t\n\f\r":
+            out.append({"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_value(key: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else
+                                                         ("inf" if value > 0 else "-inf"))
+    if isinstance(value, (str, Path)):
+        return _toml_string(str(value))
+    raise ConfigError(f"cannot write {key} = {value!r} to a flat config file (only str, int, float, bool)")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
+
+
+def write_config_value(path: str | Path, key: str, value: Any) -> Path:
+    """Set ``key = value`` in the TOML config at ``path`` (created if missing), keeping
+    its other keys; a ``[cachecraft]`` table stays a table. Written atomically."""
+    path = Path(path).expanduser()
+    data: dict[str, Any] = {}
+    if path.exists():
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    table = data.get("cachecraft") if isinstance(data.get("cachecraft"), dict) else None
+    (table if table is not None else data)[key] = value
+    top = {k: v for k, v in data.items() if table is None or k != "cachecraft"}
+    lines = [f"{_toml_key(k)} = {_toml_value(k, v)}" for k, v in top.items()]
+    if table is not None:
+        lines += ["[cachecraft]"] + [f"{_toml_key(k)} = {_toml_value(k, v)}" for k, v in table.items()]
+    text = "\n".join(lines) + "\n"
+    try:
+        mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".config-", suffix=".toml", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            os.chmod(tmp, mode)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise ConfigError(f"cannot write config file {path}: {exc.strerror or exc}") from None
+    return path

@@ -17,7 +17,7 @@ import typer
 from rich.table import Table
 
 from .bench import bench_app
-from .common import (CONTEXT, UserError, console, err_console, friendly, load_config, summarize_commands,
+from .common import (CONTEXT, METHODS_HELP, UserError, console, err_console, friendly, load_config, summarize_commands,
                      load_model_quietly, quiet_libraries)
 
 app = typer.Typer(help="cachecraft: reuse per-chunk KV caches for RAG, recompute only what matters.",
@@ -97,11 +97,10 @@ def calibrate_cmd(
     fitted alpha matches the caches your questions will use."""
     from rich.progress import Progress
 
-    from cachecraft.config import CONFIG_ENV, default_config_file
+    from cachecraft.calibration import calibrate
+    from cachecraft.config import CONFIG_ENV, default_config_file, write_config_value
     from cachecraft.dataset import load_items
-    from cachecraft.model.loader import DTYPES
-    from cachecraft.policy.calibrate import CalibrationError, calibrate, check_target, parse_alphas, write_config_value
-    from cachecraft.warm_context import load_text
+    from cachecraft.policy.calibrate import CalibrationError, check_target, parse_alphas
 
     try:
         candidates, target = parse_alphas(alphas), check_target(target)
@@ -117,10 +116,7 @@ def calibrate_cmd(
     lm = load_model_quietly(config)
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task("requests", total=len(items))
-        result = calibrate(lm, items, candidates, target, system_prompt=config.system_prompt,
-                           question_template=config.question_template, kv_dtype=DTYPES[config.kv_dtype],
-                           max_new_tokens=max_new_tokens, warm_context=load_text(config.warm_context),
-                           warm_context_tokens=config.warm_context_tokens, stats_layer_step=config.stats_layer_step,
+        result = calibrate(lm, config, items, candidates, target, max_new_tokens=max_new_tokens,
                            on_item=lambda done, total: progress.update(task, completed=done))
     table = Table(title=f"calibrate policy_alpha on {len(items)} item(s) (target agreement {target:g}; "
                         f"full TTFT median {result.full_ttft_s:.2f} s)")
@@ -225,9 +221,9 @@ def warm_cmd(
 def query_cmd(
     ctx: typer.Context,
     question: str = typer.Argument(..., help="The question, in quotes."),
-    method: str = typer.Option("cachecraft", help="full (prefill everything), prefix (reuse an identical prompt "
-                               "prefix kept in this process's memory), reuse (cached chunks as they are), "
-                               "cacheblend (fixed 15% recompute) or cachecraft (the policy)."),
+    method: str = typer.Option("cachecraft", help="The method. " + METHODS_HELP + ". name@ratio sets a ratio "
+                               "(alpha for cachecraft), e.g. cacheblend@0.3; prefix reuses prompts kept in this "
+                               "process's memory only."),
     top_k: Optional[int] = typer.Option(None, "--top-k", "-k", min=1, help="Chunks to retrieve (default: config "
                                         "top_k, 3)."),
     max_new_tokens: Optional[int] = typer.Option(None, min=1, help="Answer length limit (default: config)."),
@@ -241,11 +237,12 @@ def query_cmd(
 
     Example: cachecraft query "Who founded the company?" --top-k 4
     """
-    from .product import QUERY_METHODS, open_pipeline, print_report, streamer_for
+    from cachecraft.methods import parse_method
+
+    from .product import open_pipeline, print_report, streamer_for
     if not question.strip():
         raise UserError("the question is empty")
-    if method not in QUERY_METHODS:
-        raise UserError(f"unknown method {method!r}; choose from {', '.join(QUERY_METHODS)}")
+    parse_method(method)  # an unknown method fails here, before the model loads
     config = load_config(ctx, model=model)
     _require_corpus(config)
     with open_pipeline(config) as pipe:

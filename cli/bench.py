@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.table import Table
 
-from .common import (CONTEXT, UserError, console, ensure_dir, err_console, friendly, load_config,
+from .common import (CONTEXT, METHODS_HELP, UserError, console, ensure_dir, err_console, friendly, load_config,
                      load_model_quietly)
 
 bench_app = typer.Typer(help="Benchmarks that write JSON results and print a table.",
@@ -28,9 +26,8 @@ def bench_quality_cmd(
     skip: int = typer.Option(0, min=0, help="Leave out the first N items, e.g. to test on items a setting "
                                             "was not chosen on."),
     methods: str = typer.Option("full,reuse,cacheblend",
-                                help="Comma-separated methods: full, prefix, reuse, cacheblend, inter, firstk, "
-                                     "qguided, cachecraft; name@ratio sets a ratio (alpha for cachecraft), "
-                                     "e.g. cacheblend@0.3."),
+                                help="Comma-separated methods. " + METHODS_HELP + ". name@ratio sets a ratio "
+                                     "(alpha for cachecraft), e.g. cacheblend@0.3."),
     ratio: Optional[float] = typer.Option(None, min=0.0, max=1.0,
                                           help="Default recompute ratio (default: config cacheblend_ratio, 0.15)."),
     max_new_tokens: int = typer.Option(32, min=1, help="Answer length for agreement and gold F1."),
@@ -47,29 +44,15 @@ def bench_quality_cmd(
     from cachecraft.bench.quality import run_quality
     from cachecraft.dataset import load_items
     from cachecraft.methods import parse_methods
-    from cachecraft.model.loader import DTYPES
-    from cachecraft.store import TieredStore
-    from cachecraft.warm_context import load_text
 
     config = load_config(ctx, model=model, warm_context=warm_context)
     specs = parse_methods(methods, config.cacheblend_ratio if ratio is None else ratio, config.policy_alpha)
     items = load_items(dataset, limit, skip)
     lm = load_model_quietly(config)
-    scratch = Path(tempfile.mkdtemp(prefix="bench-quality-", dir=ensure_dir(config.cache_dir)))
-    try:
-        with TieredStore(config.replace(cache_dir=scratch), tiers=("cpu",)) as store, \
-                Progress(console=err_console, transient=True) as progress:
-            task = progress.add_task("requests", total=len(items))
-            result = run_quality(lm, items, specs, system_prompt=config.system_prompt,
-                                 question_template=config.question_template,
-                                 kv_dtype=DTYPES[config.kv_dtype], max_new_tokens=max_new_tokens,
-                                 on_item=lambda done, total: progress.update(task, completed=done), store=store,
-                                 warm_context=load_text(config.warm_context),
-                                 warm_context_tokens=config.warm_context_tokens,
-                                 stats_layer_step=config.stats_layer_step)
-            store.close(persist=False)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    with Progress(console=err_console, transient=True) as progress:
+        task = progress.add_task("requests", total=len(items))
+        result = run_quality(lm, config, items, specs, max_new_tokens=max_new_tokens,
+                             on_item=lambda done, total: progress.update(task, completed=done))
     payload = {"benchmark": "quality", "command": _invocation(ctx, "quality"), "model": lm.name,
                "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""),
                "kv_dtype": config.kv_dtype, "warm_context": config.warm_context, "dataset": str(dataset),
@@ -106,13 +89,12 @@ def bench_workload_cmd(
     from cachecraft.bench.workload import build_trace, run_workload
     from cachecraft.config import parse_bytes
     from cachecraft.dataset import load_items
-    from cachecraft.methods import MethodSpec
+    from cachecraft.methods import parse_methods
     from cachecraft.retrieval.embed import Embedder
 
     config = load_config(ctx)
+    parse_methods(methods)  # unknown names fail here, before any work
     names = [m.strip() for m in methods.split(",") if m.strip()]
-    for name in names:
-        MethodSpec(name)  # unknown names fail here, before any work
     policies = [e.strip() for e in evictions.split(",") if e.strip()]
     for policy in policies:
         config.replace(eviction=policy)  # unknown policies fail here

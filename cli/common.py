@@ -10,6 +10,16 @@ from typing import Any, Callable
 import typer
 from rich.console import Console
 
+# The methods as --help lists them; the same words as cachecraft.methods.methods_help()
+# (a test keeps them equal), written out so that --help needs no torch import.
+METHODS_HELP = ("full: prefill everything; prefix: exact prefix reuse of earlier requests (vLLM-style); reuse: "
+                "chunk-caches concatenated, only the question computed; cacheblend: reuse plus CacheBlend's "
+                "deviation check at a fixed ratio; cachecraft: the policy: per-chunk variant and recompute from "
+                "attention statistics; qguided (experimental): the tokens the question looks at most, at a fixed "
+                "ratio; inter (experimental): the tokens with the highest stored inter-attention; firstk "
+                "(experimental): the first tokens of every chunk (EPIC-like)")
+
+
 from cachecraft.config import Config, ConfigError
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}

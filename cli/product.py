@@ -16,9 +16,6 @@ from cachecraft.config import Config
 
 from .common import UserError, console, err_console, load_model_quietly
 
-QUERY_METHODS = ("full", "prefix", "reuse", "cacheblend", "cachecraft")
-
-
 def open_pipeline(config: Config, tiers: Sequence[str] | None = None):
     """Model (behind a spinner) + store + catalog, as a :class:`Pipeline` to close after use."""
     from cachecraft.pipeline import Pipeline

@@ -42,7 +42,7 @@ from transformers import TextIteratorStreamer
 
 from cachecraft.catalog import MISS
 from cachecraft.config import Config
-from cachecraft.methods import METHODS, UnknownMethod
+from cachecraft.methods import parse_method
 from cachecraft.pipeline import Answer, Pipeline
 from cachecraft.prompt import PromptBuilder
 
@@ -109,8 +109,7 @@ class CacheCraftQueryEngine(BaseQueryEngine):
             raise TypeError(f"retriever must be a LlamaIndex BaseRetriever, got {type(retriever).__name__}")
         if pipeline is not None and (model is not None or cache_dir is not None or config is not None):
             raise ValueError("give either an existing pipeline or model/cache_dir/config to build one, not both")
-        if method not in METHODS:
-            raise UnknownMethod(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+        parse_method(method, ratio=ratio)  # an unknown name or ratio fails here, with the list of methods
         self._retriever = retriever
         self._owns_pipeline = pipeline is None
         self.pipeline = pipeline if pipeline is not None else Pipeline(_make_config(model, cache_dir, config))

@@ -1,46 +1,77 @@
-"""bench quality's store: a run longer than the store's budget keeps the caches it measures."""
+"""bench quality and calibrate answer through the pipeline's one request path."""
 
 from __future__ import annotations
 
 import torch
 
-from cachecraft.bench.quality import run_quality, warm_chunks
-from cachecraft.config import DEFAULT_QUESTION_TEMPLATE, Config
+from cachecraft.bench.quality import run_quality
+from cachecraft.calibration import calibrate
+from cachecraft.config import Config
 from cachecraft.dataset import load_items
-from cachecraft.engine import create_chunk_cache
-from cachecraft.methods import MethodSpec
-from cachecraft.prompt import PromptBuilder
+from cachecraft.evaluation import answer_traced, item_chunks, scratch_pipeline
+from cachecraft.methods import METHODS, parse_methods
+from cachecraft.pipeline import Pipeline
 from cachecraft.store import TieredStore
-from cachecraft.store.tiers import entry_nbytes
 
 SYSTEM = "w3 w4 w5"
 
 
-def _stored_bytes(lm, item) -> tuple[int, int]:
-    """Bytes the CPU tier charges for the system prefix and for one item's chunk-caches."""
-    builder = PromptBuilder(lm.tokenizer, SYSTEM, DEFAULT_QUESTION_TEMPLATE)
-    pieces = builder.build([PromptBuilder.chunk_text(text, title) for title, text in item.passages], item.question)
-    prefix = create_chunk_cache(lm.adapter, [], pieces.prefix, fingerprint=lm.fingerprint,
-                                collect_stats=False).to(torch.float16)
-    chunks = warm_chunks(lm, pieces, prefix, torch.float16)
-    return entry_nbytes(prefix), sum(entry_nbytes(kv) for kv in chunks)
+def _config(path, **overrides) -> Config:
+    return Config.load(overrides={"cache_dir": path, "system_prompt": SYSTEM, "max_new_tokens": 3,
+                                  "warm_context": "none", "policy_check_layer": 2, **overrides}, environ={})
+
+
+def test_the_quality_runner_answers_exactly_as_the_pipeline_does_for_every_method(tiny_llama, dataset, tmp_path):
+    item = load_items(dataset, limit=1)[0]
+    methods = parse_methods(",".join(METHODS), ratio=0.3, alpha=0.5)
+    config = _config(tmp_path / "bench", early_stop_layers="1")
+    seen = {}
+    result = run_quality(tiny_llama, config, [item], methods, max_new_tokens=3,
+                         on_answer=lambda item, answer, trace: seen.setdefault(answer.method, (answer, trace)))
+    assert [r["method"] for r in result["items"]] == [m.label for m in methods]
+
+    public = _config(tmp_path / "public", early_stop_layers="1")
+    chunks = item_chunks(item)
+    with TieredStore(public, tiers=("cpu",)) as store:
+        pipeline = Pipeline(public, lm=tiny_llama, store=store, keep_new_variants=False)
+        pipeline.warm(chunks)
+        for method in methods:
+            answer, trace = answer_traced(pipeline, chunks, item.question, method, max_new_tokens=3)
+            bench_answer, bench_trace = seen[method.label]
+            assert torch.equal(trace.logits, bench_trace.logits), method.label
+            assert answer.text == bench_answer.text, method.label
+            assert [(c.tier, c.fraction, c.stop_layer) for c in answer.chunks] == \
+                [(c.tier, c.fraction, c.stop_layer) for c in bench_answer.chunks], method.label
+
+
+def test_calibrate_plans_requests_exactly_as_query_does(tiny_llama, dataset, tmp_path):
+    item = load_items(dataset, limit=1)[0]
+    config = _config(tmp_path / "calibrate", policy_check_layer=1, early_stop_layers="1,2", early_stop_share=1.0)
+    plans = {}
+    calibrate(tiny_llama, config, [item], [0.3, 0.6], max_new_tokens=3,
+              on_answer=lambda item, answer, trace: plans.setdefault(answer.method, answer.chunks))
+    chunks = item_chunks(item)
+    query_config = config.replace(cache_dir=tmp_path / "query")
+    with TieredStore(query_config, tiers=("cpu",)) as store:
+        pipeline = Pipeline(query_config, lm=tiny_llama, store=store, keep_new_variants=False)
+        pipeline.warm(chunks)
+        for label in ("cachecraft@0.3", "cachecraft@0.6"):
+            answer = pipeline.answer(chunks, item.question, method=label, max_new_tokens=3)
+            assert answer.chunks == plans[label]
+    assert any(c.stop_layer is not None for c in plans["cachecraft@0.6"])  # early termination took part
 
 
 def test_a_run_longer_than_the_budget_keeps_the_caches_of_the_item_it_measures(tiny_llama, dataset, tmp_path):
     items = load_items(dataset)
-    sizes = [_stored_bytes(tiny_llama, item) for item in items]
-    prefix_bytes, item_bytes = sizes[0]
-    assert max(size for _, size in sizes) < 1.5 * item_bytes
-    # Room for the prefix and one item's caches, not for two items': the second item's
-    # caches, which have no hits yet, would be the first to be evicted to make room.
-    config = Config.load(overrides={"cache_dir": tmp_path / "scratch",
-                                    "cpu_budget_bytes": prefix_bytes + int(1.5 * item_bytes)})
-    with TieredStore(config, tiers=("cpu",)) as store:
-        result = run_quality(tiny_llama, items, [MethodSpec("full"), MethodSpec("reuse")], system_prompt=SYSTEM,
-                             max_new_tokens=2, store=store)
-        usage = store.usage()["cpu"]
-        assert (usage.entries, usage.bytes) == (1, prefix_bytes)  # only the shared system prefix is left
-        assert store.counters.evictions == 0
-        store.close(persist=False)
+    with scratch_pipeline(tiny_llama, _config(tmp_path / "sizes")) as pipeline:
+        pipeline.warm(item_chunks(items[0]))
+        with_item = pipeline.store.usage()["cpu"].bytes
+        pipeline.forget(item_chunks(items[0]))
+        prefix_bytes = pipeline.store.usage()["cpu"].bytes  # the system prefix stays
+    item_bytes = with_item - prefix_bytes
+    # Room for the prefix and one item's caches, not two items': each item's caches leave when it is done.
+    config = _config(tmp_path / "run", cpu_budget_bytes=prefix_bytes + int(1.5 * item_bytes))
+    result = run_quality(tiny_llama, config, items, parse_methods("full,reuse"), max_new_tokens=2)
     assert [(r["item"], r["method"]) for r in result["items"]] == [(0, "full"), (0, "reuse"), (1, "full"), (1, "reuse")]
-    assert result["methods"]["reuse"]["recompute_fraction_mean"] == 0.0
+    assert result["methods"]["reuse"]["recompute_fraction_mean"] == 0.0  # every chunk-cache was found
+    assert list((tmp_path / "run").iterdir()) == []  # the scratch store is gone

@@ -7,12 +7,11 @@ import tomllib
 import pytest
 from typer.testing import CliRunner
 
-from cachecraft.config import Config, ConfigError
-import cachecraft.policy.calibrate as calibrate_module
-from cachecraft.warm_context import load_text
+import cachecraft.calibration as calibrate_module
 import cli.app as cli_app
+from cachecraft.config import Config, ConfigError, write_config_value
 from cachecraft.policy.calibrate import (AlphaRow, CalibrationError, CalibrationResult, check_target, choose_alpha,
-                                         parse_alphas, write_config_value)
+                                         parse_alphas)
 from cli.app import app
 
 runner = CliRunner()
@@ -86,7 +85,7 @@ def test_calibrate_cli_writes_the_chosen_alpha(tiny_dir, dataset, tmp_path, cach
 
 
 def test_calibrate_cli_defaults_to_the_cache_dir_config(dataset, cache_dir, monkeypatch):
-    def fake_calibrate(lm, items, alphas, target, **kwargs):
+    def fake_calibrate(lm, config, items, alphas, target, **kwargs):
         rows = tuple(row(a, a, 0.5 + a / 2) for a in alphas)
         chosen, reached = choose_alpha(rows, target)
         return CalibrationResult(rows, chosen, target, reached, full_ttft_s=2.0)
@@ -104,8 +103,8 @@ def test_calibrate_cli_defaults_to_the_cache_dir_config(dataset, cache_dir, monk
 def test_calibrate_makes_caches_the_way_warm_does(dataset, cache_dir, monkeypatch, tmp_path):
     seen = []
 
-    def fake_calibrate(lm, items, alphas, target, **kwargs):
-        seen.append((kwargs["warm_context"], kwargs["warm_context_tokens"]))
+    def fake_calibrate(lm, config, items, alphas, target, **kwargs):
+        seen.append((config.warm_context, config.warm_context_tokens))
         rows = tuple(row(a, a, 0.99) for a in alphas)
         return CalibrationResult(rows, rows[0], target, True, full_ttft_s=2.0)
 
@@ -116,8 +115,8 @@ def test_calibrate_makes_caches_the_way_warm_does(dataset, cache_dir, monkeypatc
     for extra in ([], ["--warm-context", "none"], ["--warm-context", str(context)]):
         result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.1", *extra])
         assert result.exit_code == 0, result.output
-    assert seen[0] == (load_text("builtin"), Config.load().warm_context_tokens)  # the config default
-    assert seen[1][0] == "" and seen[2][0] == context.read_text()
+    assert seen[0] == ("builtin", Config.load().warm_context_tokens)  # the config default
+    assert seen[1][0] == "none" and seen[2][0] == str(context)
 
 
 @pytest.mark.parametrize("args,needle", [

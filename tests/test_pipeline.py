@@ -13,6 +13,14 @@ from cachecraft.policy.planner import PolicyParams
 from cachecraft.store import TieredStore
 from tests.conftest import tiny_model
 
+def traced(pipeline, *args, **options):
+    """``pipeline.answer`` with the prefill's logits kept on the answer (read from its trace)."""
+    traces = []
+    answer = pipeline.answer(*args, observer=traces.append, **options)
+    answer.logits = traces[0].logits
+    return answer
+
+
 CHUNKS = [" ".join(f"w{i}" for i in range(10 + 20 * j, 30 + 20 * j)) + "\n\n" for j in range(4)]
 QUESTION = "w200 w201 w202"
 
@@ -28,10 +36,10 @@ def pipeline(cache_dir):
 
 
 def test_miss_then_exact_variant_reuse(pipeline):
-    first = pipeline.answer(CHUNKS, QUESTION, keep_logits=True)
+    first = traced(pipeline, CHUNKS, QUESTION)
     assert first.recompute_fraction == 1.0
     assert all(c.tier == "miss" and c.variant is None for c in first.chunks)
-    again = pipeline.answer(CHUNKS, QUESTION, keep_logits=True)
+    again = traced(pipeline, CHUNKS, QUESTION)
     assert again.recompute_fraction == 0.0  # every chunk has a variant made under this exact prefix
     assert all(c.tier in ("cpu", "disk") and c.cfo == 0.0 for c in again.chunks)
     assert (again.logits - first.logits).abs().max() < 1e-4
@@ -53,9 +61,9 @@ def test_reordered_chunks_pick_the_lowest_cfo_and_fix_some_tokens(pipeline):
 
 def test_every_fraction_at_one_gives_full_prefill_answer(pipeline):
     pipeline.answer(CHUNKS, QUESTION)
-    full = pipeline.answer(list(reversed(CHUNKS)), QUESTION, method="full", keep_logits=True)
+    full = traced(pipeline, list(reversed(CHUNKS)), QUESTION, method="full")
     pipeline.policy = PolicyParams(floor=1.0, check_layer=2)
-    forced = pipeline.answer(list(reversed(CHUNKS)), QUESTION, keep_logits=True)
+    forced = traced(pipeline, list(reversed(CHUNKS)), QUESTION)
     assert full.text == forced.text
     assert (full.logits - forced.logits).abs().max() < 1e-4
 
@@ -146,7 +154,7 @@ def test_loading_controller_times_loads_and_counts_held_caches_free(cache_dir, m
                          environ={})
     with TieredStore(config, tiers=(tier,)) as store:
         pipe = Pipeline(config, lm=tiny_model("llama"), store=store, policy=PolicyParams(alpha=0.5, check_layer=2))
-        guessed = dict(pipe._ensure_cost_model().bandwidths)
+        guessed = dict(pipe.ensure_cost_model().bandwidths)
         pipe.answer(CHUNKS, QUESTION, method="reuse")  # makes the caches
         pipe.answer(CHUNKS, QUESTION, method="reuse")  # loads them
         learned = pipe.cost_model.bandwidths
@@ -232,10 +240,10 @@ def test_query_errors_before_ingest_and_on_an_empty_question(corpus_pipeline):
 
 
 def test_full_prefill_keeps_nothing_and_matches_the_first_miss(pipeline):
-    full = pipeline.answer(CHUNKS, QUESTION, method="full", keep_logits=True)
+    full = traced(pipeline, CHUNKS, QUESTION, method="full")
     keys = [c.chunk for c in full.chunks]
     assert all(not pipeline.store.variants_of(key) for key in keys)  # the baseline caches nothing
-    miss = pipeline.answer(CHUNKS, QUESTION, keep_logits=True)
+    miss = traced(pipeline, CHUNKS, QUESTION)
     assert all(c.tier == "miss" for c in miss.chunks)
     assert (miss.logits - full.logits).abs().max() < 1e-4 and miss.text == full.text
 
@@ -276,7 +284,7 @@ def test_a_mostly_fixed_chunk_is_computed_in_full_and_kept_with_its_own_statisti
     pipeline.policy = PolicyParams(alpha=0.5, floor=0.6, check_layer=2)  # every plan recomputes >= 60%
     warmed = [[r.key for r in pipeline.store.variants_of(chunk_key(pipeline.lm.fingerprint, ids))]
               for ids in pipeline.builder.build(CHUNKS, QUESTION).chunks]
-    first = pipeline.answer(CHUNKS, QUESTION, keep_logits=True)
+    first = traced(pipeline, CHUNKS, QUESTION)
     assert all(c.fraction == 1.0 and c.cfo is not None for c in first.chunks)
     assert [(c.tier, [c.variant]) for c in first.chunks] == [("cpu", w) for w in warmed], (
         "found but computed in full: a hit in the tier it was found in")
@@ -287,7 +295,7 @@ def test_a_mostly_fixed_chunk_is_computed_in_full_and_kept_with_its_own_statisti
         kept = [r for r in pipeline.store.variants_of(report.chunk) if r.prefix[1:] == before]
         assert len(kept) == 1, "one new variant, made after the system prefix and the chunks before it"
         assert pipeline.store.stats_of(kept[0].key).inter.shape[1] == position + 1
-    full = pipeline.answer(CHUNKS, QUESTION, method="full", keep_logits=True)
+    full = traced(pipeline, CHUNKS, QUESTION, method="full")
     assert (first.logits - full.logits).abs().max() < 1e-4
     pipeline.policy = PolicyParams(alpha=0.5, check_layer=2)
     again = pipeline.answer(list(reversed(CHUNKS)), QUESTION)  # plans over every kept variant

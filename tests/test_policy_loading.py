@@ -7,6 +7,7 @@ import pytest
 from cachecraft.policy.loading import (FULL_WEIGHT_BYTES, MIN_OBSERVED_BYTES, OBSERVED_WEIGHT, CostModel,
                                        cheapest_tier, load_hiding_fraction, raise_fractions, tier_for_new_variant)
 from tests.conftest import tiny_model
+from cachecraft.pipeline.cost import measure_cost_model
 
 # 1 ms of prefill and 2000 KV bytes per token; loading hides at 2000 / (bw * 0.001).
 BANDWIDTHS = {"gpu": 1e9, "cpu": 1e8, "disk": 1e7}  # r_load: 0.002, 0.02, 0.2
@@ -59,11 +60,19 @@ def test_cost_model_from_history():
 
 def test_cost_model_measure_on_a_tiny_model():
     lm = tiny_model("llama")
-    model = CostModel.measure(lm, tokens=16, repeats=1)
+    model = measure_cost_model(lm, tokens=16, repeats=1)
     assert model.prefill_s_per_token_layer > 0
     assert model.num_layers == 4
     assert model.kv_bytes_per_token_layer == 2 * 2 * 16 * 2  # K and V, 2 KV heads, head_dim 16, float16
     assert 0 < model.r_load("cpu") <= 1
+
+
+def test_a_timed_full_prefill_moves_the_prefill_rate_by_its_weight():
+    model = CostModel(0.001, 500, 4)  # 0.004 s per token
+    moved = model.observe_prefill(100, 0.8)  # 0.008 s per token: 0.002 per token-layer
+    assert moved.prefill_s_per_token_layer == pytest.approx(0.7 * 0.001 + 0.3 * 0.002)
+    assert moved.prefill_s(10) == pytest.approx(10 * 4 * (0.7 * 0.001 + 0.3 * 0.002))
+    assert model.observe_prefill(0, 1.0) is model and model.observe_prefill(10, 0.0) is model
 
 
 def test_measured_loads_replace_then_move_the_bandwidth():

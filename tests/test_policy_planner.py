@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from cachecraft.policy.planner import (PolicyParams, VariantInfo, apply_budget, choose_variant,
-                                       early_stop_decision, plan_request)
+from cachecraft.policy.planner import PolicyParams, VariantInfo, apply_budget, choose_variant, plan_request
+from cachecraft.policy.rules import early_stop_decision
 
 INTER = torch.tensor([[1.0, 1.0]])
 INTRA = torch.tensor([2.0])

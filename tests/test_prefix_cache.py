@@ -3,7 +3,7 @@
 import torch
 
 from cachecraft.engine import blended_prefill
-from cachecraft.methods import MethodSpec, build_segments, remember_prefix
+from cachecraft.methods import prefix_segments, remember_prefix
 from cachecraft.prefix_cache import PrefixCache, block_keys
 from cachecraft.prompt import PromptPieces
 from tests.test_engine import hf_forward, make_prompt
@@ -31,12 +31,11 @@ def test_prefix_method_reuses_exact_blocks_and_matches_full(tiny_llama):
     pieces = PromptPieces(tuple(prefix), tuple(map(tuple, chunks)), tuple(question))
     logits, _ = hf_forward(tiny_llama, prefix, chunks, question)
     cache = PrefixCache(tiny_llama.fingerprint, block_size=4)
-    spec = MethodSpec("prefix")
-    first_segments, _ = build_segments(spec, pieces, None, [None] * 3, prefix_cache=cache)
+    first_segments = prefix_segments(pieces, cache.match(pieces.token_ids, limit=pieces.num_tokens - 1))
     assert all(s.cached is None for s in first_segments)
     first = blended_prefill(tiny_llama.adapter, first_segments)
     assert remember_prefix(cache, tiny_llama.adapter, first) == pieces.num_tokens // 4
-    again, _ = build_segments(spec, pieces, None, [None] * 3, prefix_cache=cache)
+    again = prefix_segments(pieces, cache.match(pieces.token_ids, limit=pieces.num_tokens - 1))
     cached = sum(len(s.token_ids) for s in again if s.cached is not None)
     assert cached == ((pieces.num_tokens - 1) // 4) * 4
     result = blended_prefill(tiny_llama.adapter, again)

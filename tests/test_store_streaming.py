@@ -7,6 +7,7 @@ import torch
 
 from cachecraft.config import Config
 from cachecraft.engine import Segment, blended_prefill, create_chunk_cache
+from cachecraft.evaluation import answer_traced
 from cachecraft.pipeline import Pipeline
 from cachecraft.policy.planner import PolicyParams
 from cachecraft.store import CorruptEntryError, LayerStream, TieredStore
@@ -118,13 +119,13 @@ def test_a_request_that_meets_a_damaged_cache_answers_as_if_it_were_never_stored
     lm = tiny_model("llama")
     with TieredStore(config_, tiers=("disk",)) as store:
         pipe = Pipeline(config_, lm=lm, store=store, policy=PolicyParams(alpha=0.5, check_layer=2))
-        first = pipe.answer(chunks, "w200 w201", method="reuse", keep_logits=True)  # makes the caches
+        first, first_trace = answer_traced(pipe, chunks, "w200 w201", "reuse")  # makes the caches
         with store.catalog.read() as tx:
             blob = tx.entry(store.variants_of(first.chunks[1].chunk)[0].key, "disk").blob
         path = disk_blob_files(store)[blob]
         flip_byte(path, offset=path.stat().st_size // 2)  # inside a layer: found only while streaming
         hits_before = store.counters.hits["disk"]
-        again = pipe.answer(chunks, "w200 w201", method="reuse", keep_logits=True)
+        again, again_trace = answer_traced(pipe, chunks, "w200 w201", "reuse")
         with store.catalog.read() as tx:
             variant_hits = [tx.variant(store.variants_of(c.chunk)[0].key).hits for c in again.chunks[::2]]
     assert [c.tier for c in again.chunks] == ["disk", "miss", "disk"]
@@ -134,7 +135,7 @@ def test_a_request_that_meets_a_damaged_cache_answers_as_if_it_were_never_stored
     assert store.counters.hits["disk"] - hits_before == (4 if stream_kv else 3)
     assert variant_hits == [1, 1]
     assert ("answering again without it" in caplog.text) == stream_kv  # read whole, it is a miss up front
-    assert again.text == first.text and (again.logits - first.logits).abs().max() < 1e-5
+    assert again.text == first.text and (again_trace.logits - first_trace.logits).abs().max() < 1e-5
 
 
 def test_streamed_and_whole_loading_give_the_same_answer_bit_for_bit(cache_dir):
@@ -147,9 +148,9 @@ def test_streamed_and_whole_loading_give_the_same_answer_bit_for_bit(cache_dir):
             pipe = Pipeline(config_, lm=tiny_model("mistral"), store=store,
                             policy=PolicyParams(alpha=0.5, check_layer=2))
             pipe.warm(chunks)
-            answers[stream_kv] = [pipe.answer(chunks[::-1], "w200 w201", method=m, keep_logits=True)
+            answers[stream_kv] = [answer_traced(pipe, chunks[::-1], "w200 w201", m)
                                   for m in ("reuse", "cacheblend", "cachecraft")]
-    for streamed, whole in zip(answers[True], answers[False]):
-        assert torch.equal(streamed.logits, whole.logits) and streamed.text == whole.text
+    for (streamed, streamed_trace), (whole, whole_trace) in zip(answers[True], answers[False]):
+        assert torch.equal(streamed_trace.logits, whole_trace.logits) and streamed.text == whole.text
         assert [c.tier for c in streamed.chunks] == [c.tier for c in whole.chunks]
         assert streamed.recompute_fraction == whole.recompute_fraction

@@ -44,7 +44,8 @@ from typing import Callable, Sequence
 from cachecraft.bench.common import PeakRSS
 from cachecraft.config import Config
 from cachecraft.dataset import QAItem
-from cachecraft.methods import MethodSpec
+from cachecraft.evaluation import answer_traced
+from cachecraft.methods import CacheCraft, Full, Method, Prefix
 from cachecraft.metrics import exact_match, first_line, kl_divergence, token_f1
 from cachecraft.model.loader import LoadedModel
 from cachecraft.prompt import PromptBuilder, builder_for
@@ -103,7 +104,7 @@ def cut_chunks(builder: PromptBuilder, stream: Sequence[int], question: str, poi
     return [builder.tokenizer.decode(list(stream[a:b])) for a, b in zip(bounds, bounds[1:])]
 
 
-def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs: Sequence[MethodSpec], *,
+def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs: Sequence[Method], *,
                 contexts: Sequence[int] = DEFAULT_CONTEXTS, chunk_counts: Sequence[int] = DEFAULT_CHUNK_COUNTS,
                 fixed_context: int = 4000, chunk_tokens: int = 512, repeats: int = 2, prefix_shared: int = 1,
                 max_new_tokens: int = 32, tier: str = "cpu", cold: bool = False, revisit: bool = False,
@@ -119,19 +120,18 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
                          f"model's context window of {lm.max_context}")
     if repeats < 1 or not items:
         raise ValueError("need at least one item and one repeat")
-    order = [(MethodSpec("full"), "warm")] + [(s, "warm") for s in specs if s.name != "full"]
-    craft = next((s for s in specs if s.name == "cachecraft"), MethodSpec("cachecraft", config.policy_alpha))
+    order = [(Full(), "warm")] + [(s, "warm") for s in specs if not isinstance(s, Full)]
+    craft = next((s for s in specs if isinstance(s, CacheCraft)), CacheCraft(config.policy_alpha))
     if cold:
         order.append((craft, "cold"))
     if revisit:  # prefix caching on the same history, where any is asked for
-        order += [(craft, "revisit")] + [(s, "revisit") for s in specs if s.name == "prefix"]
+        order += [(craft, "revisit")] + [(s, "revisit") for s in specs if isinstance(s, Prefix)]
     if whole_read:
         order += [(s, "whole") for s in specs if s.uses_cache]
     builder = builder_for(lm.tokenizer, config)
     starts = [(r * len(items)) // repeats for r in range(repeats)]  # questions far apart in the file
     streams = [passage_stream(builder, items, s, longest) for s in starts]
-    runner = _Runner(lm, config, prefix_shared=prefix_shared, max_new_tokens=max_new_tokens, tier=tier,
-                     needs_cost_model=any(s.name == "cachecraft" for s, _ in order))
+    runner = _Runner(lm, config, prefix_shared=prefix_shared, max_new_tokens=max_new_tokens, tier=tier)
     runner.warm_up(order, [builder.tokenizer.decode(streams[0][i:i + 32]) for i in (0, 32)])
     total = len(points) * repeats * len(order)
     rows: list[dict] = []
@@ -172,7 +172,7 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
     return {"scaling": table, "requests": rows, "summary": summarize(table), "setup": setup}
 
 
-def _run_point(runner: "_Runner", order: Sequence[tuple[MethodSpec, str]], builder: PromptBuilder,
+def _run_point(runner: "_Runner", order: Sequence[tuple[Method, str]], builder: PromptBuilder,
                items: Sequence[QAItem], starts: Sequence[int], streams: Sequence[list[int]], point: Point):
     """Rows of every method on every question of one point (``full`` first on each)."""
     for repeat, (start, stream) in enumerate(zip(starts, streams)):
@@ -189,72 +189,45 @@ def _run_point(runner: "_Runner", order: Sequence[tuple[MethodSpec, str]], build
 
 
 class _Runner:
-    """Runs one method on one request: ``full`` as a plain prefill, the others through a
-    fresh pipeline over a scratch store."""
+    """Runs one method on one request through a fresh pipeline over a scratch store
+    (``full`` too: its pipeline has nothing cached and keeps nothing)."""
 
-    def __init__(self, lm: LoadedModel, config: Config, *, prefix_shared: int, max_new_tokens: int, tier: str,
-                 needs_cost_model: bool):
+    def __init__(self, lm: LoadedModel, config: Config, *, prefix_shared: int, max_new_tokens: int, tier: str):
         import torch
 
+        from cachecraft.pipeline.cost import measure_cost_model
         from cachecraft.policy.loading import CostModel
 
         self.lm, self.tier, self.prefix_shared = lm, tier, prefix_shared
         self.config = config.replace(max_new_tokens=max_new_tokens)
         # A server measures its cost model once at start-up; so do we, outside the timed requests.
-        self.cost_model = (CostModel.measure(lm, kv_dtype=getattr(torch, config.kv_dtype))
-                           if needs_cost_model else None)
+        self.cost_model = measure_cost_model(lm, kv_dtype=getattr(torch, config.kv_dtype))
         self.learned: dict[str, CostModel] = {}  # per setting, as the last request left it (bandwidths timed)
 
-    def warm_up(self, order: Sequence[tuple[MethodSpec, str]], chunks: list[str]) -> None:
+    def warm_up(self, order: Sequence[tuple[Method, str]], chunks: list[str]) -> None:
         """One untimed small request per method, so lazy initialisation is not timed."""
         for spec, setting in order:
             self.run(spec, chunks, EARLIER_QUESTION, None, setting=setting)
 
-    def run(self, spec: MethodSpec, chunks: list[str], question: str, reference,
+    def run(self, spec: Method, chunks: list[str], question: str, reference,
             setting: str = "warm") -> tuple[dict, object]:
         """Time ``spec`` on one request (``setting``: warm, cold, revisit or whole, see the module doc); its row
         (quality against ``reference``) and its answer."""
-        if spec.name == "full":
-            answer, mem, setup_s = self._plain_prefill(chunks, question)
-        else:
-            answer, mem, setup_s = self._through_pipeline(spec, chunks, question, setting)
-        ref = reference or answer
+        (answer, trace), mem, setup_s = self._through_pipeline(spec, chunks, question, setting)
+        ref, ref_trace = reference or (answer, trace)
         row = {"method": spec.label + SETTING_SUFFIX[setting], "context_tokens": answer.prompt_tokens,
                "ttft_s": answer.ttft_s,
                "speedup_vs_full": ref.ttft_s / answer.ttft_s, "recompute_fraction": answer.recompute_fraction,
-               "token_layers": answer.token_layers,
+               "token_layers": trace.token_layers,
                "agreement_f1": token_f1(first_line(answer.text), first_line(ref.text)),
                "exact_match": float(exact_match(answer.text, ref.text)),
-               "kl": kl_divergence(ref.logits, answer.logits),
+               "kl": kl_divergence(ref_trace.logits, trace.logits),
                "peak_rss_mb": mem.peak_mb, "rss_growth_mb": mem.growth_mb, "setup_s": setup_s,
                "cached_chunks": sum(c.tier != "miss" for c in answer.chunks),
                "prefix_overlap": _mean_overlap(answer.chunks), "answer": answer.text}
-        return row, answer
+        return row, (answer, trace)
 
-
-    def _plain_prefill(self, chunks: list[str], question: str):
-        """``full`` as users know it: one prefill of the whole prompt, nothing saved (the
-        work of the pipeline's ``full``, without its store)."""
-        from cachecraft.engine import blended_prefill, generate_from
-        from cachecraft.methods import build_segments
-        from cachecraft.pipeline import Answer
-
-        builder = builder_for(self.lm.tokenizer, self.config)
-        _release_freed_memory()
-        with PeakRSS() as mem:
-            start = time.perf_counter()
-            pieces = builder.build(chunks, question, max_tokens=self.lm.max_context)
-            segments, _ = build_segments(MethodSpec("full"), pieces, None, [None] * len(pieces.chunks))
-            result = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint)
-            int(result.logits.argmax())
-            ttft = time.perf_counter() - start
-            new_ids = generate_from(self.lm.model, self.lm.tokenizer, result,
-                                    max_new_tokens=self.config.max_new_tokens)
-        text = self.lm.tokenizer.decode(new_ids, skip_special_tokens=True)
-        return Answer(text, "full", ttft, pieces.num_tokens, len(new_ids), result.recompute_fraction,
-                      logits=result.logits.float().cpu(), token_layers=result.token_layers), mem, 0.0
-
-    def _through_pipeline(self, spec: MethodSpec, chunks: list[str], question: str, setting: str = "warm"):
+    def _through_pipeline(self, spec: Method, chunks: list[str], question: str, setting: str = "warm"):
         """A fresh pipeline over a scratch store, set up as ``setting`` says (chunk-caches
         made ahead, nothing, or an earlier request over the chunks shuffled), then the
         timed request."""
@@ -266,25 +239,22 @@ class _Runner:
         try:
             with TieredStore(config, tiers=(self.tier,)) as store:
                 pipeline = Pipeline(config, lm=self.lm, store=store)
-                if self.cost_model is not None:  # one measured prefill cost; bandwidths as timed so far
-                    pipeline.cost_model = self.learned.get(setting) or dataclasses.replace(
-                        self.cost_model, bandwidths=pipeline.starting_bandwidths())
+                # one measured prefill cost; bandwidths as timed so far
+                pipeline.cost_model = self.learned.get(setting) or dataclasses.replace(
+                    self.cost_model, bandwidths=pipeline.starting_bandwidths())
                 start = time.perf_counter()
                 if setting == "revisit":
-                    pipeline.answer(shuffled(chunks), EARLIER_QUESTION, method=spec.name, ratio=spec.ratio,
-                                    max_new_tokens=1, record=False)
+                    pipeline.answer(shuffled(chunks), EARLIER_QUESTION, method=spec, max_new_tokens=1, record=False)
                 elif spec.uses_cache and setting in ("warm", "whole"):
                     pipeline.warm(chunks)
-                elif spec.name == "prefix":
+                elif isinstance(spec, Prefix):
                     earlier = chunks[:self.prefix_shared] or ["An earlier, unrelated passage.\n\n"]
                     pipeline.answer(earlier, EARLIER_QUESTION, method="prefix", max_new_tokens=1, record=False)
                 setup_s = time.perf_counter() - start
                 _release_freed_memory()
                 with PeakRSS() as mem:
-                    answer = pipeline.answer(chunks, question, method=spec.name, ratio=spec.ratio,
-                                             keep_logits=True, record=False)
-                if pipeline.cost_model is not None:  # later requests start from what this one timed
-                    self.learned[setting] = pipeline.cost_model
+                    answer = answer_traced(pipeline, chunks, question, spec, record=False)
+                self.learned[setting] = pipeline.cost_model  # later requests start from what this one timed
                 store.close(persist=False)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)

@@ -138,12 +138,14 @@ def _replay(lm: LoadedModel, config: Config, trace: Sequence[TraceRequest], labe
 
 def _measure(pipeline, request: TraceRequest, method: str) -> dict:
     """Answer one request; the measured part of its row."""
+    from cachecraft.evaluation import answer_traced
+
     start = time.perf_counter()
-    answer = pipeline.answer(list(request.chunks), request.question, method=method)
+    answer, trace = answer_traced(pipeline, list(request.chunks), request.question, method)
     total = time.perf_counter() - start
     tiers = [c.tier for c in answer.chunks]
     return {"prompt_tokens": answer.prompt_tokens, "ttft_s": answer.ttft_s, "request_s": total,
-            "recompute_fraction": answer.recompute_fraction, "token_layers": answer.token_layers,
+            "recompute_fraction": answer.recompute_fraction, "token_layers": trace.token_layers,
             "hits": {t: tiers.count(t) for t in set(tiers)}, "chunks": len(tiers), "answer": answer.text}
 
 

@@ -18,14 +18,17 @@ tokens, always computed, would hide a little more; they are left out (conservati
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
-import torch
+# Prefill seconds per token per layer assumed before anything was measured: the
+# prototype's ~30 s for a 6.2k-token prefill of SmolLM2-135M's 30 layers on the
+# development CPU. The pipeline measures the real rate at start-up (and moves it with
+# every full prefill); the store uses this only for entries recorded without a cost.
+DEFAULT_PREFILL_S_PER_TOKEN_LAYER = 1.6e-4
 
-from cachecraft.kv import kv_bytes_per_token
+# Weight of a new full prefill's timing in the running prefill cost.
+OBSERVED_PREFILL_WEIGHT = 0.3
 
 # Bytes/s to get a chunk-cache back as compute tensors, from `cachecraft bench store`
 # on the development CPU machine (cpu ~3 GB/s, disk ~0.7-1 GB/s); the GPU figure is a
@@ -141,6 +144,20 @@ class CostModel:
         timed = self.timed | {tier} if share == 1.0 else self.timed
         return dataclasses.replace(self, bandwidths={**self.bandwidths, tier: 1.0 / per_byte}, timed=timed)
 
+    def prefill_s(self, tokens: int) -> float:
+        """Seconds a full prefill of ``tokens`` tokens is expected to take."""
+        return self.prefill_s_per_token * tokens
+
+    def observe_prefill(self, tokens: int, seconds: float) -> "CostModel":
+        """This model with its prefill cost moved towards one timed full prefill of
+        ``tokens`` tokens (by :data:`OBSERVED_PREFILL_WEIGHT`); unchanged without a
+        positive count and time."""
+        if tokens <= 0 or seconds <= 0:
+            return self
+        measured = seconds / tokens / self.num_layers
+        blended = (1 - OBSERVED_PREFILL_WEIGHT) * self.prefill_s_per_token_layer + OBSERVED_PREFILL_WEIGHT * measured
+        return dataclasses.replace(self, prefill_s_per_token_layer=blended)
+
     def cheapest_tier(self, recompute_fraction: float) -> str | None:
         """The slowest tier that ``recompute_fraction`` hides (see :func:`cheapest_tier`)."""
         return cheapest_tier(recompute_fraction, self.prefill_s_per_token, self.kv_bytes_per_token, self.bandwidths)
@@ -155,27 +172,4 @@ class CostModel:
             return None
         per_token = sum(s for _, s in usable) / sum(t for t, _ in usable)
         return cls(per_token / num_layers, kv_bytes_per_token_layer, num_layers,
-                   dict(bandwidths if bandwidths is not None else DEFAULT_BANDWIDTHS))
-
-    @classmethod
-    def measure(cls, lm, tokens: int = 128, repeats: int = 3, kv_dtype: torch.dtype = torch.float16,
-                bandwidths: Mapping[str, float] | None = None) -> "CostModel":
-        """Time a full prefill of ``tokens`` tokens on ``lm`` (a LoadedModel; median of
-        ``repeats`` after one warm-up); KV bytes per token from its shape and ``kv_dtype``."""
-        from cachecraft.engine import Segment, blended_prefill
-
-        adapter = lm.adapter
-        ids = [(i * 7919) % 1000 + 10 for i in range(tokens)]
-        vocab = getattr(getattr(lm.model, "config", None), "vocab_size", None)
-        if vocab:
-            ids = [i % vocab for i in ids]
-        seconds = []
-        with torch.inference_mode():
-            for _ in range(repeats + 1):
-                start = time.perf_counter()
-                blended_prefill(adapter, [Segment(ids, "question")])
-                seconds.append(time.perf_counter() - start)
-        elapsed = max(statistics.median(seconds[1:]), 1e-9)
-        per_layer = kv_bytes_per_token(1, adapter.num_kv_heads, adapter.head_dim, kv_dtype)
-        return cls(elapsed / tokens / adapter.num_layers, per_layer, adapter.num_layers,
                    dict(bandwidths if bandwidths is not None else DEFAULT_BANDWIDTHS))

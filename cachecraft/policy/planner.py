@@ -146,17 +146,3 @@ def apply_budget(plans: list[ChunkPlan], budget: float | None) -> RecomputePlan:
               if p.variant is not None else p for p in plans]
     return RecomputePlan(tuple(scaled), budget_scaled=True,
                          notes=(f"budget {budget:g}: {wanted} tokens scaled to at most {limit}",))
-
-
-def early_stop_decision(layer: int, question_mass: torch.Tensor, chunk_segments: Sequence[int],
-                        share: float) -> dict[int, int]:
-    """Adaptive early termination: chunks whose share of the question's attention
-    (among chunks) is below ``share`` of an even split stop recomputing after ``layer``."""
-    if not chunk_segments:
-        return {}
-    mass = question_mass[list(chunk_segments)].float()
-    total = float(mass.sum())
-    if total <= 0:
-        return {}
-    even = total / len(chunk_segments)
-    return {seg: layer + 1 for seg, m in zip(chunk_segments, mass.tolist()) if m < share * even}

@@ -30,14 +30,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable
 
-# The prototype measured ~30 s for a 6.2k-token prefill of SmolLM2-135M's 30 layers on
-# this CPU: about 1.6e-4 s per token per layer. Used only when no measured cost is given.
-DEFAULT_COST_PER_TOKEN_LAYER_S = 1.6e-4
+from cachecraft.policy.loading import DEFAULT_PREFILL_S_PER_TOKEN_LAYER
 
 
 def estimate_cost_s(num_tokens: int, num_layers: int) -> float:
-    """Rough prefill seconds a chunk saves when no measured cost is known."""
-    return DEFAULT_COST_PER_TOKEN_LAYER_S * num_tokens * num_layers
+    """Rough prefill seconds a chunk saves when no measured cost was recorded with it
+    (the cost model's starting rate)."""
+    return DEFAULT_PREFILL_S_PER_TOKEN_LAYER * num_tokens * num_layers
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,106 @@
+"""Answer question/passage items with several methods through the one request path,
+and compare every answer with a full prefill's.
+
+``bench quality`` and ``calibrate`` both run here, so what they measure is what
+``query`` runs: each item's passages are warmed as ``warm`` makes them (after the
+system prefix and the configured warm context), then every method answers through
+:meth:`Pipeline.answer` over a scratch store and catalog that nothing outlives. No
+variant a request makes is kept (each method meets the same store), and an item's
+chunk-caches are removed once the item is done.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Callable, ContextManager, Iterator, Sequence
+
+from cachecraft.config import Config
+from cachecraft.dataset import QAItem
+from cachecraft.methods import Full, Method
+from cachecraft.metrics import best_f1, exact_match, first_line, kl_divergence, token_f1
+from cachecraft.pipeline import Answer, Pipeline, PrefillTrace
+from cachecraft.prompt import PromptBuilder
+from cachecraft.store import TieredStore
+
+Meter = Callable[[], ContextManager]
+OnAnswer = Callable[[QAItem, Answer, PrefillTrace], None]
+
+
+@contextmanager
+def scratch_pipeline(lm, config: Config, tier: str = "cpu") -> Iterator[Pipeline]:
+    """A pipeline over a throw-away store and catalog (one ``tier``) in a temporary
+    directory under the cache directory; it keeps no variant its requests make."""
+    Path(config.cache_dir).mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="scratch-", dir=config.cache_dir))
+    scratch_config = config.replace(cache_dir=scratch)
+    try:
+        with TieredStore(scratch_config, tiers=(tier,)) as store:
+            yield Pipeline(scratch_config, lm=lm, store=store, keep_new_variants=False)
+            store.close(persist=False)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def item_chunks(item: QAItem) -> list[str]:
+    """An item's passages as chunk texts, in order."""
+    return [PromptBuilder.chunk_text(text, title) for title, text in item.passages]
+
+
+def answer_traced(pipeline: Pipeline, chunks: Sequence[str], question: str, method: Method | str,
+                  **options) -> tuple[Answer, PrefillTrace]:
+    """:meth:`Pipeline.answer`, with the prefill's trace (logits, work) kept."""
+    traces: list[PrefillTrace] = []
+    answer = pipeline.answer(chunks, question, method=method, observer=traces.append, **options)
+    return answer, traces[0]
+
+
+def compare(item: QAItem, answer: Answer, trace: PrefillTrace, reference: tuple[Answer, PrefillTrace]) -> dict:
+    """Quality of one answer against the full prefill's (``reference``) and the gold answers."""
+    ref_answer, ref_trace = reference
+    return {"item": item.index, "method": answer.method, "tokens": answer.prompt_tokens,
+            "chunks": len(answer.chunks), "ttft_s": answer.ttft_s,
+            "speedup_vs_full": ref_answer.ttft_s / answer.ttft_s,
+            "recompute_fraction": answer.recompute_fraction,
+            "kl": kl_divergence(ref_trace.logits, trace.logits),
+            "agreement_f1": token_f1(first_line(answer.text), first_line(ref_answer.text)),
+            "exact_match": float(exact_match(answer.text, ref_answer.text)),
+            "gold_f1": best_f1(answer.text, item.answers), "kv_mb": trace.kv_bytes / 2**20,
+            "answer": answer.text}
+
+
+def evaluate_items(pipeline: Pipeline, items: Sequence[QAItem], methods: Sequence[Method], *,
+                   max_new_tokens: int = 32, on_item: Callable[[int, int], None] | None = None,
+                   meter: Meter | None = None, on_answer: OnAnswer | None = None) -> list[dict]:
+    """One row per (item, method), ``full`` first on every item (the reference).
+    ``meter``: a context manager factory wrapped around each request (its ``peak_mb``
+    and ``growth_mb`` go into the row); ``on_answer`` sees every answer with its trace."""
+    order = [Full()] + [m for m in methods if not isinstance(m, Full)]
+    pipeline.ensure_cost_model()  # measured once, outside every timed request
+    rows: list[dict] = []
+    for index, item in enumerate(items):
+        chunks = item_chunks(item)
+        start = time.perf_counter()
+        pipeline.warm(chunks)
+        warm_s = time.perf_counter() - start
+        reference = None
+        for method in order:
+            gc.collect()
+            with (meter() if meter else nullcontext()) as mem:
+                answer, trace = answer_traced(pipeline, chunks, item.question, method,
+                                              max_new_tokens=max_new_tokens)
+            if on_answer:
+                on_answer(item, answer, trace)
+            reference = reference or (answer, trace)
+            row = compare(item, answer, trace, reference)
+            if mem is not None:
+                row.update(peak_rss_mb=mem.peak_mb, rss_growth_mb=mem.growth_mb)
+            rows.append({**row, "warm_s": warm_s})
+        pipeline.forget(chunks)  # no later item reads them; left there, they would crowd its caches out
+        if on_item:
+            on_item(index + 1, len(items))
+    return rows

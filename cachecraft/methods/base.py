@@ -1,0 +1,131 @@
+"""What every method shares: the request it plans for, its plan, its prefill hooks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, ClassVar, Protocol, Sequence
+
+from cachecraft.engine import DeviationCheck, Segment
+from cachecraft.engine.blend import BlendResult, LayerSource
+from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo
+from cachecraft.prefix_cache import PrefixCache
+from cachecraft.prompt import PromptPieces
+
+
+class UnknownMethod(ValueError):
+    """A method name (or ratio) that cachecraft does not know."""
+
+
+class VariantLookup(Protocol):
+    """What a method may ask about the stored chunk-caches (the pipeline answers)."""
+
+    def independent_variant(self, key: str, prefix_key: str) -> str | None:
+        """A variant made without other chunks before it (the one ``warm`` makes first)."""
+
+    def variant_infos(self, key: str, prefix_key: str) -> list[VariantInfo]:
+        """Every variant of ``key`` made after ``prefix_key``, as the planner sees it."""
+
+    def variant_count(self, key: str) -> int:
+        """How many variants of ``key`` are stored."""
+
+    def load_fraction(self, variant: str) -> float | None:
+        """The recompute fraction that hides loading ``variant`` from its tier (None: not stored)."""
+
+
+@dataclass(frozen=True)
+class RequestContext:
+    """One request as a method sees it."""
+
+    pieces: PromptPieces
+    prefix_key: str
+    keys: tuple[str, ...]  # one per chunk, in prompt order
+    adapter: object  # the model's ArchAdapter (look-ahead selectors run it)
+    policy: PolicyParams
+    check_layer: int  # CacheBlend's deviation-check layer
+    lookup: VariantLookup
+    prefix_cache: PrefixCache
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """Which stored variant of each chunk to load (None: compute the chunk in full).
+    ``found``: the variant the policy found, also where it chose to compute in full."""
+
+    wanted: tuple[str | None, ...]
+    plan: RecomputePlan | None = None
+    found: tuple[str | None, ...] | None = None
+
+
+@dataclass
+class PrefillHooks:
+    """What a method adds to the prefill: a token selector inside it, an observer of the
+    question's attention, and the look-ahead it ran before it (counted as work)."""
+
+    deviation_check: DeviationCheck | None = None
+    observe_layers: tuple[int, ...] = ()
+    on_question_attention: Callable | None = None
+    stops: dict[int, int] = field(default_factory=dict)  # segment index -> layer it stopped at
+    lookahead_layer: int | None = None
+
+
+class Method:
+    """A prefill method; subclasses set the class fields and override what differs."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    experimental: ClassVar[bool] = False
+    takes_ratio: ClassVar[bool] = False
+    default_ratio: ClassVar[float | None] = None
+    uses_cache: ClassVar[bool] = True
+
+    def __init__(self, ratio: float | None = None):
+        if self.takes_ratio:
+            ratio = self.default_ratio if ratio is None else float(ratio)
+            if not 0.0 <= ratio <= 1.0:
+                raise UnknownMethod(f"{self.name}: ratio must be within [0, 1], got {ratio:g}")
+        self.ratio = ratio if self.takes_ratio else None
+
+    @property
+    def label(self) -> str:
+        """``name@ratio`` for methods with a ratio, else the name."""
+        return f"{self.name}@{self.ratio:g}" if self.takes_ratio else self.name
+
+    def __repr__(self) -> str:
+        return f"<method {self.label}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Method) and other.label == self.label
+
+    def __hash__(self) -> int:
+        return hash(self.label)
+
+    def load_plan(self, request: RequestContext) -> LoadPlan | None:
+        """Variants to load; None when the method uses no chunk-caches. Default: each
+        chunk's independent variant."""
+        return LoadPlan(tuple(request.lookup.independent_variant(k, request.prefix_key) for k in request.keys))
+
+    def segments(self, request: RequestContext, prefix_kv: LayerSource | None,
+                 kvs: Sequence[LayerSource | None]) -> list[Segment]:
+        """The prompt's segments over the loaded caches (chunks computed here are kept)."""
+        return plain_segments(request, prefix_kv, kvs, keep=True)
+
+    def prepare(self, request: RequestContext, segments: list[Segment], load: LoadPlan | None) -> PrefillHooks:
+        """Choose tokens to recompute before the prefill (written into ``segments``) and
+        return the hooks for the prefill itself. Default: nothing beyond the segments."""
+        return PrefillHooks()
+
+    def after_prefill(self, request: RequestContext, result: BlendResult) -> None:
+        """Anything the method keeps from a finished prefill (default: nothing)."""
+
+
+def plain_segments(request: RequestContext, prefix_kv: LayerSource | None, kvs: Sequence[LayerSource | None],
+                   keep: bool) -> list[Segment]:
+    """System prefix, chunks (cached where ``kvs`` has one) and question. With ``keep``,
+    an uncached chunk is saved with its statistics, to be kept as a variant."""
+    pieces = request.pieces
+    segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=request.prefix_key)]
+    for ids, key, kv in zip(pieces.chunks, request.keys, kvs):
+        fresh = keep and kv is None
+        segments.append(Segment(ids, "chunk", cached=kv, key=key, save=fresh, collect_stats=fresh))
+    segments.append(Segment(pieces.question, "question"))
+    return segments

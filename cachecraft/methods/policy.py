@@ -1,0 +1,88 @@
+"""``cachecraft``: the policy as a method.
+
+Plan: per chunk, the stored variant with the lowest Cache Fix Overhead and a token
+count from it (an exact prefix match recomputes nothing), raised where loading must be
+hidden; a chunk planned to be mostly recomputed is computed in full and kept as a new
+variant. Select: the planned counts go, in total, to the cached tokens the question
+looks at most at the check layer. Observe: with early termination on, chunks the
+question ignores stop recomputing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from cachecraft.engine import Segment
+from cachecraft.kv import ChunkKV
+from cachecraft.methods.base import LoadPlan, Method, PrefillHooks, RequestContext
+from cachecraft.methods.experimental import select_question_guided
+from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, plan_request
+from cachecraft.policy.rules import early_stop_decision, hide_loading, keep_in_full
+
+
+class CacheCraft(Method):
+    """The Cache-Craft policy; the ratio is alpha, the scale of the Cache Fix Overhead."""
+
+    name = "cachecraft"
+    summary = "the policy: per-chunk variant and recompute from attention statistics"
+    takes_ratio = True
+    default_ratio = PolicyParams.alpha
+
+    def params(self, request: RequestContext) -> PolicyParams:
+        """The request's policy parameters with this method's alpha."""
+        return replace(request.policy, alpha=self.ratio)
+
+    def load_plan(self, request: RequestContext) -> LoadPlan:
+        lookup, keys = request.lookup, request.keys
+        infos = {key: lookup.variant_infos(key, request.prefix_key) for key in dict.fromkeys(keys)}
+        planned = plan_request(keys, [len(c) for c in request.pieces.chunks], infos, self.params(request))
+        planned = hide_loading(planned, [lookup.load_fraction(p.variant) if p.variant else None
+                                         for p in planned.chunks])
+        plan = keep_in_full(planned, [lookup.variant_count(p.chunk) for p in planned.chunks])
+        return LoadPlan(tuple(p.variant for p in plan.chunks), plan, tuple(p.variant for p in planned.chunks))
+
+    def prepare(self, request: RequestContext, segments: list[Segment], load: LoadPlan | None) -> PrefillHooks:
+        assert load is not None and load.plan is not None, "cachecraft prepares a request it planned"
+        place_plan_tokens(request.adapter, segments, load.plan, request.policy.check_layer)
+        hooks = PrefillHooks(lookahead_layer=min(request.policy.check_layer, request.adapter.num_layers - 1)
+                             if any(s.cached is not None for s in segments) else None)
+        if request.policy.early_stop_layers:
+            _observe_for_early_stop(hooks, segments, request.policy)
+        return hooks
+
+
+def _observe_for_early_stop(hooks: PrefillHooks, segments: list[Segment], params: PolicyParams) -> None:
+    """Stop recomputing the chunks the question ignores at the early-stop layers."""
+    chunk_segments = [i for i, s in enumerate(segments) if s.role == "chunk" and s.recompute is not None]
+    stops = hooks.stops
+
+    def decide(layer: int, mass: torch.Tensor) -> dict[int, int]:
+        decision = early_stop_decision(layer, mass, [i for i in chunk_segments if i not in stops],
+                                       params.early_stop_share)
+        stops.update(decision)
+        return decision
+
+    hooks.observe_layers, hooks.on_question_attention = params.early_stop_layers, decide
+
+
+def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, check_layer: int) -> None:
+    """Give the plan's token counts to the chunks where the question looks: chunks the
+    plan leaves alone are not candidates; the total is placed over the rest."""
+    chunk_segments = segments[1:-1]
+    for seg, chunk_plan in zip(chunk_segments, plan.chunks):
+        seg.fixable = seg.cached is not None and chunk_plan.count > 0
+    total = sum(p.count for p, seg in zip(plan.chunks, chunk_segments) if seg.fixable)
+    if total:
+        select_question_guided(adapter, segments, check_layer, total=total)
+
+
+def variant_info(kv: ChunkKV) -> VariantInfo:
+    """Describe a stored variant for the planner (its system prefix left out)."""
+    prefix, sizes = list(kv.prefix), list(kv.prefix_tokens) or [0] * len(kv.prefix)
+    inter = kv.stats.inter if kv.stats is not None else torch.zeros(kv.num_layers, len(prefix))
+    intra = kv.stats.intra if kv.stats is not None else torch.full((kv.num_layers,), float(kv.num_tokens))
+    if prefix:  # the first prefix segment is the system prefix, shared by every request
+        prefix, sizes, inter = prefix[1:], sizes[1:], inter[:, 1:]
+    return VariantInfo(kv.variant, tuple(prefix), inter, intra, kv.num_tokens, tuple(sizes))

@@ -1,0 +1,499 @@
+"""The Pipeline: one request end to end, plan -> load -> blend -> generate -> record.
+
+The :class:`Pipeline` owns the model, the store (and its catalog), the policy, the
+ingested corpus and a prefix cache for the ``prefix`` baseline. :meth:`Pipeline.answer`
+is the one function every entry point and benchmark answers through: it takes chunk
+texts in prompt order and a method (see :mod:`cachecraft.methods`), which plans the
+request and selects what to recompute; ``query`` retrieves the chunks from the corpus
+first (``ingest`` fills it, ``warm_corpus`` makes its chunk-caches ahead of time).
+
+Chunk-caches are keyed by (model fingerprint, token ids). A chunk computed in a
+request is saved as a variant under that request's prefix (the system prefix and the
+chunks before it), so a later request with the same chunks before it reuses it
+exactly (``keep_new_variants=False`` turns that off, for benchmarks that must measure
+each method on the same store).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from cachecraft.catalog import MISS, RequestChunk, RequestRecord, question_hash
+from cachecraft.config import Config
+from cachecraft.engine import Segment, blended_prefill, generate_from, sampled_layers
+from cachecraft.engine.blend import BlendResult, LayerSource
+from cachecraft.kv import ChunkKV, chunk_key, variant_key
+from cachecraft.methods import Method, PrefillHooks, RequestContext, parse_method, variant_info
+from cachecraft.model.loader import LoadedModel, load_model
+from cachecraft.pipeline.cost import measure_cost_model
+from cachecraft.pipeline.reports import Answer, ChunkReport, PrefillTrace, Source, WarmReport
+from cachecraft.policy.loading import DEFAULT_BANDWIDTHS, CostModel
+from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, expected_reuse, params_from_config
+from cachecraft.prefix_cache import PrefixCache
+from cachecraft.prompt import PromptInputError, PromptPieces, builder_for
+from cachecraft.retrieval.chunking import Chunker
+from cachecraft.retrieval.corpus import Corpus, IngestReport
+from cachecraft.retrieval.documents import DocumentError, read_documents
+from cachecraft.retrieval.snapshot import CorpusError
+from cachecraft.store import CorruptEntryError, LayerReader, LayerStream, TieredStore
+from cachecraft import warm_context
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]
+Observer = Callable[[PrefillTrace], None]
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request planned and loaded, ready for the prefill."""
+
+    segments: list[Segment]
+    hooks: PrefillHooks
+    plan: RecomputePlan | None
+    used: tuple[str | None, ...]  # per chunk, the variant used (or found, where computed in full)
+    tiers: tuple[str, ...]  # per chunk, the tier it came from, or "miss"
+
+
+class Pipeline:
+    """Model + store + catalog + policy, answering questions over given chunks."""
+
+    def __init__(self, config: Config, lm: LoadedModel | None = None, store: TieredStore | None = None,
+                 policy: PolicyParams | None = None, *, keep_new_variants: bool = True):
+        self.config = config
+        self.lm = lm or load_model(config.model, config)
+        self.store = store or TieredStore(config)
+        self.catalog = self.store.catalog
+        self.builder = builder_for(self.lm.tokenizer, config)
+        self.policy = policy or params_from_config(config)
+        self.keep_new_variants = keep_new_variants
+        self.prefix_cache = PrefixCache(self.lm.fingerprint, budget_bytes=config.cpu_budget_bytes)
+        self.cost_model: CostModel | None = None  # measured on first use
+        self._token_counts: dict[str, int] = {}
+        self._sources: dict[str, str] = {}  # chunk key -> the document it came from (catalog rows)
+        self._warm: tuple[tuple[int, ...], str] | None = None  # warm context ids and chunk key
+        self._corpus: Corpus | None = None
+        self.stats_layers = sampled_layers(self.lm.adapter.num_layers, config.stats_layer_step)
+
+    @property
+    def corpus(self) -> Corpus:
+        """The ingested corpus of the cache directory (opened on first use)."""
+        if self._corpus is None:
+            self._corpus = Corpus(self.config.corpus_dir, self.config.embedder)
+        return self._corpus
+
+    # -- public ------------------------------------------------------------------------
+    def method(self, method: str | Method, ratio: float | None = None) -> Method:
+        """``method`` as an object: a name (``cacheblend``, ``cacheblend@0.3``) takes
+        ``ratio``, else the config's ``cacheblend_ratio`` (the policy's alpha for ``cachecraft``)."""
+        if isinstance(method, Method):
+            return method
+        return parse_method(method, ratio=self.config.cacheblend_ratio if ratio is None else ratio,
+                            alpha=self.policy.alpha if ratio is None else ratio)
+
+    def answer(self, chunk_texts: Sequence[str], question: str, *, method: str | Method = "cachecraft",
+               ratio: float | None = None, max_new_tokens: int | None = None, streamer=None,
+               record: bool = True, sources: Sequence[str] | None = None,
+               observer: Observer | None = None) -> Answer:
+        """Answer ``question`` over ``chunk_texts`` (formatted chunk texts, in order) with
+        ``method``: plan, load, blend, generate, record. ``sources`` (one per chunk) names
+        where each chunk came from in the catalog; ``observer`` receives the prefill's
+        :class:`PrefillTrace` before generation (benchmarks read logits and work there)."""
+        chosen = self.method(method, ratio)
+        start = time.perf_counter()
+        request = self._request(chunk_texts, question, sources)
+        prepared, result = self._prefill(chosen, request)
+        int(result.logits.argmax())  # the first token is decided here
+        ttft = time.perf_counter() - start
+        if all(s.cached is None and not s.collect_stats for s in prepared.segments):
+            self._learn_prefill(result.num_tokens, ttft)  # a plain full prefill times the prefill cost
+        chosen.after_prefill(request, result)
+        if observer is not None:
+            observer(self._trace(chosen, prepared, result))
+        to_save = [kv for i, kv in result.saved.items() if prepared.segments[i].role == "chunk"]
+        recomputed, recompute = result.recomputed, result.recompute_fraction
+        new_ids = generate_from(self.lm.model, self.lm.tokenizer, result,
+                                max_new_tokens=max_new_tokens or self.config.max_new_tokens, streamer=streamer)
+        if self.keep_new_variants:
+            self._save(to_save)
+        answer = Answer(self.lm.tokenizer.decode(new_ids, skip_special_tokens=True), chosen.label, ttft,
+                        request.pieces.num_tokens, len(new_ids), recompute,
+                        self._report(request, prepared, recomputed),
+                        full_prefill_estimate_s=self._estimate_full(request.pieces.num_tokens))
+        if record:
+            answer.request_id = self._record(question, answer)
+        return answer
+
+    def warm(self, chunk_texts: Sequence[str], sources: Sequence[str] | None = None) -> int:
+        """Make chunk-caches ahead of time, after the system prefix and the warm context
+        (``config.warm_context``); returns how many were made (already cached chunks are
+        skipped). ``sources`` as in :meth:`answer`."""
+        pieces = self.builder.build(chunk_texts, "warm")
+        prefix_key = chunk_key(self.lm.fingerprint, pieces.prefix)
+        prefix_kv = self._prefix_kv(pieces, prefix_key)
+        keys = [chunk_key(self.lm.fingerprint, ids) for ids in pieces.chunks]
+        self._note_sources(keys, sources)
+        prefix = Segment(pieces.prefix, "prefix", cached=prefix_kv, key=prefix_key)
+        context = None
+        made = 0
+        for ids, key in zip(pieces.chunks, keys):
+            if self.store.variants_of(key):
+                continue
+            context = context or self._warm_context_segment(prefix)
+            fits = context is not None and (len(pieces.prefix) + len(context.token_ids) + len(ids)
+                                            <= self.lm.max_context)
+            segments = [prefix, *([context] if fits else []),
+                        Segment(ids, "chunk", save=True, collect_stats=True, key=key)]
+            kv = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint,
+                                 stats_layers=self.stats_layers).saved[len(segments) - 1]
+            self._put(kv)
+            made += 1
+        return made
+
+    def ingest(self, paths: Iterable[str | Path], progress: Progress | None = None) -> IngestReport:
+        """Read ``.txt``/``.md`` files and directories, chunk them in the generator's tokens
+        and add them to the corpus (a changed file's chunks are replaced)."""
+        paths = list(paths)
+        documents = read_documents(paths)
+        chunker = Chunker(self.builder.encode, self.config.chunk_tokens, self.config.chunk_overlap)
+        steps = 2 * len(documents)  # chunking, then embedding
+        files = {}
+        for i, doc in enumerate(documents):
+            files[str(doc.path)] = chunker.split(doc.text, doc.title)
+            if progress:
+                progress(i + 1, steps)
+        if not any(files.values()):
+            raise DocumentError(f"no text found in {', '.join(map(str, paths))}")
+        settings = {"model": self.lm.name, "chunk_tokens": self.config.chunk_tokens,
+                    "chunk_overlap": self.config.chunk_overlap}
+        embed_progress = (lambda done, total: progress(len(documents) + done, steps)) if progress else None
+        return self.corpus.ingest(files, scopes=[p for p in paths if Path(p).is_dir()], settings=settings,
+                                  progress=embed_progress)
+
+    def warm_corpus(self, progress: Progress | None = None, shard: tuple[int, int] = (0, 1)) -> WarmReport:
+        """Make the chunk-cache of every ingested chunk not cached yet (after the system prefix
+        alone). ``shard=(i, n)`` takes the i-th of n disjoint parts, for parallel workers."""
+        index, count = shard
+        if not 0 <= index < count:
+            raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {shard}")
+        self._require_corpus()
+        chunks = [c for c in self.corpus.chunks() if int(c.id[:12], 16) % count == index]
+        made = 0
+        for i, chunk in enumerate(chunks):
+            made += self.warm([chunk.prompt_text], sources=[chunk.source])
+            if progress:
+                progress(i + 1, len(chunks))
+        return WarmReport(made, len(chunks) - made, len(chunks))
+
+    def query(self, question: str, top_k: int | None = None, method: str = "cachecraft", streamer=None,
+              **options) -> Answer:
+        """Retrieve the ``top_k`` chunks most similar to ``question`` (best first) and answer
+        over them; ``options`` go to :meth:`answer`. The answer lists its ``sources``."""
+        if not question or not question.strip():
+            raise PromptInputError("the question is empty")
+        self._require_corpus()
+        self.ensure_cost_model()  # measured here, outside the TTFT clock; it also estimates savings
+        self.corpus.load_embedder()  # retrieval time excludes loading the model
+        start = time.perf_counter()
+        hits = self.corpus.search(question, self.config.top_k if top_k is None else top_k)
+        retrieval_s = time.perf_counter() - start
+        answer = self.answer([h.chunk.prompt_text for h in hits], question, method=method, streamer=streamer,
+                             sources=[h.chunk.source for h in hits], **options)
+        answer.sources = [Source(h.chunk.id, h.chunk.title, h.chunk.source, h.score, h.chunk.text) for h in hits]
+        answer.retrieval_s = retrieval_s
+        return answer
+
+    def _require_corpus(self) -> None:
+        if not len(self.corpus):
+            raise CorpusError(f"the corpus in {self.corpus.directory} is empty: run `cachecraft ingest PATH` first")
+
+    def close(self) -> None:
+        """Persist memory tiers to disk and release the store."""
+        self.store.close()
+
+    def __enter__(self) -> "Pipeline":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- planning and loading ----------------------------------------------------------------
+    def forget(self, chunk_texts: Sequence[str]) -> int:
+        """Remove every stored variant of these chunks (as ``answer`` would tokenize them);
+        returns how many were removed."""
+        pieces = self.builder.build(chunk_texts, "forget")
+        removed = 0
+        for ids in pieces.chunks:
+            for record in self.store.variants_of(chunk_key(self.lm.fingerprint, ids)):
+                removed += bool(self.store.delete(record.key))
+        return removed
+
+    # -- what methods may ask (cachecraft.methods.VariantLookup) ------------------------------
+    def independent_variant(self, key: str, prefix_key: str) -> str | None:
+        """An independent variant: the one :meth:`warm` makes, else one made alone, else any."""
+        records = self.store.variants_of(key)
+        for wanted in (self._warm_key_of(prefix_key), (prefix_key,)):
+            match = [r for r in records if tuple(r.prefix) == wanted]
+            if match:
+                return match[0].key
+        return records[0].key if records else None
+
+    def variant_infos(self, key: str, prefix_key: str) -> list[VariantInfo]:
+        """Every stored variant of ``key`` made after the system prefix ``prefix_key``,
+        with the statistics the planner reads."""
+        infos = []
+        for record in self.store.variants_of(key):
+            if not record.prefix or record.prefix[0] != prefix_key:
+                continue  # made under another system prompt
+            stats = self.store.stats_of(record.key)
+            if stats is None:
+                continue
+            chunks = tuple(record.prefix[1:])
+            sizes = tuple(self._chunk_tokens(k) for k in chunks)
+            tokens = int(stats.outside.shape[1])
+            infos.append(VariantInfo(record.key, chunks, stats.inter[:, 1:], stats.intra, tokens, sizes))
+        return infos
+
+    def variant_count(self, key: str) -> int:
+        """How many variants of chunk ``key`` are stored."""
+        return len(self.store.variants_of(key))
+
+    def load_fraction(self, variant: str) -> float | None:
+        """The recompute fraction that hides loading ``variant`` from its tier (None: not stored)."""
+        tier = self.store.locate(variant)
+        return None if tier is None else self.ensure_cost_model().r_load(tier)
+
+    # -- planning, loading, prefill ------------------------------------------------------------
+    def _request(self, chunk_texts: Sequence[str], question: str,
+                 sources: Sequence[str] | None) -> RequestContext:
+        pieces = self.builder.build(chunk_texts, question, max_tokens=self.lm.max_context)
+        keys = tuple(chunk_key(self.lm.fingerprint, ids) for ids in pieces.chunks)
+        self._note_sources(keys, sources)
+        return RequestContext(pieces, chunk_key(self.lm.fingerprint, pieces.prefix), keys, self.lm.adapter,
+                              self.policy, self.config.check_layer, self, self.prefix_cache)
+
+    def _prefill(self, method: Method, request: RequestContext) -> tuple[PreparedRequest, BlendResult]:
+        """Plan, load and run the blended prefill; a damaged chunk-cache found on the way
+        is removed and the request prepared again without it."""
+        for attempt in range(len(request.keys) + 1):
+            try:
+                with ExitStack() as loading:  # chunk-caches stream in while the layers compute
+                    prepared = self._prepare(method, request, loading, count_hits=attempt == 0)
+                    hooks = prepared.hooks
+                    result = blended_prefill(self.lm.adapter, prepared.segments,
+                                             deviation_check=hooks.deviation_check,
+                                             fingerprint=self.lm.fingerprint, observe_layers=hooks.observe_layers,
+                                             on_question_attention=hooks.on_question_attention,
+                                             stats_layers=self.stats_layers)
+                return prepared, result
+            except CorruptEntryError as exc:
+                if attempt == len(request.keys):
+                    raise
+                log.warning("%s; answering again without it", exc)
+        raise AssertionError("unreachable")
+
+    def _prepare(self, method: Method, request: RequestContext, loading: ExitStack,
+                 count_hits: bool = True) -> PreparedRequest:
+        """The method's plan, its variants loaded (streamed through a :class:`LayerStream`
+        that ``loading`` closes, or read whole without ``stream_kv``), its segments and
+        hooks. ``count_hits`` is false when a request is prepared again after a damaged
+        entry: its hits counted once."""
+        n = len(request.keys)
+        load = method.load_plan(request)
+        if load is None:  # no chunk-caches: full, prefix
+            segments = method.segments(request, None, [None] * n)
+            return PreparedRequest(segments, method.prepare(request, segments, None), None, (None,) * n, (MISS,) * n)
+        prefix_kv = self._prefix_kv(request.pieces, request.prefix_key, count_hit=count_hits)
+        kvs, tiers = self._load_variants(load.wanted, loading, count_hits)
+        used = [name if kv is not None else None for name, kv in zip(load.wanted, kvs)]
+        for i, (found, wanted) in enumerate(zip(load.found or (), load.wanted)):
+            tier = self.store.locate(found) if wanted is None and found else None
+            if tier is not None:  # found but computed in full by choice: still a hit, at fraction 1.0
+                tiers[i], used[i] = tier, found
+        segments = method.segments(request, prefix_kv, kvs)
+        hooks = method.prepare(request, segments, load)
+        return PreparedRequest(segments, hooks, load.plan, tuple(used), tuple(tiers))
+
+    def _load_variants(self, wanted: Sequence[str | None], loading: ExitStack,
+                       count_hits: bool) -> tuple[list[LayerSource | None], list[str]]:
+        """Each wanted variant as a layer source (None on a miss) and the tier it came from."""
+        if self.config.stream_kv:
+            readers = [self._open(name, count_hits) for name in wanted]
+            stream = loading.enter_context(LayerStream([r for r in readers if r is not None]))
+            loading.callback(self._learn_from_stream, stream)  # runs first on exit: closes, then reads
+            streamed = iter(stream.kvs)
+            kvs = [next(streamed) if r is not None else None for r in readers]
+            return kvs, [kv.tier if kv is not None else MISS for kv in kvs]
+        kvs, tiers = [], []  # each variant read whole, in the compute dtype, before the prefill starts
+        for name in wanted:
+            start = time.perf_counter()
+            kv, tier = self._load(name, count_hits)
+            if kv is not None:
+                self._learn_bandwidth(tier, self._stored_nbytes(kv), time.perf_counter() - start)
+            kvs.append(kv)
+            tiers.append(tier)
+        return kvs, tiers
+
+    def _trace(self, method: Method, prepared: PreparedRequest, result: BlendResult) -> PrefillTrace:
+        work = result.token_layers
+        if prepared.hooks.lookahead_layer is not None:  # the uncached tokens ran up to the check layer first
+            uncached = sum(len(s.token_ids) for s in prepared.segments if s.cached is None)
+            work += uncached * (prepared.hooks.lookahead_layer + 1)
+        kv_bytes = sum(k.numel() * k.element_size() * 2 for k in result.keys)
+        return PrefillTrace(method.label, result.logits.float().cpu(), work, kv_bytes,
+                            result.recompute_fraction, result)
+
+    def starting_bandwidths(self) -> dict[str, float]:
+        """Per tier, the bandwidth the loading controller assumes before it has timed a load:
+        free (infinite) for a memory tier on the compute device when streaming (its variants
+        are used as stored), the default elsewhere."""
+        bandwidths = dict(DEFAULT_BANDWIDTHS)
+        if self.config.stream_kv:
+            bandwidths.update(dict.fromkeys(self.store.tiers_on(self.lm.device), math.inf))
+        return bandwidths
+
+    def ensure_cost_model(self) -> CostModel:
+        """The cost model, measured on first use (a few short prefills), starting from
+        :meth:`starting_bandwidths`; call it before timing requests to keep that out."""
+        if self.cost_model is None:
+            self.cost_model = measure_cost_model(self.lm, kv_dtype=self.store.stored_dtype,
+                                                 bandwidths=self.starting_bandwidths())
+        return self.cost_model
+
+    def _learn_prefill(self, tokens: int, seconds: float) -> None:
+        """Fold one timed full prefill into the cost model's prefill rate."""
+        self.cost_model = self.ensure_cost_model().observe_prefill(tokens, seconds)
+
+    def _learn_bandwidth(self, tier: str, nbytes: int, seconds: float) -> None:
+        """Fold one timed load from ``tier`` into the cost model's bandwidth for it."""
+        if self.cost_model is not None and tier != MISS:
+            self.cost_model = self.cost_model.observe_load(tier, nbytes, seconds)
+
+    def _learn_from_stream(self, stream: LayerStream) -> None:
+        stream.close()  # the reading thread has finished with its counters
+        for tier, nbytes in stream.read_bytes.items():
+            self._learn_bandwidth(tier, nbytes, stream.read_seconds[tier])
+
+    def _stored_nbytes(self, kv: ChunkKV) -> int:
+        """Bytes of ``kv``'s K and V in the stored dtype (what a tier moves)."""
+        return 2 * kv.keys.numel() * self.store.stored_dtype.itemsize
+
+    def _warm_context(self) -> tuple[tuple[int, ...], str]:
+        """Token ids of the warm context, cut to ``warm_context_tokens`` (and to a quarter
+        of the model's window; empty when it is off), and its chunk key; read once."""
+        if self._warm is None:
+            ids = warm_context.token_ids(warm_context.load_text(self.config.warm_context), self.builder.encode,
+                                         self.config.warm_context_tokens, self.lm.max_context)
+            self._warm = ids, chunk_key(self.lm.fingerprint, ids)
+        return self._warm
+
+    def _warm_key_of(self, prefix_key: str) -> tuple[str, ...] | None:
+        """The prefix tuple of variants made by :meth:`warm` (None when the context is off)."""
+        ids, key = self._warm_context()
+        return (prefix_key, key) if ids else None
+
+    def _warm_context_segment(self, prefix: Segment) -> Segment | None:
+        """The warm context as a cached segment after ``prefix``; made once and stored."""
+        ids, key = self._warm_context()
+        if not ids:
+            return None
+        kv, _ = self._load(variant_key(key, (prefix.key,)))
+        if kv is None:
+            made = blended_prefill(self.lm.adapter, [prefix, Segment(ids, "chunk", save=True, key=key)],
+                                   fingerprint=self.lm.fingerprint)
+            kv = made.saved[1]
+            self._sources[key] = warm_context.SOURCE
+            self._put(kv)
+        return Segment(ids, "chunk", cached=kv, key=key)
+
+    def _prefix_kv(self, pieces: PromptPieces, prefix_key: str, count_hit: bool = True) -> ChunkKV:
+        """The system prefix's KV (exact: it always comes first); made once and stored."""
+        name = variant_key(prefix_key, ())
+        kv, _ = self._load(name, count_hit)
+        if kv is None:
+            kv = blended_prefill(self.lm.adapter, [Segment(pieces.prefix, "chunk", save=True, key=prefix_key)],
+                                 fingerprint=self.lm.fingerprint).saved[0]
+            self._put(kv)
+        return kv
+
+    def _load(self, name: str | None, count_hit: bool = True) -> tuple[ChunkKV | None, str]:
+        if name is None:
+            return None, MISS
+        tier = self.store.locate(name)
+        try:
+            kv = self.store.get(name, dtype=self.lm.dtype, device=self.lm.device, fingerprint=self.lm.fingerprint,
+                                count_hit=count_hit)
+        except CorruptEntryError:
+            kv = None
+        return (kv, tier or MISS) if kv is not None else (None, MISS)
+
+    def _open(self, name: str | None, count_hit: bool = True) -> LayerReader | None:
+        """A layer-by-layer reader of the variant ``name`` in the stored dtype, or None on a miss."""
+        if name is None:
+            return None
+        return self.store.iter_layers(name, device=self.lm.device, fingerprint=self.lm.fingerprint,
+                                      count_hit=count_hit)
+
+    def _chunk_tokens(self, key: str) -> int:
+        # A chunk's token count never changes: ask the catalog once per key.
+        if key not in self._token_counts:
+            record = self.catalog.chunk(key)
+            if record is None:
+                return 1
+            self._token_counts[key] = record.num_tokens
+        return self._token_counts[key]
+
+    # -- saving and recording ----------------------------------------------------------------
+    def _note_sources(self, keys: Sequence[str], sources: Sequence[str] | None) -> None:
+        if sources is None:
+            return
+        if len(sources) != len(keys):
+            raise ValueError(f"got {len(sources)} sources for {len(keys)} chunks")
+        self._sources.update(zip(keys, sources))
+
+    def _save(self, kvs: Sequence[ChunkKV]) -> None:
+        for kv in kvs:
+            if not self.store.contains(kv.variant):
+                self._put(kv)
+
+    def _put(self, kv: ChunkKV) -> None:
+        text = self.lm.tokenizer.decode(list(kv.token_ids[:48]), skip_special_tokens=True)
+        value = quality = None
+        if kv.stats is not None:  # a chunk with the statistics the policy reads
+            value, quality = expected_reuse(variant_info(kv), self.policy)
+        self.store.put(kv, cost_s=self._estimate_full(kv.num_tokens), quality=quality, cci=value,
+                       source=self._sources.get(kv.chunk), preview=text)
+
+    def _report(self, request: RequestContext, prepared: PreparedRequest, recomputed) -> list[ChunkReport]:
+        stops, plan = prepared.hooks.stops, prepared.plan
+        stop_by_offset, offset = {}, 0
+        for index, seg in enumerate(prepared.segments):
+            if index in stops:
+                stop_by_offset[offset] = stops[index]
+            offset += len(seg.token_ids)
+        reports, offset = [], len(request.pieces.prefix)
+        for i, (ids, key) in enumerate(zip(request.pieces.chunks, request.keys)):
+            score = plan.chunks[i].score if plan is not None else None
+            fraction = float(recomputed[offset:offset + len(ids)].float().mean())
+            reports.append(ChunkReport(i, key, len(ids), prepared.tiers[i], prepared.used[i],
+                                       score.cci if score else None, score.beta_prime if score else None,
+                                       score.cfo if score else None, fraction, stop_by_offset.get(offset)))
+            offset += len(ids)
+        return reports
+
+    def _record(self, question: str, answer: Answer) -> int:
+        chunks = tuple(RequestChunk(c.position, c.chunk, c.variant, c.tier if c.variant else MISS, c.cci,
+                                    c.beta_prime, c.cfo, c.fraction, c.stop_layer) for c in answer.chunks)
+        return self.catalog.record_request(RequestRecord(question_hash(question), answer.method, chunks,
+                                                         answer.recompute_fraction, answer.ttft_s,
+                                                         answer.full_prefill_estimate_s))
+
+    def _estimate_full(self, tokens: int) -> float:
+        """A full prefill's seconds for ``tokens`` tokens, from the cost model."""
+        return self.ensure_cost_model().prefill_s(tokens)

@@ -1,0 +1,98 @@
+"""What a request leaves behind: the answer with its cache report, and the prefill's trace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkReport:
+    """What happened to one chunk of a request.
+
+    A chunk whose variant was found but that the plan computed in full counts as a hit
+    in the tier it was found in; its ``fraction`` is 1.0.
+    """
+
+    position: int
+    chunk: str
+    tokens: int
+    tier: str  # gpu / cpu / disk, or "miss"
+    variant: str | None  # the variant found; not loaded when the plan computed the chunk in full
+    cci: float | None
+    beta_prime: float | None
+    cfo: float | None
+    fraction: float
+    stop_layer: int | None
+
+
+@dataclass(frozen=True)
+class Source:
+    """A retrieved corpus chunk that went into the prompt (same order as the chunk reports)."""
+
+    id: str
+    title: str
+    source: str
+    score: float
+    text: str
+
+
+@dataclass(frozen=True)
+class WarmReport:
+    """What one warm pass over (a shard of) the corpus did."""
+
+    made: int
+    skipped: int
+    total: int
+
+
+@dataclass(frozen=True)
+class PrefillTrace:
+    """What a benchmark may inspect of one request's prefill, handed to the ``observer``
+    of :meth:`~cachecraft.pipeline.Pipeline.answer` before generation starts.
+
+    ``logits``: the last position's ``[vocab]`` (float32, CPU); ``token_layers``: tokens
+    run through a layer, summed over layers, look-ahead included; ``kv_bytes``: the
+    request's KV in the compute dtype; ``blend``: the engine's result itself (its KV is
+    handed to ``generate`` right after the observer returns)."""
+
+    method: str
+    logits: torch.Tensor
+    token_layers: int
+    kv_bytes: int
+    recompute_fraction: float
+    blend: object
+
+
+@dataclass
+class Answer:
+    """The answer and the cache report of one request."""
+
+    text: str
+    method: str
+    ttft_s: float
+    prompt_tokens: int
+    new_tokens: int
+    recompute_fraction: float
+    chunks: list[ChunkReport] = field(default_factory=list)
+    request_id: int | None = None
+    full_prefill_estimate_s: float | None = None
+    sources: list[Source] = field(default_factory=list)
+    retrieval_s: float | None = None
+
+    @property
+    def saved_s(self) -> float | None:
+        """Estimated prefill time saved against a full prefill."""
+        if self.full_prefill_estimate_s is None:
+            return None
+        return max(0.0, self.full_prefill_estimate_s - self.ttft_s)
+
+    def to_dict(self) -> dict:
+        """JSON-friendly report."""
+        return {"text": self.text, "method": self.method, "ttft_s": self.ttft_s,
+                "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
+                "recompute_fraction": self.recompute_fraction, "request_id": self.request_id,
+                "full_prefill_estimate_s": self.full_prefill_estimate_s, "saved_s": self.saved_s,
+                "retrieval_s": self.retrieval_s, "chunks": [c.__dict__ for c in self.chunks],
+                "sources": [s.__dict__ for s in self.sources]}

@@ -1,0 +1,66 @@
+"""The policy's rules around a plan (pure decisions, no model, no store).
+
+- :func:`hide_loading`: CacheBlend's loading controller applied to a plan: a chunk
+  whose cache comes from a slow tier recomputes at least the fraction that hides
+  loading it (``r = max(r*, r_load)``).
+- :func:`keep_in_full`: a chunk the plan would recompute mostly is computed in full
+  instead, nothing loaded, while it has room for another variant; made in this
+  request's context, it is then kept as a new variant.
+- :func:`early_stop_decision`: adaptive early termination from the question's
+  attention per chunk.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Sequence
+
+import torch
+
+from cachecraft.policy.planner import RecomputePlan
+
+MAX_VARIANTS_PER_CHUNK = 4
+KEEP_FIXED_FRACTION = 0.5  # a chunk planned to be at least this much recomputed is computed in full
+
+
+def hide_loading(plan: RecomputePlan, r_loads: Sequence[float | None]) -> RecomputePlan:
+    """Raise each planned chunk's count to ``ceil(r_load * tokens)`` where it recomputes
+    anything at all (``r_loads``: per chunk, the fraction that hides loading its variant
+    from its tier; None where nothing is loaded)."""
+    assert len(r_loads) == len(plan.chunks), f"{len(r_loads)} load fractions for {len(plan.chunks)} chunks"
+    chunks = []
+    for chunk_plan, r_load in zip(plan.chunks, r_loads):
+        if r_load is not None and chunk_plan.variant is not None and chunk_plan.count > 0:
+            floor = math.ceil(r_load * chunk_plan.tokens)
+            chunk_plan = replace(chunk_plan, count=min(chunk_plan.tokens, max(chunk_plan.count, floor)))
+        chunks.append(chunk_plan)
+    return replace(plan, chunks=tuple(chunks))
+
+
+def keep_in_full(plan: RecomputePlan, variant_counts: Sequence[int],
+                 threshold: float = KEEP_FIXED_FRACTION, cap: int = MAX_VARIANTS_PER_CHUNK) -> RecomputePlan:
+    """Compute in full (variant None, every token counted) each chunk planned at
+    ``threshold`` or more of recompute whose stored variants (``variant_counts``, per
+    chunk) number fewer than ``cap``."""
+    assert len(variant_counts) == len(plan.chunks), "one variant count per chunk"
+    chunks = []
+    for chunk_plan, stored in zip(plan.chunks, variant_counts):
+        if chunk_plan.variant is not None and chunk_plan.fraction >= threshold and stored < cap:
+            chunk_plan = replace(chunk_plan, variant=None, count=chunk_plan.tokens)
+        chunks.append(chunk_plan)
+    return replace(plan, chunks=tuple(chunks))
+
+
+def early_stop_decision(layer: int, question_mass: torch.Tensor, chunk_segments: Sequence[int],
+                        share: float) -> dict[int, int]:
+    """Adaptive early termination: chunks whose share of the question's attention
+    (among chunks) is below ``share`` of an even split stop recomputing after ``layer``."""
+    if not chunk_segments:
+        return {}
+    mass = question_mass[list(chunk_segments)].float()
+    total = float(mass.sum())
+    if total <= 0:
+        return {}
+    even = total / len(chunk_segments)
+    return {seg: layer + 1 for seg, m in zip(chunk_segments, mass.tolist()) if m < share * even}
