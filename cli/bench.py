@@ -242,7 +242,7 @@ def bench_store_cmd(ctx: typer.Context,
                     tokens: int = typer.Option(600, min=1, help="Tokens per chunk (SmolLM2 passages are ~600)."),
                     repeats: int = typer.Option(3, min=1, help="Best of this many runs.")) -> None:
     """Put/get throughput per store tier, in GB/s, for SmolLM2-sized chunks."""
-    from cachecraft.store import run_store_benchmark
+    from cachecraft.bench.store import run_store_benchmark
     config = load_config(ctx)
     with console.status("measuring store throughput ..."):
         result = run_store_benchmark(out, cache_dir=config.cache_dir, num_chunks=chunks, num_tokens=tokens,
