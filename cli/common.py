@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from cachecraft.config import Config, ConfigError
 
@@ -22,6 +23,7 @@ class UserError(Exception):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from cachecraft.bench.common import MissingExtra
     from cachecraft.dataset import DatasetError
     from cachecraft.engine import PromptError
     from cachecraft.methods import UnknownMethod
@@ -35,7 +37,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from cachecraft.store import StoreError
     return (UserError, ConfigError, DatasetError, PromptError, UnknownMethod, UnsupportedArchitecture,
             ModelLoadError, PromptInputError, StoreError, CatalogError, DocumentError, CorpusError,
-            EmbedderError, FileNotFoundError, PermissionError)
+            EmbedderError, MissingExtra, FileNotFoundError, PermissionError)
 
 
 def friendly(func: Callable) -> Callable:
@@ -46,7 +48,7 @@ def friendly(func: Callable) -> Callable:
         try:
             return func(*args, **kwargs)
         except _user_errors() as exc:
-            err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+            err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")
