@@ -152,6 +152,21 @@ def test_command(results, tmp_path):
     assert missing.exit_code == 1 and "GPU result not found" in " ".join(missing.output.split())
 
 
+def test_missing_results_show_the_dataset_given_or_a_placeholder(results, tmp_path):
+    sources = {**results, "scaling": tmp_path / "absent.json"}
+    text = write_report(tmp_path / "r", sources).read_text()
+    assert f"cachecraft bench scaling --dataset DATASET --out {sources['scaling']}" in text
+    text = write_report(tmp_path / "r2", sources, dataset="my.json").read_text()
+    assert f"cachecraft bench scaling --dataset my.json --out {sources['scaling']}" in text
+
+
+def test_run_needs_a_dataset(results, tmp_path):
+    result = CliRunner().invoke(app, ["bench", "report", "--run", "--out", str(tmp_path / "r"),
+                                      "--quality", str(results["quality"]), "--scaling", str(tmp_path / "no.json")])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "--run needs --dataset" in " ".join(result.output.split())
+
+
 def test_without_matplotlib_the_report_is_a_one_line_error(results, tmp_path, monkeypatch):
     import cachecraft.bench
 
