@@ -140,8 +140,7 @@ def bench_workload_cmd(
 @friendly
 def bench_eviction_cmd(
     ctx: typer.Context,
-    dataset: Path = typer.Option(Path("../shared/data/musique_dev.json"),
-                                 help="MuSiQue-format JSON file; all its passages form the corpus."),
+    dataset: Path = typer.Option(..., help="MuSiQue-format JSON file; all its passages form the corpus."),
     out: Path = typer.Option(Path("benchmarks/results/eviction_replay.json"), help="Where to write the JSON result."),
     requests: int = typer.Option(3000, min=1, help="Requests in the trace."),
     limit: int = typer.Option(100, min=1, help="Items of the dataset to pool (10 passages each)."),
@@ -224,7 +223,7 @@ def bench_store_cmd(ctx: typer.Context,
                     tokens: int = typer.Option(600, min=1, help="Tokens per chunk (SmolLM2 passages are ~600)."),
                     repeats: int = typer.Option(3, min=1, help="Best of this many runs.")) -> None:
     """Put/get throughput per store tier, in GB/s, for SmolLM2-sized chunks."""
-    from cachecraft.store import run_store_benchmark
+    from cachecraft.bench.store import run_store_benchmark
     config = load_config(ctx)
     with console.status("measuring store throughput ..."):
         result = run_store_benchmark(out, cache_dir=config.cache_dir, num_chunks=chunks, num_tokens=tokens,
@@ -269,8 +268,7 @@ def _ints(text: str, what: str) -> list[int]:
 @friendly
 def bench_scaling_cmd(
     ctx: typer.Context,
-    dataset: Path = typer.Option(Path("../shared/data/musique_dev.json"),
-                                 help="MuSiQue-format JSON file whose passages make the contexts."),
+    dataset: Path = typer.Option(..., help="MuSiQue-format JSON file whose passages make the contexts."),
     out: Path = typer.Option(Path("benchmarks/results/scaling.json"), help="Where to write the JSON result."),
     contexts: str = typer.Option("1000,2000,4000,7900",
                                  help="Prompt lengths in tokens for the context sweep ('' skips it)."),
@@ -380,7 +378,8 @@ def bench_report_cmd(
     gpu_json: Optional[Path] = typer.Option(None, help="A result measured on a GPU, for the GPU section."),
     run: bool = typer.Option(False, "--run", help="Run the missing benchmarks first (long: see the report's "
                                                   "commands)."),
-    dataset: Path = typer.Option(Path("../shared/data/musique_dev.json"), help="Dataset for --run."),
+    dataset: Optional[Path] = typer.Option(None, help="MuSiQue-format JSON file the missing benchmarks read "
+                                                      "(needed with --run)."),
 ) -> None:
     """Plots and a Markdown report (quality vs TTFT, per-method figures, the workload,
     eviction policies, scaling, where cachecraft loses) from the benchmark JSONs."""
@@ -393,6 +392,8 @@ def bench_report_cmd(
                "revisit": revisit, "loading": loading, "tradeoff": tradeoff}
     missing = [name for name, path in sources.items() if not path.is_file()]
     if run and missing:
+        if dataset is None:
+            raise UserError("--run needs --dataset: the MuSiQue-format JSON file the missing benchmarks read")
         config = load_config(ctx)
         ensure_dir(config.cache_dir)
         lm = load_model_quietly(config)
@@ -402,6 +403,6 @@ def bench_report_cmd(
             console.print(f"wrote {sources[name]}")
     elif missing:
         err_console.print(f"missing (their sections say how to make them, or pass --run): {', '.join(missing)}")
-    path = write_report(out, sources, gpu_json)
+    path = write_report(out, sources, gpu_json, dataset=dataset)
     plots = re.findall(r"\]\(([^)]+\.png)\)", path.read_text(encoding="utf-8"))
     console.print(f"wrote {path} and {len(plots)} plots")

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 # The methods as --help lists them; the same words as cachecraft.methods.methods_help()
 # (a test keeps them equal), written out so that --help needs no torch import.
@@ -32,6 +33,7 @@ class UserError(Exception):
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    from cachecraft.bench.common import MissingExtra
     from cachecraft.dataset import DatasetError
     from cachecraft.engine import PromptError
     from cachecraft.methods import UnknownMethod
@@ -45,7 +47,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from cachecraft.store import StoreError
     return (UserError, ConfigError, DatasetError, PromptError, UnknownMethod, UnsupportedArchitecture,
             ModelLoadError, PromptInputError, StoreError, CatalogError, DocumentError, CorpusError,
-            EmbedderError, FileNotFoundError, PermissionError)
+            EmbedderError, MissingExtra, FileNotFoundError, PermissionError)
 
 
 def friendly(func: Callable) -> Callable:
@@ -56,7 +58,7 @@ def friendly(func: Callable) -> Callable:
         try:
             return func(*args, **kwargs)
         except _user_errors() as exc:
-            err_console.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+            err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")

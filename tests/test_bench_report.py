@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import matplotlib.pyplot as plt
 import pytest
@@ -149,6 +150,35 @@ def test_command(results, tmp_path):
     missing = CliRunner().invoke(app, ["bench", "report", "--out", str(out), "--gpu-json", str(tmp_path / "no.json"),
                                        "--quality", str(results["quality"])])
     assert missing.exit_code == 1 and "GPU result not found" in " ".join(missing.output.split())
+
+
+def test_missing_results_show_the_dataset_given_or_a_placeholder(results, tmp_path):
+    sources = {**results, "scaling": tmp_path / "absent.json"}
+    text = write_report(tmp_path / "r", sources).read_text()
+    assert f"cachecraft bench scaling --dataset DATASET --out {sources['scaling']}" in text
+    text = write_report(tmp_path / "r2", sources, dataset="my.json").read_text()
+    assert f"cachecraft bench scaling --dataset my.json --out {sources['scaling']}" in text
+
+
+def test_run_needs_a_dataset(results, tmp_path):
+    result = CliRunner().invoke(app, ["bench", "report", "--run", "--out", str(tmp_path / "r"),
+                                      "--quality", str(results["quality"]), "--scaling", str(tmp_path / "no.json")])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "--run needs --dataset" in " ".join(result.output.split())
+
+
+def test_without_matplotlib_the_report_is_a_one_line_error(results, tmp_path, monkeypatch):
+    import cachecraft.bench
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    for name in ("plots", "report"):  # make the command import them afresh
+        monkeypatch.delitem(sys.modules, f"cachecraft.bench.{name}")
+        monkeypatch.delattr(cachecraft.bench, name)
+    result = CliRunner().invoke(app, ["bench", "report", "--out", str(tmp_path / "r"),
+                                      "--quality", str(results["quality"])])
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert result.output.strip().splitlines() == [
+        "error: matplotlib is not installed: pip install 'cachecraft[bench]'"]
 
 
 def test_a_separate_eviction_run_gets_its_own_section(tmp_path):

@@ -89,6 +89,12 @@ def test_bad_input_is_one_line_and_exit_1(args, needle, tmp_path, dataset, cache
     one_line_error(runner.invoke(app, args), needle)
 
 
+@pytest.mark.parametrize("command", ["quality", "workload", "eviction", "scaling"])
+def test_bench_commands_need_a_dataset(command):
+    result = runner.invoke(app, ["bench", command])
+    assert result.exit_code == 2 and "--dataset" in result.output
+
+
 def test_corrupted_config_file_is_reported(tmp_path):
     bad = tmp_path / "c.toml"
     bad.write_text("model = [")

@@ -129,3 +129,19 @@ def write_result(path: str | Path, payload: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(payload, indent=2), encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+class MissingExtra(ImportError):
+    """An optional dependency is not installed; the message names the extra that brings it."""
+
+
+def pyplot():
+    """matplotlib's ``pyplot`` on the Agg backend (files only, no display), or
+    :class:`MissingExtra` when the ``bench`` extra is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingExtra("matplotlib is not installed: pip install 'cachecraft[bench]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt

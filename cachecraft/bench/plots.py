@@ -1,7 +1,8 @@
-"""PNG plots of the benchmark JSONs (matplotlib, Agg backend).
+"""PNG plots of the benchmark JSONs (matplotlib, Agg backend; the ``bench`` extra).
 
 Each function takes one result (the parsed JSON) and a path, writes the plot and
 returns the path, or returns ``None`` when the result lacks what the plot needs.
+Importing this module without matplotlib raises :class:`~cachecraft.bench.common.MissingExtra`.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ import statistics
 from pathlib import Path
 from typing import Sequence
 
-import matplotlib
+from cachecraft.bench.common import pyplot
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+plt = pyplot()
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator  # noqa: E402
 
 COLORS = {"full": "#222222", "prefix": "#8c8c8c", "reuse": "#ff7f0e", "cacheblend": "#1f77b4",

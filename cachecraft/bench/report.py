@@ -307,9 +307,12 @@ SECTIONS = {"quality": quality_section, "workload": workload_section, "eviction"
             "loading": loading_section, "tradeoff": tradeoff_section}
 
 
-def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = None) -> Path:
+def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = None,
+                 dataset: Path | str | None = None) -> Path:
     """Write ``out/report.md`` and its PNGs from the JSONs at ``sources`` (keys: quality,
-    workload, scaling); returns the Markdown path."""
+    workload, scaling); returns the Markdown path. ``dataset`` goes into the commands
+    shown for missing results (``DATASET`` when not given)."""
+    dataset = dataset or "DATASET"
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     results = {name: load_result(path) for name, path in sources.items()}
@@ -325,7 +328,7 @@ def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = 
             lines += SECTIONS[name](results[name], path, out)
         else:
             lines += [f"## {name.capitalize()}", "", f"_No result at `{path}`. Make it with:_", "",
-                      f"    {command(name, path)}", ""]
+                      f"    {command(name, path, dataset)}", ""]
     losses = (findings.quality_losses(results.get("quality")) + findings.workload_losses(results.get("workload"))
               + findings.eviction_losses(results.get("workload")) + findings.eviction_losses(results.get("eviction"))
               + findings.replay_losses(results.get("replay"))
@@ -341,7 +344,7 @@ def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = 
     lines += gpu_section(gpu, gpu_source, [r for r in results.values() if r])
     lines += ["## Reproduce", "", "Each result records the command that made it and, run from a git checkout, the "
               "commit of the code (each section's `code` line):", "", "```"]
-    lines += [results[n]["command"] if results[n] else command(n, p) for n, p in sources.items()]
+    lines += [results[n]["command"] if results[n] else command(n, p, dataset) for n, p in sources.items()]
     lines += [f"cachecraft bench report --out {out}" + "".join(f" --{n} {p}" for n, p in sources.items())
               + (f" --gpu-json {gpu_source}" if gpu_source else ""), "```", ""]
     path = out / "report.md"

@@ -17,7 +17,6 @@ from cachecraft.bench.common import with_settings, write_result
 from cachecraft.config import Config
 from cachecraft.model.loader import LoadedModel
 
-DATASET = "../shared/data/musique_dev.json"
 QUALITY_METHODS = ("full,prefix,reuse,cacheblend@0.05,cacheblend@0.15,cacheblend@0.3,cacheblend@0.5,"
                    "cachecraft@0.05,cachecraft@0.08,cachecraft@0.15,cachecraft@0.3")
 WORKLOAD_METHODS = "full,prefix,reuse,cacheblend,cachecraft"
@@ -58,8 +57,8 @@ DEFAULTS = {"quality": {"limit": 10}, "workload": {"limit": 20, "requests": 40, 
 SCALING_FLAGS = {"chunk_counts": "chunks"}
 
 
-def command(name: str, out: Path, dataset: Path | str = DATASET, **settings) -> str:
-    """The ``bench`` command line that makes result ``name`` at ``out`` with ``settings``."""
+def command(name: str, out: Path, dataset: Path | str, **settings) -> str:
+    """The ``bench`` command line that makes result ``name`` at ``out`` from ``dataset`` with ``settings``."""
     text = COMMANDS[name].format(dataset=dataset, out=out, **{**DEFAULTS[name], **settings})
     if name == "scaling":  # its settings are the command's flags
         for key, value in settings.items():

@@ -12,12 +12,10 @@ from cachecraft.store.readers import LayerReader
 from cachecraft.store.streaming import LayerStream, StreamedKV
 from cachecraft.store.store import StoreCounters, TieredStore, TierState, store_paths
 from cachecraft.store.verify import Problem, VerifyReport, verify
-from cachecraft.store.bench import run_store_benchmark
 
 __all__ = [
     "CacheDirError", "CorruptEntryError", "DiskFullError", "StoreBusyError", "StoreConfigError",
     "StoreError", "POLICIES", "CacheCraftPolicy", "EntryInfo", "EvictionPolicy", "LFUPolicy",
     "LRUPolicy", "PGDSFPolicy", "make_policy", "LayerReader", "LayerStream", "StreamedKV",
     "StoreCounters", "TieredStore", "TierState", "store_paths", "Problem", "VerifyReport", "verify",
-    "run_store_benchmark",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from cachecraft.bench.common import code_identity
-from cachecraft.store.bench import run_store_benchmark
+from cachecraft.bench.store import run_store_benchmark
 
 
 def test_store_benchmark_writes_json(tmp_path):

@@ -27,7 +27,7 @@ import torch
 from cachecraft.bench.common import code_identity
 from cachecraft.config import Config, default_cache_dir
 from cachecraft.kv import ChunkKV, kv_bytes_per_token
-from cachecraft.store.store import TieredStore
+from cachecraft.store import TieredStore
 
 log = logging.getLogger(__name__)
 
