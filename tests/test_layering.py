@@ -12,12 +12,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 # Core folders and the package each maps to (``integrations/`` installs as ``cachecraft.integrations``).
 CORE = {ROOT / "cachecraft": "cachecraft", ROOT / "integrations": "cachecraft.integrations"}
-# Files allowed to import the benchmarks for now, each with why.
-ALLOWED = {
-    # calibrate runs the quality benchmark to fit policy_alpha; that import is being removed
-    # (issue "One request path"). Drop this entry once it is gone.
-    "cachecraft/policy/calibrate.py",
-}
+# Files allowed to import the benchmarks, each with why (none).
+ALLOWED: set[str] = set()
 
 
 def _module(path: Path, folder: Path, package: str) -> str:
