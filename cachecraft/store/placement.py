@@ -1,6 +1,5 @@
 """Where a variant's bytes go: placement into tiers under their budgets, demotion and
-promotion between tiers, reads of the disk tier that drop what they find damaged, and
-removal, each with its catalog rows and tier events.
+promotion between tiers, and removal, each with its catalog rows and tier events.
 
 A new entry goes to the fastest tier whose budget can hold it; room is made by
 demoting that tier's victims (chosen by the tier's eviction policy) to the next tier
@@ -30,7 +29,7 @@ import torch
 from cachecraft.catalog import EntryRecord, VariantRecord
 from cachecraft.catalog.db import CatalogTx
 from cachecraft.kv import AttentionStats, ChunkKV
-from cachecraft.store.codec import BlobError, LazyBlob, decode, encode
+from cachecraft.store.codec import encode
 from cachecraft.store.errors import StoreError
 from cachecraft.store.eviction import EntryInfo, EvictionPolicy, estimate_cost_s
 from cachecraft.store.tiers import DiskTier, MemEntry, MemoryTier, entry_nbytes
@@ -271,43 +270,6 @@ def promote_from_disk(store: TieredStore, key: str, kv: ChunkKV, row: EntryRecor
                 return
     except StoreError as exc:
         log.warning("could not promote %s from disk: %s", key, exc)
-
-
-def read_disk(store: TieredStore, key: str) -> tuple[EntryRecord, ChunkKV] | None:
-    """The disk row of ``key`` and its verified bytes, or None (a damaged or lost entry
-    is dropped on the way)."""
-    disk = store._disk()
-    row = None if disk is None else store._disk_row(key)
-    if row is None:
-        return None
-    data = disk.read(row.blob)
-    if data is None:
-        drop_disk_row(store, row, "lost", "bytes are missing")
-        return None
-    try:
-        return row, decode(data, row.checksum, key)
-    except BlobError as exc:
-        drop_disk_row(store, row, "corrupt", str(exc))
-        return None
-
-
-def open_disk(store: TieredStore, key: str) -> tuple[EntryRecord, LazyBlob] | None:
-    """The disk row of ``key`` and a verified lazy view of its blob, or None."""
-    disk = store._disk()
-    row = None if disk is None else store._disk_row(key)
-    if row is None:
-        return None
-    with disk.open(row.blob) as opened:
-        if opened is None:
-            drop_disk_row(store, row, "lost", "bytes are missing")
-            return None
-        try:
-            return row, LazyBlob(opened[0], opened[1], row.checksum, key)
-        except FileNotFoundError:  # evicted by another process while we opened it
-            return None
-        except BlobError as exc:
-            drop_disk_row(store, row, "corrupt", str(exc))
-            return None
 
 
 def forget(store: TieredStore, tier: MemoryTier, key: str, kind: str | None) -> None:

@@ -1,20 +1,13 @@
 """TieredStore: chunk-cache variants in GPU / CPU / disk tiers under byte budgets.
 
-A put goes to the fastest tier whose budget can hold the entry, demoting victims
-downward; a hit in a slower tier promotes the entry (see
-:mod:`cachecraft.store.placement`). Entries are stored in ``config.kv_dtype`` and
-converted to the requested dtype and device on the way out, always as a fresh copy.
-
-GPU and CPU tiers are private to the process; the disk tier and the catalog are shared
-by every process using the cache directory. A blob is written to a new file first and
-the catalog row is the commit point; :meth:`TieredStore.reconcile` (run on open) drops
-rows whose bytes are gone and deletes bytes no row names (see
-:mod:`cachecraft.store.maintenance`).
-
-Every disk read verifies checksums and the entry's identity (its key recomputed from
-the stored tokens, fingerprint and prefix); a damaged entry is removed, logged as a
-``corrupt`` tier event and counted as a miss. Memory tiers hold tensors this process
-made and are not re-hashed on reads.
+The public API. Entries are stored in ``config.kv_dtype`` and handed out as fresh
+copies in the requested dtype and device. GPU and CPU tiers are private to the
+process; the disk tier and the catalog are shared by every process using the cache
+directory. Where entries go and how they move: :mod:`~cachecraft.store.placement`;
+disk reads, which verify checksums and the entry's identity and drop damaged entries:
+:mod:`~cachecraft.store.disk_reads` (memory tiers hold tensors this process made and
+are not re-hashed); reconcile, recovery and eviction on demand:
+:mod:`~cachecraft.store.maintenance`.
 """
 
 from __future__ import annotations
@@ -32,13 +25,13 @@ import torch
 from cachecraft.catalog import TIERS, Catalog, ChunkRecord, EntryRecord, VariantRecord, catalog_path
 from cachecraft.config import Config
 from cachecraft.kv import AttentionStats, ChunkKV, chunk_key
-from cachecraft.store import maintenance, placement
+from cachecraft.store import disk_reads, maintenance, placement
 from cachecraft.store.codec import copy_to
 from cachecraft.store.errors import StoreConfigError
 from cachecraft.store.eviction import EntryInfo, EvictionPolicy, estimate_cost_s, make_policy
 from cachecraft.store.locks import FileLock, OwnerLock
 from cachecraft.store.paths import MAINTENANCE_LOCK, ensure_writable, store_paths
-from cachecraft.store.readers import DiskLayerReader, LayerReader, MemoryLayerReader
+from cachecraft.store.readers import LayerReader, MemoryLayerReader
 from cachecraft.store.tiers import (DiskTier, MemEntry, MemoryTier, TierState, build_tiers, entry_nbytes,
                                     select_tiers, tier_budgets)
 
@@ -187,7 +180,7 @@ class TieredStore:
                 if promote and i > 0:
                     placement.promote_memory(self, i, key)
                 return out
-            found = placement.read_disk(self, key)
+            found = disk_reads.read_disk(self, key)
             if found is None:
                 return self._miss(key)
             row, kv = found
@@ -220,7 +213,7 @@ class TieredStore:
                 if promote and i > 0:
                     placement.promote_memory(self, i, key)
                 return reader
-            opened = placement.open_disk(self, key)
+            opened = disk_reads.open_disk(self, key)
             if opened is None:
                 return self._miss(key)
             row, blob = opened
@@ -228,17 +221,7 @@ class TieredStore:
                 blob.close()
                 return self._miss(key, f"fingerprint {blob.metadata['fingerprint']} is not {fingerprint}")
             self._hit("disk", key, None, count_hit)
-
-        def on_corrupt(exc: Exception) -> None:
-            with self._lock:
-                placement.drop_disk_row(self, row, "corrupt", str(exc))
-
-        def on_complete(kv: ChunkKV) -> None:
-            with self._lock:
-                placement.promote_from_disk(self, key, kv, row)
-
-        promotable = promote and bool(self._memory_tiers())
-        return DiskLayerReader(key, blob, dtype, device, on_corrupt, on_complete if promotable else None)
+        return disk_reads.disk_reader(self, key, row, blob, dtype, device, promote)
 
     def contains(self, key: str) -> bool:
         """Whether a get would find ``key`` (bytes not verified)."""
@@ -289,7 +272,7 @@ class TieredStore:
                 entry = tier.get(key)
                 if entry is not None:
                     return entry.kv.stats
-            opened = placement.open_disk(self, key)
+            opened = disk_reads.open_disk(self, key)
         if opened is None:
             return None
         _, blob = opened
