@@ -30,6 +30,7 @@ from cachecraft.store.codec import copy_to
 from cachecraft.store.errors import StoreConfigError
 from cachecraft.store.eviction import EntryInfo, EvictionPolicy, estimate_cost_s, make_policy
 from cachecraft.store.locks import FileLock, OwnerLock
+from cachecraft.store.maintenance import EvictReport
 from cachecraft.store.paths import MAINTENANCE_LOCK, ensure_writable, store_paths
 from cachecraft.store.readers import LayerReader, MemoryLayerReader
 from cachecraft.store.tiers import (DiskTier, MemEntry, MemoryTier, TierState, build_tiers, entry_nbytes,
@@ -254,6 +255,16 @@ class TieredStore:
                     placement.forget(self, tier, key, kind="delete")
                     found = True
             return placement.delete_disk_copy(self, key, kind="delete") or found
+
+    def evict(self, *, chunk: str | None = None, source: str | None = None, tier: str | None = None,
+              everything: bool = False) -> EvictReport:
+        """Delete from every tier this store reaches the variants of one chunk (``chunk``: 6 or
+        more first characters of its key or a variant's), of every chunk of one document
+        (``source``: its path as ingested, or a file name naming one), of one ``tier`` (a
+        memory tier: this store's entries; the note counts other processes'), or all; give
+        exactly one. Catalog rows stay. :class:`SelectorError` if nothing or too much matches.
+        """
+        return maintenance.evict(self, chunk=chunk, source=source, tier=tier, everything=everything)
 
     def variants_of(self, chunk: str) -> list[VariantRecord]:
         """Variants of a chunk this store can read (tier = the fastest it can read from)."""
