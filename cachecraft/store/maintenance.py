@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cachecraft.catalog import TIERS, Catalog, VariantRecord, remove_catalog
+from cachecraft.catalog import TIERS, Catalog, remove_catalog
 from cachecraft.store.errors import SelectorError, StoreBusyError, StoreConfigError
 from cachecraft.store.locks import FileLock, live_owners, owner_alive
 from cachecraft.store.paths import MAINTENANCE_LOCK, store_paths
@@ -154,18 +154,14 @@ def evict(store: TieredStore, *, chunk: str | None = None, source: str | None = 
                                      "with --tier disk then")
 
 
-def _stored_variants(store: TieredStore) -> list[VariantRecord]:
-    with store.catalog.read() as tx:
-        return tx.stored_variants()
-
-
 def _variants_of_chunk(store: TieredStore, prefix: str) -> list[str]:
     """Stored variant keys of the chunk whose key (or a variant's key) starts with ``prefix``."""
     prefix = prefix.strip().lower()
     if len(prefix) < MIN_PREFIX:
         raise SelectorError(f"give at least {MIN_PREFIX} characters of the chunk key (see `cachecraft query` "
                             "or `cachecraft explain`)")
-    records = _stored_variants(store)
+    with store.catalog.read() as tx:
+        records = tx.stored_variants()
     chunks = {r.chunk_key for r in records if r.chunk_key.startswith(prefix) or r.key.startswith(prefix)}
     if not chunks:
         raise SelectorError(f"no cached chunk matches {prefix!r}")
