@@ -278,8 +278,14 @@ def evict_cmd(
 
     Examples: cachecraft evict --chunk 3fa2c1d09b7e; cachecraft evict --source docs/manual.md
     """
-    from .cleanup import evict
-    report = evict(load_config(ctx), chunk, tier, everything, source)
+    from cachecraft.catalog import TIERS
+    from cachecraft.store import TieredStore
+    if (chunk is not None) + (source is not None) + (tier is not None) + everything != 1:
+        raise UserError("give exactly one of --chunk ID, --source FILE, --tier TIER or --all")
+    if tier is not None and tier not in TIERS:
+        raise UserError(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
+    with TieredStore(load_config(ctx)) as store:
+        report = store.evict(chunk=chunk, source=source, tier=tier, everything=everything)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
         return
@@ -299,12 +305,16 @@ def clear_cmd(
 
     Example: cachecraft clear --yes
     """
-    from .cleanup import clear
+    from cachecraft.store import destroy
     config = load_config(ctx)
     what = "every chunk-cache and the catalog" + (" and the corpus" if corpus else "")
     if not yes:
         typer.confirm(f"Delete {what} in {config.cache_dir}?", abort=True)
-    removed = clear(config, corpus)
+    removed = bool(destroy(config.cache_dir).removed)
+    if corpus and config.corpus_dir.exists():
+        from cachecraft.retrieval.corpus import Corpus
+        Corpus(config.corpus_dir, config.embedder).erase()
+        removed = True
     console.print(f"deleted {what} in {config.cache_dir}" if removed else f"nothing to delete in {config.cache_dir}",
                   highlight=False)
 
@@ -349,17 +359,12 @@ def explain_cmd(ctx: typer.Context,
 
     from cachecraft.catalog import Catalog
     config = load_config(ctx)
-    catalog = Catalog(config.cache_dir)
-    try:
+    with Catalog(config.cache_dir) as catalog:
         if request_id is None:
-            with catalog.read() as tx:
-                ids = tx.request_ids(limit=1)
-            if not ids:
+            request_id = catalog.last_request_id()
+            if request_id is None:
                 raise UserError(f"no request recorded yet in {config.cache_dir}")
-            request_id = ids[0]
         record = catalog.get_request(request_id)
-    finally:
-        catalog.close()
     if record is None:
         raise UserError(f"no request with id {request_id} in {config.cache_dir}")
     if as_json:

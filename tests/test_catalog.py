@@ -9,7 +9,7 @@ import pytest
 
 from cachecraft.catalog import (Catalog, CatalogCorruptError, CatalogWriteError, ChunkRecord,
                                 EntryRecord, RequestChunk, RequestRecord, SchemaVersionError,
-                                VariantRecord, catalog_path, question_hash)
+                                VariantRecord, catalog_path, question_hash, remove_catalog)
 from cachecraft.catalog import stats
 
 
@@ -95,13 +95,39 @@ def test_chunks_variants_entries_and_tiers(catalog):
     assert [e.kind for e in catalog.events(kind="lost")] == ["lost", "lost"]
 
 
+def test_stored_variants_are_those_some_tier_holds(catalog):
+    add_variant(catalog, "v2", "c1", tier="disk")
+    add_variant(catalog, "v1", "c1", tier="cpu", owner="other-process")
+    add_variant(catalog, "v3", "c2", tier=None)  # recorded, never stored
+    with catalog.read() as tx:
+        assert [v.key for v in tx.stored_variants()] == ["v1", "v2"]
+    with catalog.write() as tx:
+        tx.remove_entry("v2", "disk")
+    with catalog.read() as tx:
+        assert [v.key for v in tx.stored_variants()] == ["v1"]
+
+
+def test_remove_catalog_deletes_the_database_and_its_side_files(tmp_path):
+    with Catalog(tmp_path) as cat:
+        add_variant(cat, "v1", "c1")
+    assert catalog_path(tmp_path).exists()
+    (tmp_path / "catalog.sqlite-wal").touch()  # as a process killed mid-write leaves it
+    (tmp_path / "keep.txt").write_text("not the catalog's")
+    removed = remove_catalog(tmp_path)
+    assert catalog_path(tmp_path) in removed and tmp_path / "catalog.sqlite-wal" in removed
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+    assert remove_catalog(tmp_path) == [] and remove_catalog(tmp_path / "missing") == []
+
+
 def test_request_round_trip_for_explain(catalog):
     rec = RequestRecord(question_hash("who?"), "cachecraft", (
         RequestChunk(0, "c1", "v1", "cpu", cci=0.3, beta_prime=0.8, cfo=0.06, fraction=0.1, stop_layer=12),
         RequestChunk(1, "c2"),
         RequestChunk(2, "c3", "v9", "disk", fraction=0.0)), recompute_fraction=0.05, ttft_s=0.5,
         full_prefill_s=2.0, created_at=123.0)
+    assert catalog.last_request_id() is None
     rid = catalog.record_request(rec)
+    assert catalog.last_request_id() == rid
     got = catalog.get_request(rid)
     assert got == RequestRecord(**{**rec.__dict__, "id": rid})
     assert got.hits_by_tier == {"gpu": 0, "cpu": 1, "disk": 1} and got.misses == 1

@@ -1,4 +1,4 @@
-"""verify, stats and bench store through the CLI, checked against files and rows."""
+"""verify, stats, evict, clear and bench store through the CLI, checked against files and rows."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import json
 
 from typer.testing import CliRunner
 
-from cachecraft.store import TieredStore
+from cachecraft.catalog import Catalog, catalog_path
+from cachecraft.store import TieredStore, store_paths
 from cli.app import app
 from tests.store_helpers import config, make_kv
 
@@ -52,6 +53,37 @@ def test_stats_json_counts_what_is_stored(cache_dir):
     assert data["tiers"]["disk"]["budget_bytes"] > 0
     human = runner.invoke(app, ["stats"])
     assert human.exit_code == 0 and "4 chunks" in human.output
+
+
+def test_evict_a_tier_and_clear_leave_no_files_or_rows(cache_dir):
+    kvs = [make_kv(i) for i in range(3)]
+    with TieredStore(config(cache_dir), tiers=("disk",)) as store:
+        for kv in kvs:
+            store.put(kv)
+    root, disk_dir, _ = store_paths(cache_dir)
+    assert len(list(disk_dir.rglob("*.val"))) == 3
+
+    evicted = runner.invoke(app, ["evict", "--tier", "disk", "--json"])
+    assert evicted.exit_code == 0, evicted.output
+    assert sorted(json.loads(evicted.output)["variants"]) == sorted(kv.variant for kv in kvs)
+    assert list(disk_dir.rglob("*.val")) == []
+    with Catalog(cache_dir) as catalog, catalog.read() as tx:
+        assert tx.entries() == [] and tx.counts()["variants"] == 3  # history kept
+    note = runner.invoke(app, ["evict", "--tier", "cpu"])
+    assert note.exit_code == 0 and "cpu tier lives inside" in note.output
+    unknown = runner.invoke(app, ["evict", "--tier", "tape"])
+    assert unknown.exit_code == 1 and "unknown tier 'tape'" in unknown.output
+
+    store = TieredStore(config(cache_dir), tiers=("disk",))
+    busy = runner.invoke(app, ["clear", "--yes"])
+    assert busy.exit_code == 1 and "other cachecraft process" in busy.output and "Traceback" not in busy.output
+    assert root.is_dir() and catalog_path(cache_dir).exists()
+    store.close()
+    cleared = runner.invoke(app, ["clear", "--yes"])
+    assert cleared.exit_code == 0 and "deleted" in cleared.output
+    assert not root.exists() and not catalog_path(cache_dir).exists()
+    again = runner.invoke(app, ["clear", "--yes"])
+    assert again.exit_code == 0 and "nothing to delete" in again.output
 
 
 def test_bench_store_writes_throughput(cache_dir, tmp_path):

@@ -1,6 +1,6 @@
 """cachecraft catalog: what is cached, where, and what each request did (SQLite)."""
 
-from cachecraft.catalog.db import CATALOG_FILE, Catalog, CatalogTx, catalog_path
+from cachecraft.catalog.db import CATALOG_FILE, Catalog, CatalogTx, catalog_path, remove_catalog
 from cachecraft.catalog.errors import (CatalogBusyError, CatalogCorruptError, CatalogError,
                                        CatalogWriteError, SchemaVersionError)
 from cachecraft.catalog.models import SCHEMA_VERSION
@@ -9,7 +9,7 @@ from cachecraft.catalog.records import (EVENT_KINDS, MISS, TIERS, ChunkRecord, E
                                         VariantRecord, question_hash)
 
 __all__ = [
-    "CATALOG_FILE", "Catalog", "CatalogTx", "catalog_path", "CatalogError",
+    "CATALOG_FILE", "Catalog", "CatalogTx", "catalog_path", "remove_catalog", "CatalogError",
     "CatalogBusyError", "CatalogCorruptError", "CatalogWriteError", "SchemaVersionError",
     "SCHEMA_VERSION", "EVENT_KINDS", "MISS", "TIERS", "ChunkRecord", "EntryRecord",
     "RequestChunk", "RequestRecord", "TierEventRecord", "VariantRecord", "question_hash",

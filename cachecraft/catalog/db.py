@@ -41,6 +41,18 @@ def catalog_path(cache_dir: str | Path) -> Path:
     return Path(cache_dir) / CATALOG_FILE
 
 
+def remove_catalog(cache_dir: str | Path) -> list[Path]:
+    """Delete the catalog of ``cache_dir`` with its WAL and shared-memory files; returns the
+    paths deleted. No process may have it open (the caller makes sure)."""
+    path = catalog_path(cache_dir)
+    removed = []
+    for side in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        if side.exists():
+            side.unlink()
+            removed.append(side)
+    return removed
+
+
 def _sqlite_error(exc: BaseException) -> BaseException | None:
     orig = getattr(exc, "orig", None)
     return orig if isinstance(orig, sqlite3.Error) else (exc if isinstance(exc, sqlite3.Error) else None)
@@ -121,6 +133,12 @@ class CatalogTx:
         """Every variant recorded for a chunk, evicted ones included."""
         rows = self.session.scalars(select(Variant).where(Variant.chunk_key == chunk_key)
                                     .order_by(Variant.created_at))
+        return [_variant_record(r) for r in rows]
+
+    def stored_variants(self) -> list[VariantRecord]:
+        """Every variant whose bytes some tier holds (any owner), by key."""
+        placed = select(Entry.variant_key).distinct()
+        rows = self.session.scalars(select(Variant).where(Variant.key.in_(placed)).order_by(Variant.key))
         return [_variant_record(r) for r in rows]
 
     def available_variants(self, chunk_key: str, owner: str) -> list[VariantRecord]:
@@ -434,6 +452,12 @@ class Catalog:
         """Store a request and its per-chunk decisions; returns the request id."""
         with self.write() as tx:
             return tx.add_request(rec)
+
+    def last_request_id(self) -> int | None:
+        """Id of the newest stored request, or None when there is none."""
+        with self.read() as tx:
+            ids = tx.request_ids(limit=1)
+        return ids[0] if ids else None
 
     def get_request(self, request_id: int) -> RequestRecord | None:
         """A stored request (for ``cachecraft explain``), or None."""

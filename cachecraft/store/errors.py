@@ -25,3 +25,8 @@ class CorruptEntryError(StoreError):
 
 class StoreBusyError(StoreError):
     """Another process held the store's maintenance lock for longer than the timeout."""
+
+
+class SelectorError(StoreError):
+    """What names the variants to evict (a chunk key prefix, a document) matches no stored
+    chunk, or more than one where one is needed."""

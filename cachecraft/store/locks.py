@@ -126,3 +126,12 @@ def owner_alive(directory: Path, owner: str) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def live_owners(directory: Path) -> list[str]:
+    """Owners in ``directory`` whose store is open in some live process (dead owners'
+    lock files are removed on the way); empty when the directory does not exist."""
+    if not directory.is_dir():
+        return []
+    owners = sorted(p.stem.removeprefix("owner-") for p in directory.glob("owner-*.lock"))
+    return [owner for owner in owners if owner_alive(directory, owner)]

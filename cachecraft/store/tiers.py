@@ -1,7 +1,8 @@
 """The tiers that hold bytes: memory tiers (GPU, CPU) and the disk tier.
 
-Tiers only hold and move bytes; budgets are enforced and victims chosen by the
-:class:`~cachecraft.store.store.TieredStore`, which also keeps the catalog in step.
+Tiers only hold and move bytes; budgets are enforced, victims chosen and the catalog
+kept in step by :mod:`cachecraft.store.placement`. :func:`build_tiers` makes a store's
+tiers, in one place and a fixed order (fastest first).
 
 - :class:`MemoryTier`: a dict of ChunkKVs on one device, private to this process
   (CPU memory is pinned when CUDA is present, so copies to the GPU can be async).
@@ -25,16 +26,20 @@ import os
 import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import TYPE_CHECKING, BinaryIO, Iterator, Mapping, Sequence
 
 import diskcache
 import torch
 from diskcache.core import MODE_BINARY, UNKNOWN
 
+from cachecraft.catalog import TIERS
 from cachecraft.kv import ChunkKV
 from cachecraft.store.codec import Blob
 from cachecraft.store.eviction import EntryInfo
-from cachecraft.store.errors import CacheDirError, DiskFullError, StoreBusyError, StoreError
+from cachecraft.store.errors import CacheDirError, DiskFullError, StoreBusyError, StoreConfigError, StoreError
+
+if TYPE_CHECKING:
+    from cachecraft.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,16 @@ def entry_nbytes(kv: ChunkKV) -> int:
     """Bytes a memory tier charges for a ChunkKV: K, V, statistics and token ids."""
     stats = 0 if kv.stats is None else sum(t.numel() * t.element_size() for t in kv.stats.to_tensors().values())
     return kv.nbytes + stats + 8 * kv.num_tokens
+
+
+@dataclass(frozen=True)
+class TierState:
+    """A tier's occupancy as a store sees it (the disk tier: all processes)."""
+
+    tier: str
+    entries: int
+    bytes: int
+    budget: int
 
 
 @dataclass
@@ -257,3 +272,43 @@ class DiskTier:
     def close(self) -> None:
         """Close diskcache's connections."""
         self.cache.close()
+
+
+def select_tiers(tiers: Sequence[str] | None) -> list[str]:
+    """The tiers a store opens, fastest first (default: all available; GPU only with CUDA)."""
+    cuda = torch.cuda.is_available()
+    if tiers is None:
+        return [t for t in TIERS if t != "gpu" or cuda]
+    unknown = [t for t in tiers if t not in TIERS]
+    if unknown or not tiers or len(set(tiers)) != len(tiers):
+        raise StoreConfigError(f"tiers must be distinct names from {TIERS}, got {list(tiers)}")
+    if "gpu" in tiers and not cuda:
+        raise StoreConfigError("the gpu tier needs CUDA, which is not available; leave it out")
+    return [t for t in TIERS if t in tiers]
+
+
+def tier_budgets(config: Config, names: Sequence[str], overrides: Mapping[str, int] | None) -> dict[str, int]:
+    """Byte budget per tier (the config's, or ``overrides``), each checked positive."""
+    limits = {"gpu": config.gpu_budget_bytes, "cpu": config.cpu_budget_bytes,
+              "disk": config.disk_budget_bytes, **dict(overrides or {})}
+    for name in names:
+        budget = limits[name]
+        if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+            raise StoreConfigError(f"{name} tier budget must be a positive number of bytes, got "
+                                   f"{budget!r}; set {name}_budget_bytes (CACHECRAFT_{name.upper()}"
+                                   "_BUDGET_BYTES) or leave the tier out")
+    return limits
+
+
+def build_tiers(names: Sequence[str], budgets: Mapping[str, int], disk_dir: Path) -> list[MemoryTier | DiskTier]:
+    """The tiers ``names`` (from :func:`select_tiers`), fastest first."""
+    cuda = torch.cuda.is_available()
+    tiers: list[MemoryTier | DiskTier] = []
+    for name in names:
+        if name == "gpu":
+            tiers.append(MemoryTier("gpu", "cuda", budgets["gpu"]))
+        elif name == "cpu":
+            tiers.append(MemoryTier("cpu", "cpu", budgets["cpu"], pin=cuda))
+        else:
+            tiers.append(DiskTier(disk_dir, budgets["disk"]))
+    return tiers

@@ -38,7 +38,7 @@ from cachecraft.catalog.records import fastest_tier
 from cachecraft.store.codec import Blob, BlobError, decode, header_checksum
 from cachecraft.store.errors import StoreBusyError, StoreError
 from cachecraft.store.locks import FileLock, owner_alive
-from cachecraft.store.store import MAINTENANCE_LOCK, store_paths
+from cachecraft.store.paths import MAINTENANCE_LOCK, store_paths
 from cachecraft.store.recover import rebuild_from_disk, record_blob
 from cachecraft.store.tiers import DISKCACHE_DB, DiskTier
 

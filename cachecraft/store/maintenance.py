@@ -1,0 +1,219 @@
+"""Looking after a cache directory: recover a catalog deleted by hand from the disk
+tier, reconcile after crashes (run when a store opens), evict chosen variants, and
+destroy the store and catalog altogether.
+
+Reconcile drops memory placements of stores whose process is gone, disk rows whose
+bytes are missing, and blobs or files no row names. Its disk part, like destroy, holds
+the maintenance lock exclusively, so a blob in flight is never taken for an orphan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from cachecraft.catalog import TIERS, Catalog, remove_catalog
+from cachecraft.store.errors import SelectorError, StoreBusyError, StoreConfigError
+from cachecraft.store.locks import FileLock, live_owners, owner_alive
+from cachecraft.store.paths import MAINTENANCE_LOCK, store_paths
+from cachecraft.store.recover import rebuild_from_disk
+from cachecraft.store.tiers import DiskTier
+
+if TYPE_CHECKING:
+    from cachecraft.store.store import TieredStore
+
+log = logging.getLogger(__name__)
+
+MIN_PREFIX = 6
+"""Characters of a chunk key that :func:`evict` needs to pick a chunk."""
+
+
+@dataclass(frozen=True)
+class EvictReport:
+    """Variant keys an eviction removed, and a note when it could not remove what was asked."""
+
+    removed: tuple[str, ...] = ()
+    note: str | None = None
+
+    def to_dict(self) -> dict:
+        """JSON-friendly report."""
+        return {"removed": len(self.removed), "variants": list(self.removed), "note": self.note}
+
+
+@dataclass(frozen=True)
+class DestroyReport:
+    """Paths :func:`destroy` deleted (empty when there was nothing to delete)."""
+
+    removed: tuple[str, ...] = ()
+
+
+def recover_catalog(store: TieredStore) -> bool:
+    """Rebuild the rows of a missing catalog from the disk tier's blobs.
+
+    False when another process kept the maintenance lock: the blobs are then not
+    rebuilt, and must not be treated as orphans.
+    """
+    disk = store._disk()
+    if disk is None or not disk.listing():
+        return True
+    with store._maintenance.exclusive(store.lock_timeout_s) as got:
+        if got:
+            log.warning("catalog %s was missing; rebuilt %d entries from the disk tier",
+                        store.catalog.path, rebuild_from_disk(store.catalog, disk))
+        return got
+
+
+def reconcile(store: TieredStore) -> dict[str, int]:
+    """Make ``store``'s catalog and tiers agree after crashes; returns counts of fixes.
+
+    The disk part needs the maintenance lock; when another process holds it too long
+    it is skipped.
+    """
+    fixed = {"dead_owner_entries": 0, "lost_rows": 0, "orphan_blobs": 0, "orphan_files": 0}
+    with store._lock:
+        with store.catalog.read() as tx:
+            owners = tx.memory_owners() - {store.owner}
+        for owner in owners:
+            if not owner_alive(store.locks_dir, owner):
+                with store.catalog.write() as tx:
+                    fixed["dead_owner_entries"] += len(tx.remove_owner(owner, "lost"))
+        disk = store._disk()
+        if disk is not None:
+            with store._maintenance.exclusive(store.lock_timeout_s) as got:
+                if got:
+                    fixed.update(reconcile_disk(store.catalog, disk, store.owner))
+                else:
+                    log.info("another process is busy with the disk tier; reconcile skipped")
+        with store.catalog.write() as tx:
+            tx.prune_events()
+    if any(fixed.values()):
+        log.warning("reconciled cache %s: %s", store.cache_dir, fixed)
+    return fixed
+
+
+def reconcile_disk(catalog: Catalog, disk: DiskTier, owner: str) -> dict[str, int]:
+    """Disk rows without bytes are dropped; blobs and files without rows are deleted.
+
+    The caller holds the maintenance lock exclusively.
+    """
+    listing = disk.listing()
+    with catalog.read() as tx:
+        rows = tx.entries(tier="disk")
+    fixed = {"lost_rows": 0, "orphan_blobs": 0, "orphan_files": 0}
+    referenced: set[str] = set()
+    for row in rows:
+        found = listing.get(row.blob)
+        if found is not None and found.tag == row.checksum and disk.path_of(found.filename).is_file():
+            referenced.add(row.blob)
+            continue
+        with catalog.write() as tx:
+            if tx.remove_entry(row.variant_key, "disk", blob=row.blob) is not None:
+                tx.event("lost", row.variant_key, "disk", None, row.nbytes, owner)
+                fixed["lost_rows"] += 1
+    for blob_id in set(listing) - referenced:
+        disk.delete(blob_id)
+        fixed["orphan_blobs"] += 1
+    for path in disk.unknown_files(disk.listing()):
+        with contextlib.suppress(OSError):
+            path.unlink()
+            fixed["orphan_files"] += 1
+    disk.remove_empty_dirs()
+    return fixed
+
+
+def evict(store: TieredStore, *, chunk: str | None = None, source: str | None = None,
+          tier: str | None = None, everything: bool = False) -> EvictReport:
+    """Delete, from every tier ``store`` reaches, the variants of one chunk, of every chunk
+    of one document, of one tier, or all of them; see :meth:`TieredStore.evict`."""
+    if (chunk is not None) + (source is not None) + (tier is not None) + bool(everything) != 1:
+        raise ValueError("give exactly one of chunk, source, tier or everything")
+    if tier is not None and tier not in TIERS:
+        raise StoreConfigError(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
+    if chunk is not None:
+        keys = _variants_of_chunk(store, chunk)
+    elif source is not None:
+        keys = _variants_of_source(store, source)
+    elif tier is None:
+        keys = sorted({key for name in store.tier_names for key in store.keys(name)})
+    elif tier == "disk" or tier in store.tier_names:
+        keys = store.keys(tier)
+    else:
+        keys = []  # a memory tier this store does not have holds nothing of ours
+    removed = tuple(key for key in keys if store.delete(key))
+    if tier is None or tier == "disk":
+        return EvictReport(removed)
+    with store.catalog.read() as tx:
+        rows = [r for r in tx.entries(tier=tier) if r.owner != store.owner]
+    owners = len({r.owner for r in rows})
+    return EvictReport(removed, note=f"the {tier} tier lives inside each running cachecraft process ({len(rows)} "
+                                     f"entries in {owners} process(es)); it moves to disk when they exit: evict "
+                                     "with --tier disk then")
+
+
+def _variants_of_chunk(store: TieredStore, prefix: str) -> list[str]:
+    """Stored variant keys of the chunk whose key (or a variant's key) starts with ``prefix``."""
+    prefix = prefix.strip().lower()
+    if len(prefix) < MIN_PREFIX:
+        raise SelectorError(f"give at least {MIN_PREFIX} characters of the chunk key (see `cachecraft query` "
+                            "or `cachecraft explain`)")
+    with store.catalog.read() as tx:
+        records = tx.stored_variants()
+    chunks = {r.chunk_key for r in records if r.chunk_key.startswith(prefix) or r.key.startswith(prefix)}
+    if not chunks:
+        raise SelectorError(f"no cached chunk matches {prefix!r}")
+    if len(chunks) > 1:
+        raise SelectorError(f"{prefix!r} matches {len(chunks)} chunks; give more characters")
+    return [r.key for r in records if r.chunk_key in chunks]
+
+
+def _variants_of_source(store: TieredStore, source: str) -> list[str]:
+    """Stored variant keys of every chunk the catalog says came from ``source``: the path
+    as ingested (relative paths are resolved), or a file name that names one document."""
+    wanted = source.strip()
+    if not wanted:
+        raise SelectorError("--source needs a document path or file name")
+    with store.catalog.read() as tx:
+        records = tx.stored_variants()
+        origin = {}
+        for key in {r.chunk_key for r in records}:
+            found = tx.chunk(key)
+            origin[key] = found.source if found is not None else None
+    documents = {s for s in origin.values() if s}
+    exact = {s for s in documents if s in (wanted, str(Path(wanted).expanduser().resolve()))}
+    named = exact or {s for s in documents if Path(s).name == wanted}
+    if not named:
+        raise SelectorError(f"no cached chunk comes from {wanted!r} (see the source column of `cachecraft stats`)")
+    if len(named) > 1:
+        raise SelectorError(f"{wanted!r} names {len(named)} documents; give the path: "
+                            + ", ".join(sorted(named)[:3]))
+    return [r.key for r in records if origin.get(r.chunk_key) in named]
+
+
+def destroy(cache_dir: str | Path, *, lock_timeout_s: float = 10.0) -> DestroyReport:
+    """Delete the store (every tier's files and the locks) and the catalog of ``cache_dir``;
+    whatever else the directory holds (corpus, converted models, config) stays.
+
+    Works without opening a store. Raises :class:`StoreBusyError`, deleting nothing,
+    while another process has a store open there or writes to the disk tier for longer
+    than ``lock_timeout_s``.
+    """
+    root, _, locks = store_paths(cache_dir)
+    busy = live_owners(locks)
+    if busy:
+        raise StoreBusyError(f"{len(busy)} other cachecraft process(es) are using {cache_dir}; "
+                             "stop them, then run clear again")
+    removed = []
+    exclusive = (FileLock(locks / MAINTENANCE_LOCK).exclusive(lock_timeout_s) if locks.is_dir()
+                 else contextlib.nullcontext(True))  # no locks directory: no store to wait for
+    with exclusive as got:
+        if not got:
+            raise StoreBusyError(f"another process is writing to {root}; stop it, then run clear again")
+        if root.exists():
+            shutil.rmtree(root)
+            removed.append(str(root))
+        removed += [str(path) for path in remove_catalog(cache_dir)]
+    return DestroyReport(tuple(removed))
