@@ -10,7 +10,7 @@ from transformers import TextIteratorStreamer
 
 from cachecraft.engine import (DeviationCheck, PromptError, Segment, blended_prefill,
                                create_chunk_cache, generate_from, sampled_layers)
-from cachecraft.engine.blend import _AttentionPlan
+from cachecraft.engine.attention import _AttentionPlan
 from tests.conftest import tiny_model
 
 TOL = 1e-4
