@@ -21,8 +21,8 @@ from typing import Sequence
 
 import torch
 
-from cachecraft.engine import DeviationCheck, Segment
-from cachecraft.engine.selectors import count_for, first_tokens, question_guided, top_inter_attention
+from cachecraft.engine import Segment
+from cachecraft.selection import DeviationCheck, count_for, first_tokens, question_guided, top_inter_attention
 from cachecraft.kv import ChunkKV, chunk_key
 from cachecraft.prefix_cache import PrefixCache, PrefixKV
 from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, plan_request

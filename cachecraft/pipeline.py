@@ -26,7 +26,7 @@ import torch
 
 from cachecraft.catalog import MISS, RequestChunk, RequestRecord, question_hash
 from cachecraft.config import Config
-from cachecraft.engine import DeviationCheck, Segment, blended_prefill, generate_from, sampled_layers
+from cachecraft.engine import Segment, blended_prefill, generate_from, sampled_layers
 from cachecraft.engine.blend import LayerSource
 from cachecraft.kv import ChunkKV, chunk_key, variant_key
 from cachecraft.methods import (MethodSpec, place_plan_tokens, prefix_segments, remember_prefix,
@@ -41,6 +41,7 @@ from cachecraft.retrieval.chunking import Chunker
 from cachecraft.retrieval.corpus import Corpus, IngestReport
 from cachecraft.retrieval.documents import DocumentError, read_documents
 from cachecraft.retrieval.snapshot import CorpusError
+from cachecraft.selection import ChunkStatistics, DeviationCheck, QuestionAttention
 from cachecraft.store import CorruptEntryError, LayerReader, LayerStream, TieredStore
 from cachecraft import warm_context
 
@@ -173,10 +174,10 @@ class Pipeline:
                     segments, plan, used, tiers, check = self._prepare(spec, pieces, prefix_key, keys, loading,
                                                                         count_hits=attempt == 0)
                     stops: dict[int, int] = {}
-                    observe, callback = self._early_stop(spec, segments, stops)
-                    result = blended_prefill(self.lm.adapter, segments, deviation_check=check,
-                                             fingerprint=self.lm.fingerprint, observe_layers=observe,
-                                             on_question_attention=callback, stats_layers=self.stats_layers)
+                    hooks = [ChunkStatistics(self.stats_layers), *self._early_stop(spec, segments, stops)]
+                    hooks += [check] if check is not None else []
+                    result = blended_prefill(self.lm.adapter, segments, hooks=hooks,
+                                             fingerprint=self.lm.fingerprint)
                 break
             except CorruptEntryError as exc:
                 if attempt == len(keys):
@@ -226,7 +227,7 @@ class Pipeline:
             segments = [prefix, *([context] if fits else []),
                         Segment(ids, "chunk", save=True, collect_stats=True, key=key)]
             kv = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint,
-                                 stats_layers=self.stats_layers).saved[len(segments) - 1]
+                                 hooks=[ChunkStatistics(self.stats_layers)]).saved[len(segments) - 1]
             self._put(kv)
             made += 1
         return made
@@ -428,7 +429,7 @@ class Pipeline:
 
     def _early_stop(self, spec: MethodSpec, segments: list[Segment], stops: dict[int, int]):
         if spec.name != "cachecraft" or not self.policy.early_stop_layers:
-            return (), None
+            return []
         chunk_segments = [i for i, s in enumerate(segments) if s.role == "chunk" and s.recompute is not None]
 
         def decide(layer: int, mass: torch.Tensor) -> dict[int, int]:
@@ -437,7 +438,7 @@ class Pipeline:
             stops.update(decision)
             return decision
 
-        return self.policy.early_stop_layers, decide
+        return [QuestionAttention(self.policy.early_stop_layers, on_mass=decide)]
 
     def _warm_context(self) -> tuple[tuple[int, ...], str]:
         """Token ids of the warm context, cut to ``warm_context_tokens`` (and to a quarter

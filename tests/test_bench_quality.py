@@ -7,9 +7,9 @@ import torch
 from cachecraft.bench.quality import run_quality, warm_chunks
 from cachecraft.config import DEFAULT_QUESTION_TEMPLATE, Config
 from cachecraft.dataset import load_items
-from cachecraft.engine import create_chunk_cache
 from cachecraft.methods import MethodSpec
 from cachecraft.prompt import PromptBuilder
+from cachecraft.selection import create_chunk_cache
 from cachecraft.store import TieredStore
 from cachecraft.store.tiers import entry_nbytes
 

@@ -2,10 +2,11 @@
 
 import pytest
 
-from cachecraft.engine import Segment, blended_prefill, create_chunk_cache
+from cachecraft.engine import Segment, blended_prefill
 from cachecraft.policy.planner import PolicyParams
 from cachecraft.methods import MethodSpec, UnknownMethod, build_segments, parse_methods, variant_info
 from cachecraft.prompt import PromptPieces
+from cachecraft.selection import create_chunk_cache
 from tests.test_engine import hf_forward, make_prompt
 
 

@@ -24,7 +24,7 @@ import torch
 from cachecraft.bench.common import PeakRSS
 from cachecraft.config import DEFAULT_QUESTION_TEMPLATE
 from cachecraft.dataset import QAItem
-from cachecraft.engine import Segment, blended_prefill, create_chunk_cache, generate_from, sampled_layers
+from cachecraft.engine import Segment, blended_prefill, generate_from, sampled_layers
 from cachecraft.methods import MethodSpec, build_segments, remember_prefix, segment_keys
 from cachecraft.metrics import best_f1, exact_match, first_line, kl_divergence, token_f1
 from cachecraft.model.loader import LoadedModel
@@ -32,6 +32,7 @@ from cachecraft.kv import ChunkKV, chunk_key
 from cachecraft.prefix_cache import PrefixCache
 from cachecraft.store import LayerStream, TieredStore
 from cachecraft.prompt import PromptBuilder
+from cachecraft.selection import create_chunk_cache
 from cachecraft.warm_context import token_ids
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ def run_method(lm: LoadedModel, spec: MethodSpec, pieces, prefix_kv, chunk_kvs,
                 prefix_kv, *chunk_kvs = load([prefix_kv, *chunk_kvs], loading)
             segments, check = build_segments(spec, pieces, prefix_kv, chunk_kvs, lm.adapter,
                                              prefix_cache=prefix_cache)
-            result = blended_prefill(lm.adapter, segments, deviation_check=check,
+            result = blended_prefill(lm.adapter, segments, hooks=[check] if check is not None else [],
                                      fingerprint=lm.fingerprint)
             int(result.logits.argmax())
             ttft = time.perf_counter() - start
