@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from cachecraft.engine import (DeviationCheck, Segment, blended_prefill, create_chunk_cache,
-                               generate_from)
+from cachecraft.engine import Segment, blended_prefill, generate_from
 from cachecraft.model.loader import LoadedModel
+from cachecraft.selection import DeviationCheck, create_chunk_cache
 
 DEFAULT_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.25, torch.float16: 0.05}
 
@@ -91,7 +91,7 @@ def check_model(lm: LoadedModel, prompts: int = 3, seed: int = 0, tolerance: flo
 
         blend_all = blended_prefill(adapter, cached + [Segment(c, cached=kv) for c, kv in zip(chunks, alone)]
                                     + [Segment(question, "question")],
-                                    deviation_check=DeviationCheck(1, 1.0), fingerprint=fp)
+                                    hooks=[DeviationCheck(1, 1.0)], fingerprint=fp)
         worst["cacheblend_all"] = max(worst.get("cacheblend_all", 0.0), diff(blend_all))
 
         in_context = blended_prefill(adapter, [Segment(prefix, "prefix")]

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import TextIteratorStreamer
 
-from cachecraft.engine import (DeviationCheck, PromptError, Segment, blended_prefill,
-                               create_chunk_cache, generate_from, sampled_layers)
-from cachecraft.engine.blend import _AttentionPlan
+from cachecraft.engine import PromptError, Segment, blended_prefill, generate_from, sampled_layers
+from cachecraft.engine.attention import _AttentionPlan
+from cachecraft.selection import ChunkStatistics, DeviationCheck, QuestionAttention, create_chunk_cache
 from tests.conftest import tiny_model
 
 TOL = 1e-4
@@ -71,7 +71,7 @@ def test_cacheblend_ratio_one_reproduces_full_prefill(any_tiny):
     prefix_kv, kvs = caches_after_prefix_alone(any_tiny, prefix, chunks)
     segments = ([Segment(prefix, "prefix", cached=prefix_kv)]
                 + [Segment(c, cached=kv) for c, kv in zip(chunks, kvs)] + [Segment(question, "question")])
-    result = blended_prefill(any_tiny.adapter, segments, deviation_check=DeviationCheck(1, 1.0))
+    result = blended_prefill(any_tiny.adapter, segments, hooks=[DeviationCheck(1, 1.0)])
     assert (result.logits - logits).abs().max() < TOL
 
 
@@ -165,7 +165,7 @@ def test_deviation_check_picks_the_most_deviating_tokens(tiny_llama):
     expected = set(deviation.topk(count).indices.tolist())
     segments = ([Segment(prefix, "prefix", cached=prefix_kv)]
                 + [Segment(c, cached=kv) for c, kv in zip(chunks, kvs)] + [Segment(question, "question")])
-    result = blended_prefill(tiny_llama.adapter, segments, deviation_check=DeviationCheck(1, ratio))
+    result = blended_prefill(tiny_llama.adapter, segments, hooks=[DeviationCheck(1, ratio)])
     assert result.recomputed_tokens == count
     blended_v2 = result.values[2][:, lo:lo + cached_v1.shape[1]]
     cached_v2 = torch.cat([kv.values[2] for kv in kvs], dim=1)
@@ -215,10 +215,10 @@ def test_statistics_are_the_same_whether_the_prefix_is_cached_or_computed(tiny_l
     prefix, chunks, question = make_prompt()
     prefix_kv, _ = caches_after_prefix_alone(tiny_llama, prefix, [])
     computed = blended_prefill(tiny_llama.adapter, full_segments(prefix, chunks, question, save=True,
-                                                                 collect_stats=True))
+                                                                 collect_stats=True), hooks=[ChunkStatistics()])
     segments = full_segments(prefix, chunks, question, save=True, collect_stats=True)
     segments[0] = Segment(prefix, "prefix", cached=prefix_kv)
-    cold = blended_prefill(tiny_llama.adapter, segments)
+    cold = blended_prefill(tiny_llama.adapter, segments, hooks=[ChunkStatistics()])
     assert (cold.logits - computed.logits).abs().max() < TOL
     for i in range(1, len(chunks) + 1):
         for name in ("outside", "inter", "intra"):
@@ -244,9 +244,10 @@ def test_attention_plan_paths_agree_with_masked_attention():
 
 def test_question_attention_is_reported_per_segment(tiny_llama):
     prefix, chunks, question = make_prompt()
-    result = blended_prefill(tiny_llama.adapter, full_segments(prefix, chunks, question), observe_layers=[1, 3])
-    assert set(result.question_attention) == {1, 3}
-    mass = result.question_attention[3]
+    look = QuestionAttention([1, 3])
+    blended_prefill(tiny_llama.adapter, full_segments(prefix, chunks, question), hooks=[look])
+    assert set(look.mass) == {1, 3}
+    mass = look.mass[3]
     assert mass.shape == (len(chunks) + 2,)
     assert mass.sum().item() == pytest.approx(len(question), rel=1e-5)
 
@@ -336,7 +337,7 @@ def test_early_termination_callback_stops_a_segment(tiny_llama):
         seen.append((layer, mass.clone()))
         return {2: layer + 1}
 
-    stopped = blended_prefill(tiny_llama.adapter, segments(), observe_layers=[1], on_question_attention=stop_chunk_two)
+    stopped = blended_prefill(tiny_llama.adapter, segments(), hooks=[QuestionAttention([1], on_mass=stop_chunk_two)])
     planned = blended_prefill(tiny_llama.adapter, [s if i != 2 else Segment(s.token_ids, cached=s.cached,
                                                    recompute=s.recompute, stop_layer=2)
                                                    for i, s in enumerate(segments())])

@@ -3,7 +3,7 @@
 import torch
 
 from cachecraft.engine import Segment, blended_prefill
-from cachecraft.engine.selectors import count_for, first_tokens, question_guided, top_inter_attention
+from cachecraft.selection import TokenAttention, count_for, first_tokens, question_guided, top_inter_attention
 from cachecraft.kv import AttentionStats
 from tests.test_engine import caches_after_prefix_alone, hf_forward, make_prompt
 
@@ -32,7 +32,8 @@ def cached_segments(lm, prefix, chunks, question):
 def test_question_attention_per_key_matches_eager_attention_at_layer_zero(tiny_llama):
     prefix, chunks, question = make_prompt()
     segments = cached_segments(tiny_llama, prefix, chunks, question)
-    probe = blended_prefill(tiny_llama.adapter, segments, token_attention_layers=[0], until_layer=1)
+    look = TokenAttention(0)
+    probe = blended_prefill(tiny_llama.adapter, segments, hooks=[look], until_layer=1)
     assert probe.logits is None and len(probe.keys) == 1
     model = tiny_llama.model
     model.set_attn_implementation("eager")
@@ -40,16 +41,17 @@ def test_question_attention_per_key_matches_eager_attention_at_layer_zero(tiny_l
     with torch.no_grad():
         attention = model(ids[None], output_attentions=True).attentions[0][0].mean(dim=0)  # [N, N]
     expected = attention[-len(question):].sum(dim=0)  # layer 0 is exact for cached tokens
-    assert torch.allclose(probe.token_attention[0], expected, atol=1e-5)
+    assert torch.allclose(look.mass, expected, atol=1e-5)
 
 
 def test_question_guided_picks_the_most_attended_chunk_tokens(tiny_llama):
     prefix, chunks, question = make_prompt()
     segments = cached_segments(tiny_llama, prefix, chunks, question)
-    probe = blended_prefill(tiny_llama.adapter, segments, token_attention_layers=[2], until_layer=3)
+    look = TokenAttention(2)
+    blended_prefill(tiny_llama.adapter, segments, hooks=[look], until_layer=3)
     lo = len(prefix)
     n_chunk = sum(map(len, chunks))
-    mass = probe.token_attention[2][lo:lo + n_chunk]
+    mass = look.mass[lo:lo + n_chunk]
     expected = set(mass.topk(count_for(0.2, n_chunk)).indices.tolist())
     picks = question_guided(tiny_llama.adapter, segments, 2, 0.2)
     assert picks[0] is None and picks[-1] is None

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from cachecraft.config import Config
-from cachecraft.engine import Segment, blended_prefill, create_chunk_cache
+from cachecraft.engine import Segment, blended_prefill
 from cachecraft.evaluation import answer_traced
 from cachecraft.pipeline import Pipeline
 from cachecraft.policy.planner import PolicyParams
+from cachecraft.selection import create_chunk_cache
 from cachecraft.store import CorruptEntryError, LayerStream, TieredStore
 from tests.conftest import tiny_model
 from tests.store_helpers import bits_equal, config, disk_blob_files, flip_byte, make_kv

@@ -1,8 +1,13 @@
-"""The prefill paths over the architecture adapter, and the hand-off to ``generate``."""
+"""The prefill paths over the architecture adapter, and the hand-off to ``generate``.
 
-from cachecraft.engine.blend import (BlendResult, DeviationCheck, PromptError, Segment,
-                                     blended_prefill, create_chunk_cache, sampled_layers)
+The engine is the layer loop; choosing tokens and watching attention are hooks
+(:class:`LayerHook`) passed in by callers, implemented in :mod:`cachecraft.selection`.
+"""
+
+from cachecraft.engine.blend import BlendResult, blended_prefill, sampled_layers
 from cachecraft.engine.handoff import generate_from, to_transformers_cache
+from cachecraft.engine.hooks import LayerHook, LayerView
+from cachecraft.engine.layout import Layout, LayerSource, PromptError, Segment
 
-__all__ = ["BlendResult", "DeviationCheck", "PromptError", "Segment", "blended_prefill",
-           "create_chunk_cache", "generate_from", "sampled_layers", "to_transformers_cache"]
+__all__ = ["BlendResult", "LayerHook", "LayerSource", "LayerView", "Layout", "PromptError", "Segment",
+           "blended_prefill", "generate_from", "sampled_layers", "to_transformers_cache"]

@@ -3,92 +3,33 @@
 One loop serves every prefill path:
 
 - full prefill: no segment is cached, every token runs through every layer;
-- chunk-cache creation: a full prefill that also returns the pre-RoPE KV and the
-  attention statistics of chosen segments;
+- chunk-cache creation: a full prefill that also returns the pre-RoPE KV of chosen
+  segments (and, through a hook, their attention statistics);
 - blended prefill: cached segments contribute their stored KV; only the recomputed
   set (selected tokens, plus every uncached token) runs through the layers, and its
   fresh K/V overwrite the cached rows.
 
-Layer 0's K/V depend only on token embeddings, so a cached token's layer-0 K/V are
-exact; a token that is recomputed still starts at layer 0 because its hidden state
-after layer 0 feeds layer 1. The active set only shrinks as layers go up.
+Choosing tokens and watching attention are hooks the caller passes in
+(:mod:`cachecraft.engine.hooks`; the implementations live in
+:mod:`cachecraft.selection`). Layer 0's K/V depend only on token embeddings, so a
+cached token's layer-0 K/V are exact; a token that is recomputed still starts at
+layer 0 because its hidden state after layer 0 feeds layer 1. The running set only
+shrinks as layers go up.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
-from cachecraft.kv import AttentionStats, ChunkKV
+from cachecraft.engine.attention import _AttentionPlan
+from cachecraft.engine.hooks import LayerHook, LayerView
+from cachecraft.engine.layout import Layout, LayerSource, PromptError, Segment, make_layout  # noqa: F401
+from cachecraft.kv import ChunkKV
 from cachecraft.model.adapter import ArchAdapter
-
-ROLES = ("prefix", "chunk", "question")
-
-
-class LayerSource(Protocol):
-    """Anything that can hand the engine one layer of cached KV at a time."""
-
-    num_tokens: int
-
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-class PromptError(ValueError):
-    """The prompt cannot be prefilled as given (empty, too long, inconsistent)."""
-
-
-@dataclass
-class Segment:
-    """One run of the prompt: the system prefix, a chunk, or the question.
-
-    ``cached``: stored KV for these tokens (None: compute them). ``recompute``: local
-    indices of cached tokens to recompute anyway. ``stop_layer``: layers at or above
-    it keep the cached KV even for recomputed tokens. ``fixable``: whether a deviation
-    check may pick tokens here (chunks only). ``save``/``collect_stats``: return this (uncached)
-    segment's KV / attention statistics as a :class:`ChunkKV`.
-    """
-
-    token_ids: Sequence[int]
-    role: str = "chunk"
-    cached: LayerSource | None = None
-    recompute: Sequence[int] | torch.Tensor | None = None
-    stop_layer: int | None = None
-    fixable: bool = True
-    save: bool = False
-    collect_stats: bool = False
-    key: str = ""
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise PromptError(f"segment role must be one of {ROLES}, got {self.role!r}")
-        if len(self.token_ids) == 0:
-            raise PromptError(f"empty {self.role} segment")
-        if self.cached is not None and self.cached.num_tokens != len(self.token_ids):
-            raise PromptError(
-                f"cached KV has {self.cached.num_tokens} tokens but the {self.role} segment has "
-                f"{len(self.token_ids)}")
-        if (self.save or self.collect_stats) and self.cached is not None:
-            raise PromptError("save/collect_stats need a segment that is computed in full (not cached)")
-
-
-@dataclass(frozen=True)
-class DeviationCheck:
-    """CacheBlend's HKVD selection: at ``layer`` compute fresh K/V for every token and
-    keep the ``ratio`` of fixable cached tokens whose ``kind`` ("v" or "k") deviates most."""
-
-    layer: int = 1
-    ratio: float = 0.15
-    kind: str = "v"
-
-    def __post_init__(self) -> None:
-        assert self.layer >= 1, "the deviation check needs layer >= 1 (layer 0 KV is context-free)"
-        assert 0.0 <= self.ratio <= 1.0, f"ratio must be within [0, 1], got {self.ratio}"
-        assert self.kind in ("k", "v"), f"kind must be 'k' or 'v', got {self.kind!r}"
 
 
 @dataclass
@@ -97,10 +38,8 @@ class BlendResult:
 
     ``keys``/``values``: per layer ``[H_kv, N, D]``, keys *after* RoPE (ready for a
     transformers Cache). ``logits``: last position ``[vocab]``. ``saved``: per segment
-    index, the ChunkKV of segments marked ``save``. ``question_attention``: per
-    observed layer, the mass the last segment's tokens put on each segment;
-    ``token_attention``: the same per key token ``[N]``. After ``until_layer`` the
-    result holds only the layers computed and ``logits`` is None.
+    index, the ChunkKV of segments marked ``save``. After ``until_layer`` the result
+    holds only the layers computed and ``logits`` is None.
     """
 
     token_ids: torch.Tensor
@@ -108,8 +47,6 @@ class BlendResult:
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     saved: dict[int, ChunkKV] = field(default_factory=dict)
-    question_attention: dict[int, torch.Tensor] = field(default_factory=dict)
-    token_attention: dict[int, torch.Tensor] = field(default_factory=dict)
     recomputed_tokens: int = 0
     context_tokens: int = 0
     recomputed: torch.Tensor | None = None  # [N] bool: token computed fresh at layer 1 or above
@@ -127,330 +64,174 @@ class BlendResult:
         return int(self.token_ids.numel())
 
 
-def _segment_bounds(segments: Sequence[Segment]) -> list[tuple[int, int]]:
-    bounds, start = [], 0
-    for seg in segments:
-        bounds.append((start, start + len(seg.token_ids)))
-        start += len(seg.token_ids)
-    return bounds
+@dataclass
+class _Running:
+    """The tokens still running through the layers, and the work they have done."""
 
+    active: torch.Tensor  # [n] positions, sorted
+    hidden: torch.Tensor  # [n, hidden]
+    plan: _AttentionPlan | None = None
+    context_work: int = 0  # context tokens run through a layer, summed over layers
+    work: int = 0  # all tokens run through a layer, summed over layers
 
-def _attention_blocks(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, scaling: float,
-                      block: int = 256):
-    """Yield ``(first_query, probs [b, end])``: causal attention probabilities averaged
-    over heads, one block of queries at a time, so no ``n x N`` matrix is materialised.
-    q ``[H, n, D]`` and keys ``[H_kv, N, D]`` are rotated."""
-    groups = q.shape[0] // keys.shape[0]
-    keys = keys.repeat_interleave(groups, dim=0).float()
-    for lo in range(0, q.shape[1], block):
-        qb, pb = q[:, lo:lo + block].float(), q_pos[lo:lo + block]
-        end = int(pb.max()) + 1
-        scores = torch.einsum("hqd,hkd->hqk", qb, keys[:, :end]) * scaling
-        scores.masked_fill_(torch.arange(end, device=q.device)[None] > pb[:, None], float("-inf"))
-        yield lo, scores.softmax(dim=-1).mean(dim=0)
-
-
-def _mass_per_segment(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor,
-                      starts: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Attention mass of each query on each segment (``starts``: segment offsets): ``[n, S]``.
-    Explicit probabilities: for the few question queries; :class:`_SegmentMass` does many."""
-    out = []
-    for _, probs in _attention_blocks(q, keys, q_pos, scaling):
-        end = probs.shape[1]
-        csum = F.pad(probs.cumsum(dim=-1), (1, 0))  # csum[:, j] = mass on keys < j
-        edges = torch.cat([starts.clamp(max=end), torch.tensor([end], device=q.device)])
-        out.append(csum[:, edges[1:]] - csum[:, edges[:-1]])
-    return torch.cat(out)
-
-
-class _SegmentMass:
-    """Attention mass of many queries on each segment, through the fused attention kernel.
-
-    With the values replaced by segment indicators (one column per segment),
-    ``softmax(QK^T) @ indicators`` is each query's mass on each segment, averaged over
-    heads afterwards. The kernel never materialises the probabilities, so this costs
-    one more attention pass, about half of what explicit probabilities cost. Columns
-    are padded to the head size: the fused kernels want values as wide as the keys.
-    """
-
-    def __init__(self, bounds: Sequence[tuple[int, int]], num_kv_heads: int, head_dim: int,
-                 device: torch.device, dtype: torch.dtype):
-        self.n_segments = len(bounds)
-        segment_of = torch.cat([torch.full((hi - lo,), i, dtype=torch.long, device=device)
-                                for i, (lo, hi) in enumerate(bounds)])
-        indicators = F.one_hot(segment_of, self.n_segments).to(dtype)  # [N, S]
-        self.values = []
-        for lo in range(0, self.n_segments, head_dim):
-            cols = indicators[:, lo:lo + head_dim]
-            cols = F.pad(cols, (0, head_dim - cols.shape[1]))
-            self.values.append(cols[None].expand(num_kv_heads, -1, -1).contiguous())
-
-    def __call__(self, q: torch.Tensor, keys: torch.Tensor, plan: "_AttentionPlan", scale: float,
-                 gqa: bool) -> torch.Tensor:
-        """Mass of q ``[H, n, D]`` (rotated; positions as in ``plan``) on each segment: ``[n, S]``."""
-        parts = [plan.attend(q, keys, values, scale, gqa).float().mean(dim=0) for values in self.values]
-        return torch.cat(parts, dim=-1)[:, :self.n_segments]
-
-
-def _mass_per_key(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Attention mass all queries put on each key token, summed over queries: ``[N]``."""
-    total = torch.zeros(keys.shape[1], device=q.device)
-    for _, probs in _attention_blocks(q, keys, q_pos, scaling):
-        total[:probs.shape[1]] += probs.sum(dim=0)
-    return total
-
-
-def _select_top_deviation(fresh: torch.Tensor, cached: torch.Tensor, candidates: torch.Tensor,
-                          ratio: float) -> torch.Tensor:
-    """Indices (into ``candidates``) of the ``ratio`` rows with the largest squared deviation."""
-    if candidates.numel() == 0 or ratio <= 0:
-        return torch.empty(0, dtype=torch.long, device=fresh.device)
-    deviation = (fresh.float() - cached.float()).pow(2).sum(dim=(0, 2))  # [n_candidates]
-    count = min(candidates.numel(), math.ceil(ratio * candidates.numel()))
-    return deviation.topk(count).indices
-
-
-class _AttentionPlan:
-    """Query blocks for attention over the whole prompt from a sorted subset of positions.
-
-    Each block sees keys only up to its last query's position, so the cost follows the
-    causal triangle instead of every query scanning every key; block masks are built
-    once per active set and reused by every layer that has the same set. When nearly
-    every position is active, one causal call over all positions (the missing queries
-    left at zero, their rows dropped) beats masked blocks, so that is used instead.
-    """
-
-    DENSE_SHARE = 0.85  # measured: at 6k tokens on CPU, masked blocks lose above about this share
-
-    def __init__(self, active: torch.Tensor, n_total: int, block: int = 128):
-        self.full = active.numel() == n_total
-        self.dense = not self.full and active.numel() >= self.DENSE_SHARE * n_total
-        self.active, self.n_total = active, n_total
-        self.blocks: list[tuple[int, int, int, torch.Tensor | None]] = []
-        if self.full or self.dense:
-            return
-        arange = torch.arange(n_total, device=active.device)
-        for lo in range(0, active.numel(), block):
-            pos = active[lo:lo + block]
-            end = int(pos[-1]) + 1
-            mask = arange[None, :end] <= pos[:, None]
-            self.blocks.append((lo, lo + pos.numel(), end, None if bool(mask.all()) else mask))
-
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-               gqa: bool) -> torch.Tensor:
-        """Attention of q ``[H, n, D]`` over keys/values ``[H_kv, N, D]``: ``[H, n, D]``."""
-        if self.full or self.dense:
-            if self.dense:  # each row's result depends on its own query only: pad, then drop
-                padded = q.new_zeros(q.shape[0], self.n_total, q.shape[2])
-                padded[:, self.active] = q
-                q = padded
-            out = F.scaled_dot_product_attention(q[None], keys[None], values[None], is_causal=True,
-                                                 scale=scale, enable_gqa=gqa)[0]
-            return out[:, self.active] if self.dense else out
-        out = torch.empty_like(q)
-        for lo, hi, end, mask in self.blocks:
-            out[:, lo:hi] = F.scaled_dot_product_attention(
-                q[None, :, lo:hi], keys[None, :, :end], values[None, :, :end], attn_mask=mask,
-                scale=scale, enable_gqa=gqa)[0]
-        return out
+    def keep(self, mask: torch.Tensor) -> None:
+        self.active, self.hidden, self.plan = self.active[mask], self.hidden[mask], None
 
 
 @torch.inference_mode()
-def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *,
-                    deviation_check: DeviationCheck | None = None,
-                    observe_layers: Sequence[int] = (), token_attention_layers: Sequence[int] = (),
+def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *, hooks: Sequence[LayerHook] = (),
                     until_layer: int | None = None, fingerprint: str = "",
-                    max_context: int | None = None,
-                    on_question_attention: Callable[[int, torch.Tensor], dict[int, int]] | None = None,
-                    stats_layers: Sequence[int] | None = None) -> BlendResult:
+                    max_context: int | None = None) -> BlendResult:
     """Prefill ``segments`` in order, reusing cached KV where given; see module doc.
 
-    ``observe_layers``/``token_attention_layers``: layers at which to report the
-    question's attention per segment / per key token. ``until_layer``: stop after
-    the layers below it (a cheap look-ahead pass; no logits). ``on_question_attention``:
-    called at each observed layer with the question's mass per segment; it may return
-    ``{segment index: stop layer}`` to stop recomputing cached segments early.
-    ``stats_layers``: the layers ``collect_stats`` segments gather statistics at (every
-    layer when None; each one costs about one more attention pass)."""
+    ``hooks``: selectors and observers called inside the layer loop.
+    ``until_layer``: stop after the layers below it (a cheap look-ahead pass; no logits)."""
     t0 = time.perf_counter()
-    if not segments:
-        raise PromptError("nothing to prefill: no segments")
-    if segments[-1].cached is not None:
-        raise PromptError("the last segment (the question) must be computed, not cached")
-    num_layers = adapter.num_layers
+    hooks = list(hooks)
     device = adapter.embed_tokens.weight.device
-    dtype = adapter.embed_tokens.weight.dtype
-    bounds = _segment_bounds(segments)
-    n_total = bounds[-1][1]
-    limit = max_context or adapter.max_context
-    if n_total > limit:
-        raise PromptError(f"prompt has {n_total} tokens, more than the model's context window of {limit}")
-    token_ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long, device=device)
-    positions = torch.arange(n_total, device=device)
-    starts = torch.tensor([b[0] for b in bounds], device=device)
-
-    # Per token: layer at which it stops being recomputed (num_layers = never stops),
-    # and whether it must be computed because nothing is cached for it.
-    stop_at = torch.full((n_total,), num_layers, dtype=torch.long, device=device)
-    must = torch.zeros(n_total, dtype=torch.bool, device=device)
-    forced = torch.zeros(n_total, dtype=torch.bool, device=device)
-    fixable = torch.zeros(n_total, dtype=torch.bool, device=device)
-    context = torch.zeros(n_total, dtype=torch.bool, device=device)
-    for seg, (lo, hi) in zip(segments, bounds):
-        context[lo:hi] = seg.role == "chunk"
-        if seg.cached is None:
-            must[lo:hi] = True
-            continue
-        if seg.stop_layer is not None:
-            stop_at[lo:hi] = max(0, min(num_layers, int(seg.stop_layer)))
-        if seg.fixable and seg.role == "chunk":
-            fixable[lo:hi] = True
-        if seg.recompute is not None:
-            local = torch.as_tensor(seg.recompute, dtype=torch.long, device=device)
-            if local.numel() and (int(local.min()) < 0 or int(local.max()) >= hi - lo):
-                raise PromptError(f"recompute index out of range for a segment of {hi - lo} tokens")
-            forced[lo + local] = True
-    stop_at[must] = num_layers
-    recomputed = must | forced
-
-    if deviation_check is not None and deviation_check.layer < num_layers:
-        active = positions.clone()  # everything runs until the check layer
-    else:
-        deviation_check = None
-        active = positions[must | forced]
-    hidden = adapter.embed(token_ids[active])
-    cos_all, sin_all = adapter.rope(positions, hidden)
-    observe = set(observe_layers)
-    q_lo, q_hi = bounds[-1]
-
+    lay = make_layout(segments, adapter.num_layers, max_context or adapter.max_context, device)
+    for hook in hooks:
+        hook.start(lay)
+    at = _hook_layers(hooks, lay.num_layers)
+    positions = torch.arange(lay.n_total, device=device)
+    everything = any(h.needs_every_token and layers for h, layers in zip(hooks, at))
+    active = positions.clone() if everything else positions[lay.must | lay.forced]
+    run = _Running(active, adapter.embed(lay.token_ids[active]))
+    rope = adapter.rope(positions, run.hidden)
+    saved = {i: ([], []) for i, s in enumerate(segments) if s.save}
     out_keys: list[torch.Tensor] = []
     out_values: list[torch.Tensor] = []
-    saved_k = {i: [] for i, s in enumerate(segments) if s.save}
-    saved_v = {i: [] for i, s in enumerate(segments) if s.save}
-    stats_rows = {i: [] for i, s in enumerate(segments) if s.collect_stats}
-    stats_at = set(range(num_layers)) if stats_layers is None else {int(x) for x in stats_layers}
-    if stats_rows and not stats_at & set(range(num_layers)):
-        raise PromptError(f"statistics were asked for at layers {sorted(stats_at)}, none of the "
-                          f"model's {num_layers}")
-    in_stats = torch.zeros(n_total, dtype=torch.bool, device=device)
-    for i in stats_rows:
-        in_stats[bounds[i][0]:bounds[i][1]] = True
-    segment_mass = (_SegmentMass(bounds, adapter.num_kv_heads, adapter.head_dim, device, dtype)
-                    if stats_rows else None)
-    stats_plan = stats_plan_for = None
-    question_attention: dict[int, torch.Tensor] = {}
-    token_attention: dict[int, torch.Tensor] = {}
-    work = total_work = 0
-
-    plan = None
-    gqa = adapter.num_heads != adapter.num_kv_heads
-    token_layers = set(token_attention_layers)
-    last_layer = num_layers if until_layer is None else max(1, min(num_layers, until_layer))
+    last_layer = lay.num_layers if until_layer is None else max(1, min(lay.num_layers, until_layer))
     for layer in range(last_layer):
-        alive = stop_at[active] > layer
-        if not bool(alive.all()):
-            active, hidden = active[alive], hidden[alive]
-            plan = None
-        q, k, v = adapter.qkv(layer, hidden)  # q [H, n, D]; k, v [H_kv, n, D]
-
-        # Assemble this layer's pre-RoPE K and V for the whole prompt.
-        keys = torch.empty(adapter.num_kv_heads, n_total, adapter.head_dim, device=device, dtype=dtype)
-        values = torch.empty_like(keys)
-        for seg, (lo, hi) in zip(segments, bounds):
-            if seg.cached is not None:
-                ck, cv = seg.cached.layer(layer)
-                keys[:, lo:hi] = ck  # converted to the compute dtype and device in the copy
-                values[:, lo:hi] = cv
-        keep = None
-        if deviation_check is not None and layer == deviation_check.layer:
-            candidates = (fixable & ~forced & ~must)[active]
-            cand_idx = candidates.nonzero().squeeze(1)
-            picked = _select_top_deviation(
-                (v if deviation_check.kind == "v" else k)[:, cand_idx],
-                (values if deviation_check.kind == "v" else keys)[:, active[cand_idx]],
-                cand_idx, deviation_check.ratio)
-            keep = (must | forced)[active]
-            keep[cand_idx[picked]] = True
-            recomputed[active[cand_idx[picked]]] = True
-            deviation_check = None
-        keys[:, active] = k
-        values[:, active] = v
-        for i in saved_k:
-            lo, hi = bounds[i]
-            saved_k[i].append(keys[:, lo:hi].clone())
-            saved_v[i].append(values[:, lo:hi])
-        if keep is not None and not bool(keep.all()):
-            # Fresh K/V of every token were computed at the check layer and are kept;
-            # from here on only the selected tokens run.
-            q, active, hidden = q[:, keep], active[keep], hidden[keep]
-            plan = None
-
-        keys = adapter.rotate(keys, cos_all, sin_all)
-        q = adapter.rotate(q, cos_all[active], sin_all[active])
-        plan = plan or _AttentionPlan(active, n_total)
-        attn = plan.attend(q, keys, values, adapter.scaling, gqa)
-        hidden = hidden + adapter.attn_output(layer, attn)
-        hidden = adapter.mlp_residual(layer, hidden)
-        work += int(context[active].sum())
-        total_work += int(active.numel())
-
-        if stats_rows and layer in stats_at:
-            rows = in_stats[active]
-            if bool(rows.all()):
-                stats_pos, mass = active, segment_mass(q, keys, plan, adapter.scaling, gqa)
-            else:
-                stats_pos = active[rows]
-                if stats_plan_for is not active:
-                    stats_plan, stats_plan_for = _AttentionPlan(stats_pos, n_total), active
-                mass = segment_mass(q[:, rows], keys, stats_plan, adapter.scaling, gqa)
-            for i in stats_rows:
-                lo, hi = bounds[i]
-                stats_rows[i].append(mass[(stats_pos >= lo) & (stats_pos < hi)])
-        if layer in observe or layer in token_layers:
-            rows = (active >= q_lo) & (active < q_hi)
-            if layer in observe:
-                question_attention[layer] = _mass_per_segment(
-                    q[:, rows], keys, active[rows], starts, adapter.scaling).sum(dim=0)
-                if on_question_attention is not None:
-                    for i, stop in on_question_attention(layer, question_attention[layer]).items():
-                        if segments[i].cached is not None:
-                            lo, hi = bounds[i]
-                            stop_at[lo:hi] = stop_at[lo:hi].clamp(max=max(int(stop), layer + 1))
-            if layer in token_layers:
-                token_attention[layer] = _mass_per_key(q[:, rows], keys, active[rows], adapter.scaling)
+        here = [h for h, layers in zip(hooks, at) if layer in layers]
+        keys, values = _layer(adapter, lay, run, here, layer, rope, saved)
         out_keys.append(keys)
         out_values.append(values)
-
-    logits = None
-    if last_layer == num_layers:
-        last = (active == n_total - 1).nonzero()
-        assert last.numel() == 1, "the last token must be computed through every layer"
-        logits = adapter.logits(hidden[last[0]])[0]
-
-    saved = {}
-    for i in saved_k:
-        seg = segments[i]
-        stats = _stats_from_rows(stats_rows.get(i), i, bounds[i]) if seg.collect_stats else None
-        prefix = tuple(s.key for s in segments[:i])
-        saved[i] = ChunkKV(tuple(int(t) for t in seg.token_ids), torch.stack(saved_k[i]),
-                           torch.stack(saved_v[i]), fingerprint, prefix, stats,
-                           prefix_tokens=tuple(len(s.token_ids) for s in segments[:i]))
-
-    context_tokens = int(context.sum())
-    return BlendResult(token_ids, logits, out_keys, out_values, saved, question_attention, token_attention,
-                       recomputed_tokens=int((recomputed & context & (stop_at > 0)).sum()),
-                       recomputed=(recomputed & (stop_at > 0)).cpu(), token_layers=total_work,
-                       context_tokens=context_tokens,
-                       recompute_work=work / (context_tokens * num_layers) if context_tokens else 0.0,
-                       seconds=time.perf_counter() - t0)
+    logits = _last_logits(adapter, lay, run) if last_layer == lay.num_layers else None
+    result = _result(lay, run, logits, out_keys, out_values, _saved_kv(lay, saved, fingerprint))
+    for hook in hooks:
+        hook.finish(result)
+    _check_statistics(lay, result)
+    result.seconds = time.perf_counter() - t0
+    return result
 
 
-def _stats_from_rows(rows: list[torch.Tensor] | None, index: int, bound: tuple[int, int]) -> AttentionStats:
-    """Turn per-layer ``[T, S]`` masses into the chunk's :class:`AttentionStats`."""
-    assert rows, "statistics were requested but not gathered"
-    mass = torch.stack(rows).float().cpu()  # [L, T, S]
-    return AttentionStats(outside=mass[:, :, :index].sum(dim=-1), inter=mass[:, :, :index].sum(dim=1),
-                          intra=mass[:, :, index].sum(dim=1))
+def _hook_layers(hooks: Sequence[LayerHook], num_layers: int) -> list[set[int]]:
+    """The model layers each hook is called at."""
+    every = set(range(num_layers))
+    return [every if h.layers is None else every & {int(x) for x in h.layers} for h in hooks]
+
+
+def _layer(adapter: ArchAdapter, lay: Layout, run: _Running, hooks: Sequence[LayerHook], layer: int,
+           rope: tuple[torch.Tensor, torch.Tensor],
+           saved: dict[int, tuple[list, list]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer: drop stopped tokens, assemble K/V, let selectors narrow the running
+    set, attend, MLP, let observers look. Returns K (RoPE applied) and V, ``[H_kv, N, D]``."""
+    alive = lay.stop_at[run.active] > layer
+    if not bool(alive.all()):
+        run.keep(alive)
+    q, k, v = adapter.qkv(layer, run.hidden)  # q [H, n, D]; k, v [H_kv, n, D]
+    keys, values = _cached_kv(adapter, lay, layer)  # [H_kv, N, D], before RoPE
+    keep = _select(hooks, LayerView(layer, lay, run.active, keys, values, k=k, v=v)) if hooks else None
+    keys[:, run.active] = k
+    values[:, run.active] = v
+    for i, (seg_keys, seg_values) in saved.items():
+        lo, hi = lay.bounds[i]
+        seg_keys.append(keys[:, lo:hi].clone())
+        seg_values.append(values[:, lo:hi])
+    if keep is not None and not bool(keep.all()):
+        # Fresh K/V of every running token were kept; from here on only the selected run.
+        q = q[:, keep]
+        run.keep(keep)
+
+    cos, sin = rope
+    keys = adapter.rotate(keys, cos, sin)
+    q = adapter.rotate(q, cos[run.active], sin[run.active])
+    run.plan = run.plan or _AttentionPlan(run.active, lay.n_total)
+    gqa = adapter.num_heads != adapter.num_kv_heads
+    attn = run.plan.attend(q, keys, values, adapter.scaling, gqa)
+    run.hidden = adapter.mlp_residual(layer, run.hidden + adapter.attn_output(layer, attn))
+    run.context_work += int(lay.context[run.active].sum())
+    run.work += int(run.active.numel())
+    if hooks:
+        _observe(hooks, LayerView(layer, lay, run.active, keys, values, q=q, plan=run.plan,
+                                  scaling=adapter.scaling, gqa=gqa))
+    return keys, values
+
+
+def _cached_kv(adapter: ArchAdapter, lay: Layout, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This layer's pre-RoPE K and V for the whole prompt, cached rows filled in: ``[H_kv, N, D]``."""
+    weight = adapter.embed_tokens.weight
+    keys = torch.empty(adapter.num_kv_heads, lay.n_total, adapter.head_dim, device=weight.device,
+                       dtype=weight.dtype)
+    values = torch.empty_like(keys)
+    for seg, (lo, hi) in zip(lay.segments, lay.bounds):
+        if seg.cached is not None:
+            ck, cv = seg.cached.layer(layer)
+            keys[:, lo:hi] = ck  # converted to the compute dtype and device in the copy
+            values[:, lo:hi] = cv
+    return keys, values
+
+
+def _select(hooks: Sequence[LayerHook], view: LayerView) -> torch.Tensor | None:
+    """The running tokens every selector keeps (None: no selector spoke); they count as recomputed."""
+    keep = None
+    for hook in hooks:
+        mask = hook.select(view)
+        if mask is None:
+            continue
+        assert mask.dtype == torch.bool and mask.shape == view.active.shape, (
+            f"a selector returns a bool mask over the {view.active.numel()} running tokens, got "
+            f"{mask.dtype} {tuple(mask.shape)}")
+        keep = mask if keep is None else keep & mask
+    if keep is not None:
+        view.layout.recomputed[view.active[keep]] = True
+    return keep
+
+
+def _observe(hooks: Sequence[LayerHook], view: LayerView) -> None:
+    """Call the observers; apply the stop layers they return to cached segments."""
+    lay = view.layout
+    for hook in hooks:
+        for i, stop in (hook.observe(view) or {}).items():
+            if lay.segments[i].cached is not None:
+                lo, hi = lay.bounds[i]
+                lay.stop_at[lo:hi] = lay.stop_at[lo:hi].clamp(max=max(int(stop), view.layer + 1))
+
+
+def _last_logits(adapter: ArchAdapter, lay: Layout, run: _Running) -> torch.Tensor:
+    last = (run.active == lay.n_total - 1).nonzero()
+    assert last.numel() == 1, "the last token must be computed through every layer"
+    return adapter.logits(run.hidden[last[0]])[0]
+
+
+def _saved_kv(lay: Layout, saved: dict[int, tuple[list, list]], fingerprint: str) -> dict[int, ChunkKV]:
+    """The ChunkKV of each segment marked ``save`` (statistics are a hook's to attach)."""
+    out = {}
+    for i, (seg_keys, seg_values) in saved.items():
+        before = lay.segments[:i]
+        out[i] = ChunkKV(tuple(int(t) for t in lay.segments[i].token_ids), torch.stack(seg_keys),
+                         torch.stack(seg_values), fingerprint, tuple(s.key for s in before), None,
+                         prefix_tokens=tuple(len(s.token_ids) for s in before))
+    return out
+
+
+def _result(lay: Layout, run: _Running, logits, keys, values, saved) -> BlendResult:
+    context_tokens = int(lay.context.sum())
+    recomputed = lay.recomputed & (lay.stop_at > 0)
+    return BlendResult(lay.token_ids, logits, keys, values, saved,
+                       recomputed_tokens=int((recomputed & lay.context).sum()),
+                       recomputed=recomputed.cpu(), token_layers=run.work, context_tokens=context_tokens,
+                       recompute_work=(run.context_work / (context_tokens * lay.num_layers)
+                                       if context_tokens else 0.0))
+
+
+def _check_statistics(lay: Layout, result: BlendResult) -> None:
+    missing = [i for i, s in enumerate(lay.segments)
+               if s.collect_stats and i in result.saved and result.saved[i].stats is None]
+    if missing:
+        raise PromptError(f"segments {missing} ask for attention statistics (collect_stats) but no hook "
+                          "gathered them: pass cachecraft.selection.ChunkStatistics in hooks")
 
 
 def sampled_layers(num_layers: int, step: int) -> tuple[int, ...]:
@@ -459,14 +240,3 @@ def sampled_layers(num_layers: int, step: int) -> tuple[int, ...]:
     Layer 0, whose attention differs most from the rest, is left out unless ``step`` is 1."""
     assert num_layers >= 1 and step >= 1, f"need num_layers >= 1 and step >= 1, got {num_layers}, {step}"
     return tuple(range(min(step, num_layers) - 1, num_layers, step))
-
-
-def create_chunk_cache(adapter: ArchAdapter, before: Sequence[Segment], chunk_ids: Sequence[int], *,
-                       fingerprint: str, key: str = "", collect_stats: bool = True,
-                       stats_layers: Sequence[int] | None = None) -> ChunkKV:
-    """The KV of ``chunk_ids`` computed after the segments ``before`` (system prefix,
-    perhaps earlier chunks, cached or not), with those rows dropped, plus its
-    attention statistics (at ``stats_layers``, every layer when None)."""
-    chunk = Segment(chunk_ids, "chunk", save=True, collect_stats=collect_stats, key=key)
-    result = blended_prefill(adapter, [*before, chunk], fingerprint=fingerprint, stats_layers=stats_layers)
-    return result.saved[len(before)]

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar, Protocol, Sequence
+from typing import ClassVar, Protocol, Sequence
 
-from cachecraft.engine import DeviationCheck, Segment
-from cachecraft.engine.blend import BlendResult, LayerSource
+from cachecraft.engine import BlendResult, LayerHook, LayerSource, Segment
 from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo
 from cachecraft.prefix_cache import PrefixCache
 from cachecraft.prompt import PromptPieces
@@ -58,12 +57,11 @@ class LoadPlan:
 
 @dataclass
 class PrefillHooks:
-    """What a method adds to the prefill: a token selector inside it, an observer of the
-    question's attention, and the look-ahead it ran before it (counted as work)."""
+    """What a method adds to the prefill: layer hooks that choose tokens or watch
+    attention inside it (:mod:`cachecraft.selection`), the early stops they decided, and
+    the look-ahead it ran before it (counted as work)."""
 
-    deviation_check: DeviationCheck | None = None
-    observe_layers: tuple[int, ...] = ()
-    on_question_attention: Callable | None = None
+    layer_hooks: list[LayerHook] = field(default_factory=list)
     stops: dict[int, int] = field(default_factory=dict)  # segment index -> layer it stopped at
     lookahead_layer: int | None = None
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from cachecraft.engine import DeviationCheck, Segment
-from cachecraft.engine.blend import BlendResult
+from cachecraft.engine import BlendResult, Segment
 from cachecraft.methods.base import LoadPlan, Method, PrefillHooks, RequestContext, plain_segments
 from cachecraft.prefix_cache import PrefixCache, PrefixKV
 from cachecraft.prompt import PromptPieces
+from cachecraft.selection import DeviationCheck
 
 
 class Full(Method):
@@ -61,7 +61,7 @@ class CacheBlend(Method):
     default_ratio = 0.15
 
     def prepare(self, request: RequestContext, segments: list[Segment], load: LoadPlan | None) -> PrefillHooks:
-        return PrefillHooks(deviation_check=DeviationCheck(request.check_layer, self.ratio))
+        return PrefillHooks([DeviationCheck(request.check_layer, self.ratio)])
 
 
 def prefix_segments(pieces: PromptPieces, match: PrefixKV | None) -> list[Segment]:

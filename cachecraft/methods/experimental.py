@@ -5,7 +5,7 @@ Each recomputes a fixed ratio of the cached chunk tokens on top of ``reuse``."""
 from __future__ import annotations
 
 from cachecraft.engine import Segment
-from cachecraft.engine.selectors import count_for, first_tokens, question_guided, top_inter_attention
+from cachecraft.selection import count_for, first_tokens, question_guided, top_inter_attention
 from cachecraft.methods.base import LoadPlan, Method, PrefillHooks, RequestContext
 
 

@@ -20,6 +20,7 @@ from cachecraft.methods.base import LoadPlan, Method, PrefillHooks, RequestConte
 from cachecraft.methods.experimental import select_question_guided
 from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, plan_request
 from cachecraft.policy.rules import early_stop_decision, hide_loading, keep_in_full
+from cachecraft.selection import QuestionAttention
 
 
 class CacheCraft(Method):
@@ -64,7 +65,7 @@ def _observe_for_early_stop(hooks: PrefillHooks, segments: list[Segment], params
         stops.update(decision)
         return decision
 
-    hooks.observe_layers, hooks.on_question_attention = params.early_stop_layers, decide
+    hooks.layer_hooks.append(QuestionAttention(params.early_stop_layers, on_mass=decide))
 
 
 def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, check_layer: int) -> None:

@@ -26,8 +26,7 @@ from typing import Callable, Iterable, Sequence
 
 from cachecraft.catalog import MISS, RequestChunk, RequestRecord, question_hash
 from cachecraft.config import Config
-from cachecraft.engine import Segment, blended_prefill, generate_from, sampled_layers
-from cachecraft.engine.blend import BlendResult, LayerSource
+from cachecraft.engine import BlendResult, LayerSource, Segment, blended_prefill, generate_from, sampled_layers
 from cachecraft.kv import ChunkKV, chunk_key, variant_key
 from cachecraft.methods import Method, PrefillHooks, RequestContext, parse_method, variant_info
 from cachecraft.model.loader import LoadedModel, load_model
@@ -41,6 +40,7 @@ from cachecraft.retrieval.chunking import Chunker
 from cachecraft.retrieval.corpus import Corpus, IngestReport
 from cachecraft.retrieval.documents import DocumentError, read_documents
 from cachecraft.retrieval.snapshot import CorpusError
+from cachecraft.selection import ChunkStatistics
 from cachecraft.store import CorruptEntryError, LayerReader, LayerStream, TieredStore
 from cachecraft import warm_context
 
@@ -151,7 +151,7 @@ class Pipeline:
             segments = [prefix, *([context] if fits else []),
                         Segment(ids, "chunk", save=True, collect_stats=True, key=key)]
             kv = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint,
-                                 stats_layers=self.stats_layers).saved[len(segments) - 1]
+                                 hooks=[ChunkStatistics(self.stats_layers)]).saved[len(segments) - 1]
             self._put(kv)
             made += 1
         return made
@@ -285,12 +285,9 @@ class Pipeline:
             try:
                 with ExitStack() as loading:  # chunk-caches stream in while the layers compute
                     prepared = self._prepare(method, request, loading, count_hits=attempt == 0)
-                    hooks = prepared.hooks
-                    result = blended_prefill(self.lm.adapter, prepared.segments,
-                                             deviation_check=hooks.deviation_check,
-                                             fingerprint=self.lm.fingerprint, observe_layers=hooks.observe_layers,
-                                             on_question_attention=hooks.on_question_attention,
-                                             stats_layers=self.stats_layers)
+                    hooks = [ChunkStatistics(self.stats_layers), *prepared.hooks.layer_hooks]
+                    result = blended_prefill(self.lm.adapter, prepared.segments, hooks=hooks,
+                                             fingerprint=self.lm.fingerprint)
                 return prepared, result
             except CorruptEntryError as exc:
                 if attempt == len(request.keys):

@@ -1,0 +1,122 @@
+"""The prompt as the engine sees it: segments, where they sit, what each token needs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+import torch
+
+from cachecraft.engine.attention import _AttentionPlan, _SegmentMass
+
+ROLES = ("prefix", "chunk", "question")
+
+
+class LayerSource(Protocol):
+    """Anything that can hand the engine one layer of cached KV at a time."""
+
+    num_tokens: int
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class PromptError(ValueError):
+    """The prompt cannot be prefilled as given (empty, too long, inconsistent)."""
+
+
+@dataclass
+class Segment:
+    """One run of the prompt: the system prefix, a chunk, or the question.
+
+    ``cached``: stored KV for these tokens (None: compute them). ``recompute``: local
+    indices of cached tokens to recompute anyway. ``stop_layer``: layers at or above
+    it keep the cached KV even for recomputed tokens. ``fixable``: whether a selector
+    may pick tokens here (chunks only). ``save``: return this (uncached) segment's KV
+    as a :class:`ChunkKV`; ``collect_stats``: a hook must attach its attention
+    statistics to it (``cachecraft.selection.ChunkStatistics``).
+    """
+
+    token_ids: Sequence[int]
+    role: str = "chunk"
+    cached: LayerSource | None = None
+    recompute: Sequence[int] | torch.Tensor | None = None
+    stop_layer: int | None = None
+    fixable: bool = True
+    save: bool = False
+    collect_stats: bool = False
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise PromptError(f"segment role must be one of {ROLES}, got {self.role!r}")
+        if len(self.token_ids) == 0:
+            raise PromptError(f"empty {self.role} segment")
+        if self.cached is not None and self.cached.num_tokens != len(self.token_ids):
+            raise PromptError(
+                f"cached KV has {self.cached.num_tokens} tokens but the {self.role} segment has "
+                f"{len(self.token_ids)}")
+        if (self.save or self.collect_stats) and self.cached is not None:
+            raise PromptError("save/collect_stats need a segment that is computed in full (not cached)")
+
+
+@dataclass
+class Layout:
+    """Where each segment sits and what each of the ``N`` prompt tokens needs; one per
+    prefill. ``stop_at`` and ``recomputed`` change as the layers run (observers stop
+    segments, selectors pick tokens); everything else is fixed."""
+
+    segments: Sequence[Segment]
+    bounds: list[tuple[int, int]]  # [lo, hi) of each segment
+    starts: torch.Tensor  # [S] first position of each segment
+    token_ids: torch.Tensor  # [N]
+    num_layers: int
+    must: torch.Tensor  # [N] bool: nothing cached, computed at every layer
+    forced: torch.Tensor  # [N] bool: cached, but listed in its segment's ``recompute``
+    fixable: torch.Tensor  # [N] bool: in a cached fixable chunk (a selector may pick it)
+    context: torch.Tensor  # [N] bool: in a chunk (what recompute fractions count)
+    stop_at: torch.Tensor  # [N] long: layer at which the token stops being recomputed
+    recomputed: torch.Tensor  # [N] bool: computed fresh at layer 1 or above
+    # made on first use by LayerView.segment_mass: the segment indicators, and the plan last
+    # made for a subset of the running tokens, as (active, rows, plan)
+    segment_mass: _SegmentMass | None = field(default=None, repr=False)
+    sub_plan: tuple[torch.Tensor, torch.Tensor, _AttentionPlan] | None = field(default=None, repr=False)
+
+    @property
+    def n_total(self) -> int:
+        return self.bounds[-1][1]
+
+
+def make_layout(segments: Sequence[Segment], num_layers: int, limit: int, device: torch.device) -> Layout:
+    """Check the prompt and lay it out: bounds, token masks, the layer each token stops at."""
+    if not segments:
+        raise PromptError("nothing to prefill: no segments")
+    if segments[-1].cached is not None:
+        raise PromptError("the last segment (the question) must be computed, not cached")
+    bounds, start = [], 0
+    for seg in segments:
+        bounds.append((start, start + len(seg.token_ids)))
+        start += len(seg.token_ids)
+    n_total = bounds[-1][1]
+    if n_total > limit:
+        raise PromptError(f"prompt has {n_total} tokens, more than the model's context window of {limit}")
+    token_ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long, device=device)
+    must, forced, fixable, context = (torch.zeros(n_total, dtype=torch.bool, device=device) for _ in range(4))
+    stop_at = torch.full((n_total,), num_layers, dtype=torch.long, device=device)
+    for seg, (lo, hi) in zip(segments, bounds):
+        context[lo:hi] = seg.role == "chunk"
+        if seg.cached is None:
+            must[lo:hi] = True
+            continue
+        if seg.stop_layer is not None:
+            stop_at[lo:hi] = max(0, min(num_layers, int(seg.stop_layer)))
+        if seg.fixable and seg.role == "chunk":
+            fixable[lo:hi] = True
+        if seg.recompute is not None:
+            local = torch.as_tensor(seg.recompute, dtype=torch.long, device=device)
+            if local.numel() and (int(local.min()) < 0 or int(local.max()) >= hi - lo):
+                raise PromptError(f"recompute index out of range for a segment of {hi - lo} tokens")
+            forced[lo + local] = True
+    stop_at[must] = num_layers
+    starts = torch.tensor([b[0] for b in bounds], device=device)
+    return Layout(segments, bounds, starts, token_ids, num_layers, must, forced, fixable, context, stop_at,
+                  must | forced)

@@ -1,0 +1,68 @@
+"""The question-guided look-ahead: recompute the chunk tokens the question looks at.
+
+Runs only the uncached tokens (the question, and any uncached chunk) up to the
+check layer over the cached KV, takes the attention mass the question puts on every
+cached chunk token there, and picks the top tokens. Cheap: a few dozen queries, a
+few layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from cachecraft.engine import LayerHook, LayerView, blended_prefill
+from cachecraft.selection.static import count_for
+
+
+class TokenAttention(LayerHook):
+    """At ``layer``, the attention mass the question (last segment) puts on each key
+    token, summed over its tokens: ``mass`` ``[N]``."""
+
+    def __init__(self, layer: int):
+        self.layer = int(layer)
+        self.layers = (self.layer,)
+        self.mass: torch.Tensor | None = None
+
+    def start(self, layout) -> None:
+        self.mass = None
+
+    def observe(self, view: LayerView) -> None:
+        self.mass = view.mass_per_key(view.rows_of(-1))
+        return None
+
+
+def question_guided(adapter, segments, check_layer: int, ratio: float | None = None,
+                    total: int | None = None) -> list[torch.Tensor | None]:
+    """Local indices to recompute per segment, chosen by where the question looks at
+    ``check_layer``: the top tokens over all fixable cached chunks together, ``ratio``
+    of them or ``total`` tokens. Segments with ``fixable=False`` are neither probed
+    for nor given tokens (None)."""
+    assert (ratio is None) != (total is None), "give either ratio or total"
+    probe_segments = [replace(s, recompute=None, stop_layer=None, save=False, collect_stats=False)
+                      for s in segments]
+    look = TokenAttention(check_layer)
+    blended_prefill(adapter, probe_segments, hooks=[look], until_layer=check_layer + 1)
+    assert look.mass is not None, f"check layer {check_layer} is not below the model's {adapter.num_layers} layers"
+    mass = look.mass  # [N]
+    spans, start = [], 0
+    for seg in segments:
+        end = start + len(seg.token_ids)
+        if seg.cached is not None and seg.role == "chunk" and seg.fixable:
+            spans.append((start, end))
+        start = end
+    picks: list[torch.Tensor | None] = [None] * len(segments)
+    if not spans or (ratio is not None and ratio <= 0) or total == 0:
+        return picks
+    candidates = torch.cat([torch.arange(a, b) for a, b in spans])
+    count = count_for(ratio, candidates.numel()) if ratio is not None else min(total, candidates.numel())
+    chosen = candidates[mass[candidates].topk(count).indices]
+    start = 0
+    for i, seg in enumerate(segments):
+        end = start + len(seg.token_ids)
+        local = chosen[(chosen >= start) & (chosen < end)] - start
+        if seg.cached is not None and seg.role == "chunk" and seg.fixable:
+            picks[i] = local.sort().values
+        start = end
+    return picks
