@@ -37,5 +37,5 @@ def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[floa
                                                                      if r["method"] == c.label))
                      for c in candidates)
     chosen, reached = choose_alpha(measured, target)
-    full_ttft = statistics.median(r["ttft_s"] for r in rows if r["method"] == "full")
+    full_ttft = statistics.median(r["ttft_s"] for r in rows if r["method"] == Full().label)
     return CalibrationResult(measured, chosen, target, reached, full_ttft)

@@ -223,7 +223,6 @@ class Pipeline:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # -- planning and loading ----------------------------------------------------------------
     def forget(self, chunk_texts: Sequence[str]) -> int:
         """Remove every stored variant of these chunks (as ``answer`` would tokenize them);
         returns how many were removed."""
