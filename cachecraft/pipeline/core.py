@@ -114,12 +114,15 @@ class Pipeline:
         if all(s.cached is None and not s.collect_stats for s in prepared.segments):
             self._learn_prefill(result.num_tokens, ttft)  # a plain full prefill times the prefill cost
         chosen.after_prefill(request, result)
-        if observer is not None:
-            observer(self._trace(chosen, prepared, result))
+        trace = self._trace(chosen, prepared, result) if observer is not None else None
+        if trace is not None:
+            observer(trace)
         to_save = [kv for i, kv in result.saved.items() if prepared.segments[i].role == "chunk"]
         recomputed, recompute = result.recomputed, result.recompute_fraction
         new_ids = generate_from(self.lm.model, self.lm.tokenizer, result,
                                 max_new_tokens=max_new_tokens or self.config.max_new_tokens, streamer=streamer)
+        if trace is not None:
+            trace.answer_ids = new_ids
         if self.keep_new_variants:
             self._save(to_save)
         answer = Answer(self.lm.tokenizer.decode(new_ids, skip_special_tokens=True), chosen.label, ttft,
@@ -342,8 +345,8 @@ class Pipeline:
             uncached = sum(len(s.token_ids) for s in prepared.segments if s.cached is None)
             work += uncached * (prepared.hooks.lookahead_layer + 1)
         kv_bytes = sum(k.numel() * k.element_size() * 2 for k in result.keys)
-        return PrefillTrace(method.label, result.logits.float().cpu(), work, kv_bytes,
-                            result.recompute_fraction, result)
+        return PrefillTrace(method.label, result.logits.float().cpu(), work, kv_bytes, result.recompute_fraction,
+                            list(result.keys), list(result.values), result.token_ids)
 
     def starting_bandwidths(self) -> dict[str, float]:
         """Per tier, the bandwidth the loading controller assumes before it has timed a load:
