@@ -47,7 +47,8 @@ def main_options(
 @friendly
 def check_model_cmd(
     ctx: typer.Context,
-    model: str = typer.Argument(..., help="smollm2, a local HF model directory, a .gguf file or a hub id."),
+    model: str = typer.Argument(..., help="A bundled name (smollm2, qwen2.5-coder-0.5b), a local HF model "
+                                          "directory, a .gguf file or a hub id."),
     prompts: int = typer.Option(3, min=1, help="How many generated prompts to check."),
     tolerance: Optional[float] = typer.Option(None, help="Max |logit difference| allowed (default by dtype; 1e-4 in float32)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
