@@ -165,8 +165,8 @@ def demo_cmd(
 @friendly
 def ingest_cmd(
     ctx: typer.Context,
-    paths: list[Path] = typer.Argument(..., help="Files (.txt, .md, .markdown) or directories (read recursively, "
-                                                 "hidden files skipped)."),
+    paths: list[Path] = typer.Argument(..., help="Files (.txt, .md, .markdown, .html, .htm, .pdf, .docx) or "
+                                                 "directories (read recursively, hidden files skipped)."),
     model: Optional[str] = typer.Option(None, help="Generator whose tokenizer measures chunks (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
@@ -174,21 +174,43 @@ def ingest_cmd(
     most chunk_tokens generator tokens (at paragraphs, else sentences, else words), embed
     them (embedder, default the bundled MiniLM) and index them for `cachecraft query`.
     Identical chunks are stored once; ingesting a changed file again replaces its chunks,
-    and a directory ingested again also drops the files gone from it.
+    and a directory ingested again also drops the files gone from it. Large files are
+    read and chunked piece by piece. A file that cannot be read (type, encoding, damage,
+    permissions) is skipped and listed with its reason, the others are ingested, and the
+    exit code is 1.
 
     Example: cachecraft ingest docs/ notes.md   (then: cachecraft warm)
     """
+    from cachecraft.retrieval.chunking import Chunker
+    from cachecraft.retrieval.ingest import ingest_paths
+
     from .product import open_pipeline, progress_bar
     config = load_config(ctx, model=model)
     with open_pipeline(config) as pipe, progress_bar() as bar:
-        task = bar.add_task("ingesting", total=None)
-        report = pipe.ingest(paths, progress=lambda done, total: bar.update(task, completed=done, total=total))
+        tasks: dict[str, int] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task("reading and chunking (bytes)" if stage == "reading" else
+                                            "embedding (chunks)", total=None)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        chunker = Chunker(pipe.builder.encode, config.chunk_tokens, config.chunk_overlap)
+        settings = {"model": pipe.lm.name, "chunk_tokens": config.chunk_tokens, "chunk_overlap": config.chunk_overlap}
+        outcome = ingest_paths(pipe.corpus, chunker, paths, settings=settings, progress=progress)
+    report = outcome.report
     if as_json:
-        print(json.dumps(report.to_dict(), indent=2))
-        return
-    console.print(f"chunks added {report.added}, unchanged {report.unchanged}, removed {report.removed} "
-                  f"({report.files} file(s) read); corpus: {report.chunks} chunks from {report.corpus_files} "
-                  "file(s)", highlight=False)
+        print(json.dumps(outcome.to_dict(), indent=2))
+    else:
+        console.print(f"chunks added {report.added}, unchanged {report.unchanged}, removed {report.removed} "
+                      f"({report.files} file(s) read); corpus: {report.chunks} chunks from {report.corpus_files} "
+                      "file(s)", highlight=False)
+        if outcome.skipped:
+            console.print(f"[yellow]{len(outcome.skipped)} file(s) skipped:[/yellow]")
+            for skipped in outcome.skipped:
+                console.print(f"  {skipped.path}: {skipped.reason}", highlight=False, markup=False, soft_wrap=True)
+    if outcome.skipped:
+        raise typer.Exit(1)
 
 
 @app.command("warm")

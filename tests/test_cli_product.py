@@ -84,6 +84,21 @@ def test_ingest_warm_query_end_to_end(env, docs, cache_dir):
     assert "a.md" in table and str(docs) not in table  # file names, not long paths, in the narrow column
 
 
+def test_ingest_reads_html_and_reports_every_skipped_file(env, docs):
+    (docs / "page.html").write_text(f"<title>w9</title><p>{words(200, 8)}</p>", encoding="utf-8")
+    (docs / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (docs / "gone.md").symlink_to(docs / "nowhere.md")
+    result = runner.invoke(app, ["ingest", str(docs)])
+    assert result.exit_code == 1, result.output  # something was skipped
+    assert "(4 file(s) read)" in result.output and "2 file(s) skipped" in result.output
+    assert "latin.txt: is not UTF-8 text" in result.output and "gone.md: broken symbolic link" in result.output
+    shown = runner.invoke(app, ["ingest", str(docs), "--json"])
+    assert shown.exit_code == 1
+    report = json.loads(shown.stdout)
+    assert report["files"] == 4 and {Path(s["path"]).name for s in report["skipped"]} == {"latin.txt", "gone.md"}
+    assert report["unchanged"] == report["chunks"] and report["corpus_files"] == 4
+
+
 def test_evict_and_clear(env, docs, cache_dir):
     invoke("ingest", str(docs))
     invoke("warm")
@@ -122,8 +137,8 @@ def test_bad_input_is_one_line(env, docs, tmp_path):
     one_line_error(runner.invoke(app, ["query", "w1 w2"]), "nothing ingested")
     one_line_error(runner.invoke(app, ["warm"]), "cachecraft ingest PATH")
     one_line_error(runner.invoke(app, ["ingest", str(tmp_path / "missing")]), "no such file or directory")
-    (tmp_path / "x.pdf").write_bytes(b"%PDF")
-    one_line_error(runner.invoke(app, ["ingest", str(tmp_path / "x.pdf")]), "unsupported file type")
+    (tmp_path / "x.png").write_bytes(b"\x89PNG")
+    one_line_error(runner.invoke(app, ["ingest", str(tmp_path / "x.png")]), "unsupported file type")
     invoke("ingest", str(docs))
     one_line_error(runner.invoke(app, ["query", "  "]), "the question is empty")
     one_line_error(runner.invoke(app, ["query", "w1", "--method", "fancy"]), "unknown method 'fancy'")
