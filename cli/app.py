@@ -229,14 +229,21 @@ def warm_cmd(
 
     Example: cachecraft warm --workers 2
     """
-    from .product import warm_in_process, warm_in_workers
+    from .product import count_kept, warm_in_process, warm_in_workers, warm_mark
     config = load_config(ctx, model=model)
+    mark = warm_mark(config)
     totals = warm_in_process(config) if workers == 1 else warm_in_workers(config, workers)
+    totals.kept = count_kept(config, mark, totals.made)
     if as_json:
         print(json.dumps(totals.__dict__, indent=2))
-        return
-    console.print(f"chunk-caches made {totals.made}, skipped {totals.skipped} (already cached), "
-                  f"of {totals.total} chunks", highlight=False)
+    else:
+        console.print(f"chunk-caches made {totals.made}, skipped {totals.skipped} (already cached), "
+                      f"of {totals.total} chunks", highlight=False)
+    if totals.kept < totals.made:
+        err_console.print(f"[yellow]warning:[/yellow] only {totals.kept} of the {totals.made} chunk-caches made are "
+                          f"still stored: the disk tier's budget ({_size(config.disk_budget_bytes)}) evicted the "
+                          "others; raise disk_budget_bytes (CACHECRAFT_DISK_BUDGET_BYTES) and warm again",
+                          highlight=False, soft_wrap=True)
 
 
 @app.command("query")

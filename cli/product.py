@@ -35,11 +35,40 @@ def progress_bar() -> Progress:
 
 @dataclass
 class WarmTotals:
-    """made / skipped / total over every worker."""
+    """made / skipped / total over every worker; ``kept``: of those made, how many are
+    still stored when the warm ends (the disk budget may have evicted some)."""
 
     made: int = 0
     skipped: int = 0
     total: int = 0
+    kept: int | None = None
+
+
+def warm_mark(config: Config) -> int:
+    """The catalog's newest tier event before a warm (see :func:`count_kept`)."""
+    from cachecraft.catalog import Catalog
+
+    with Catalog(config.cache_dir) as catalog, catalog.read() as tx:
+        return tx.last_event_id()
+
+
+def count_kept(config: Config, mark: int, made: int) -> int:
+    """Of ``made`` chunk-caches put since ``mark``, how many are still stored: each put of
+    a corpus chunk's variant since then that no tier holds now was evicted (by the
+    budget) after it was made."""
+    from cachecraft.catalog import Catalog
+    from cachecraft.retrieval.corpus import Corpus
+
+    sources = set(Corpus(config.corpus_dir, config.embedder).snapshot().files)
+    with Catalog(config.cache_dir) as catalog, catalog.read() as tx:
+        put = {e.variant_key for e in tx.events(kind="put", since_id=mark)}
+        stored = {r.variant_key for r in tx.entries()}
+        lost = 0
+        for key in put - stored:
+            variant = tx.variant(key)
+            chunk = tx.chunk(variant.chunk_key) if variant is not None else None
+            lost += chunk is not None and chunk.source in sources
+    return max(made - lost, 0)
 
 
 def warm_in_process(config: Config) -> WarmTotals:

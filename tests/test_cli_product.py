@@ -99,6 +99,24 @@ def test_ingest_reads_html_and_reports_every_skipped_file(env, docs):
     assert report["unchanged"] == report["chunks"] and report["corpus_files"] == 4
 
 
+def test_warm_says_when_the_disk_budget_did_not_keep_what_it_made(env, docs, cache_dir, monkeypatch):
+    invoke("ingest", str(docs))
+    made = json.loads(invoke("warm", "--json").output)["made"]
+    with Catalog(cache_dir) as catalog, catalog.read() as tx:
+        sizes = [r.nbytes for r in tx.entries(tier="disk")]
+    invoke("evict", "--tier", "disk")
+    monkeypatch.setenv("CACHECRAFT_DISK_BUDGET_BYTES", str(3 * min(sizes)))  # two or three chunks
+    again = runner.invoke(app, ["warm", "--json"])
+    assert again.exit_code == 0, again.output
+    report = json.loads(again.stdout)
+    assert report["made"] == made and report["kept"] < made
+    shown = invoke("warm")  # nothing kept is cached, so it is made again, and not kept again
+    assert "chunk-caches made are still stored" in shown.output
+    assert "disk_budget_bytes" in shown.output
+    monkeypatch.delenv("CACHECRAFT_DISK_BUDGET_BYTES")
+    assert "still stored" not in invoke("warm").output
+
+
 def test_evict_and_clear(env, docs, cache_dir):
     invoke("ingest", str(docs))
     invoke("warm")

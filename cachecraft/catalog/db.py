@@ -284,6 +284,10 @@ class CatalogTx:
         return [TierEventRecord(r.id, r.at, r.variant_key, r.kind, r.from_tier, r.to_tier,
                                 r.nbytes, r.owner) for r in self.session.scalars(query)]
 
+    def last_event_id(self) -> int:
+        """The id of the newest tier event (0 when there is none): a mark for ``events(since_id=...)``."""
+        return int(self.session.scalar(select(func.max(TierEvent.id))) or 0)
+
     def prune_events(self, keep: int = MAX_EVENTS) -> int:
         """Keep only the newest ``keep`` tier events; returns how many were deleted."""
         last = self.session.scalar(select(func.max(TierEvent.id))) or 0

@@ -177,7 +177,7 @@ def _place_disk(store: TieredStore, disk: DiskTier, move: Move, exclude: frozens
         try:
             with store.catalog.write() as tx:  # ... then the row: the commit point
                 old = tx.entry(move.key, "disk")
-                victims = _disk_victims(tx, policy, size, old, exclude | {move.key}, disk.budget)
+                victims = disk_victims(tx, policy, size, old, exclude | {move.key}, disk.budget)
                 for v in victims:
                     tx.remove_entry(v.variant_key, "disk", blob=v.blob)
                     tx.event("evict", v.variant_key, "disk", None, v.nbytes, store.owner)
@@ -200,7 +200,7 @@ def _place_disk(store: TieredStore, disk: DiskTier, move: Move, exclude: frozens
     return True
 
 
-def _disk_victims(tx: CatalogTx, policy: EvictionPolicy, size: int, old: EntryRecord | None,
+def disk_victims(tx: CatalogTx, policy: EvictionPolicy, size: int, old: EntryRecord | None,
                   skip: frozenset[str], budget: int) -> list[EntryRecord]:
     """Disk entries to evict so that ``size`` more bytes fit (inside the transaction)."""
     used = tx.tier_bytes("disk") - (old.nbytes if old is not None else 0)

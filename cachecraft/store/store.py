@@ -101,6 +101,7 @@ class TieredStore:
                 reconcile = False  # never treat un-rebuilt blobs as orphans
             if reconcile:
                 self.reconcile()
+            maintenance.fit_disk_budget(self)  # a budget lowered since the last run takes effect now
         except BaseException:
             self._release()
             raise
