@@ -9,6 +9,8 @@ flags). Unknown keys are an error that lists the known ones.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import math
 import os
 import re
@@ -22,6 +24,9 @@ import platformdirs
 
 ENV_PREFIX = "CACHECRAFT_"
 CONFIG_ENV = "CACHECRAFT_CONFIG"
+
+log = logging.getLogger(__name__)
+_warned_env: set[str] = set()  # unknown variables already named in this process
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the passages below. "
@@ -189,21 +194,39 @@ class Config:
         ``<cache_dir>/config.toml`` when that file exists (``cache_dir`` from the
         overrides, ``$CACHECRAFT_CACHE_DIR`` or the user cache directory; this is where
         ``cachecraft calibrate`` writes by default)."""
-        environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        for _, layer in cls.layers(path, overrides, environ):
+            values.update(layer)
+        return cls.from_mapping(values)
+
+    @classmethod
+    def layers(cls, path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
+               environ: Mapping[str, str] | None = None) -> list[tuple[str, dict[str, Any]]]:
+        """The values :meth:`load` merges, as (source, values) from the lowest precedence
+        up: ``file <path>``, ``environment`` and ``flag``. An unknown ``CACHECRAFT_*``
+        variable is named in a warning with the nearest known one."""
+        environ = os.environ if environ is None else environ
+        out: list[tuple[str, dict[str, Any]]] = []
         path = path or environ.get(CONFIG_ENV)
         if path:
-            values.update(_read_toml(Path(path)))
+            out.append((f"file {path}", _read_toml(Path(path))))
         else:
             implicit = default_config_file(overrides, environ)
             if implicit.is_file():
-                values.update(_read_toml(implicit))
-        for key in cls.known_keys():
-            env_value = environ.get(ENV_PREFIX + key.upper())
-            if env_value is not None:
-                values[key] = env_value
-        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        return cls.from_mapping(values)
+                out.append((f"file {implicit}", _read_toml(implicit)))
+        known = cls.known_keys()
+        from_env = {}
+        for name, value in environ.items():
+            if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+                continue
+            key = name[len(ENV_PREFIX):].lower()
+            if key in known:
+                from_env[key] = value
+            else:
+                _warn_unknown_env(name, known)
+        out.append(("environment", from_env))
+        out.append(("flag", {k: v for k, v in (overrides or {}).items() if v is not None}))
+        return out
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "Config":
@@ -218,6 +241,17 @@ class Config:
     def replace(self, **changes: Any) -> "Config":
         """A copy with some values changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def _warn_unknown_env(name: str, known: list[str]) -> None:
+    """One warning per process naming an unknown ``CACHECRAFT_*`` variable and the nearest known one."""
+    if name in _warned_env:
+        return
+    _warned_env.add(name)
+    names = [ENV_PREFIX + k.upper() for k in known] + [CONFIG_ENV]
+    near = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]}?" if near else "see `cachecraft config show` for the known settings"
+    log.warning("unknown environment variable %s is ignored; %s", name, hint)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -231,6 +231,7 @@ def warm_cmd(
     """
     from .product import count_kept, warm_in_process, warm_in_workers, warm_mark
     config = load_config(ctx, model=model)
+    _require_corpus(config)  # before the model loads
     mark = warm_mark(config)
     totals = warm_in_process(config) if workers == 1 else warm_in_workers(config, workers)
     totals.kept = count_kept(config, mark, totals.made)
@@ -269,13 +270,16 @@ def query_cmd(
     """
     from cachecraft.methods import parse_method
 
-    from .product import open_pipeline, print_report, streamer_for
+    from .product import cap_new_tokens, check_question_length, open_pipeline, print_report, streamer_for
     if not question.strip():
         raise UserError("the question is empty")
     parse_method(method)  # an unknown method fails here, before the model loads
     config = load_config(ctx, model=model)
+    check_question_length(config, question)
     _require_corpus(config)
     with open_pipeline(config) as pipe:
+        top_k = config.top_k if top_k is None else top_k
+        max_new_tokens = cap_new_tokens(pipe, question, top_k, max_new_tokens or config.max_new_tokens)
         streamer = None if as_json else streamer_for(pipe.lm.tokenizer)
         answer = pipe.query(question, top_k=top_k, method=method, streamer=streamer, max_new_tokens=max_new_tokens)
     if as_json:

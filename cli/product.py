@@ -155,6 +155,55 @@ def _warm_worker(config: Config, shard: tuple[int, int], threads: int, messages)
 
 # -- query -----------------------------------------------------------------------------------
 
+LARGEST_CONTEXT = 32768  # the largest context window of a bundled model (qwen2.5-coder-0.5b)
+# Tokenizers of these models average about 4 characters per token on English text, so a
+# question longer than 4 characters per token of the window cannot fit in it beside the
+# system prompt and the retrieved chunks; the exact count is made once the model loads.
+CHARS_PER_TOKEN = 4
+
+
+def context_hint(model: str) -> int:
+    """The context window of ``model`` as far as it is known without loading it: a bundled
+    model's, a local model directory's ``config.json``, else :data:`LARGEST_CONTEXT`."""
+    import json
+    from pathlib import Path
+
+    from cachecraft.model.bundled import BUNDLED
+
+    if model in BUNDLED and BUNDLED[model].context_tokens:
+        return BUNDLED[model].context_tokens
+    try:
+        settings = json.loads((Path(model).expanduser() / "config.json").read_text(encoding="utf-8"))
+        return int(settings.get("max_position_embeddings") or LARGEST_CONTEXT)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return LARGEST_CONTEXT
+
+
+def check_question_length(config: Config, question: str) -> None:
+    """Refuse, before the model loads, a question that cannot fit in the model's context."""
+    window = context_hint(config.model)
+    if len(question) > CHARS_PER_TOKEN * window:
+        raise UserError(f"the question is too long: {len(question):,} characters, more than the {window:,}-token "
+                        f"context of {config.model} holds (about {CHARS_PER_TOKEN} characters per token); "
+                        "shorten it")
+
+
+def cap_new_tokens(pipe, question: str, top_k: int, requested: int) -> int:
+    """``requested`` answer tokens, or fewer where the prompt leaves less room in the
+    model's context (then a one-line notice on stderr)."""
+    hits = pipe.corpus.search(question, top_k)
+    pieces = pipe.builder.build([h.chunk.prompt_text for h in hits], question, max_tokens=pipe.lm.max_context)
+    room = pipe.lm.max_context - pieces.num_tokens
+    if requested <= room:
+        return requested
+    if room < 1:
+        raise UserError(f"the prompt takes {pieces.num_tokens} tokens, the whole {pipe.lm.max_context}-token "
+                        "context of the model: no room left for an answer; ask a shorter question or use a "
+                        "smaller --top-k")
+    err_console.print(f"max_new_tokens {requested} capped at {room}: the model's context window is "
+                      f"{pipe.lm.max_context} tokens and the prompt takes {pieces.num_tokens}", highlight=False)
+    return room
+
 def streamer_for(tokenizer):
     """Prints answer tokens to stdout as generate makes them."""
     from transformers import TextStreamer

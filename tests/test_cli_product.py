@@ -163,6 +163,27 @@ def test_bad_input_is_one_line(env, docs, tmp_path):
     one_line_error(runner.invoke(app, ["--config", str(tmp_path / "none.toml"), "query", "w1"]), "config file not found")
 
 
+def test_checks_that_need_no_model_come_before_it_loads(env, docs, monkeypatch):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr("cachecraft.model.loader.load_model", no_model)
+    one_line_error(runner.invoke(app, ["warm"]), "cachecraft ingest PATH")
+    long_question = "w1 " * 1400  # 4200 characters: over 4 per token of the tiny model's 1024
+    one_line_error(runner.invoke(app, ["query", long_question]), "the question is too long")
+    monkeypatch.setenv("CACHECRAFT_MODEL", "smollm2")  # a bundled model: its window is known without it
+    one_line_error(runner.invoke(app, ["query", "x" * 39_900]), "8,192-token context of smollm2")
+
+
+def test_max_new_tokens_is_capped_at_the_room_left_in_the_context(env, docs):
+    invoke("ingest", str(docs))
+    result = runner.invoke(app, ["query", "w12 w13", "--json", "--max-new-tokens", "9000", "--method", "full"])
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["prompt_tokens"] + answer["new_tokens"] <= 1024
+    assert "max_new_tokens 9000 capped at" in result.output and "1024" in result.output
+
+
 def test_help_teaches_with_examples():
     for command in ("ingest", "warm", "query", "evict", "clear"):
         result = runner.invoke(app, [command, "--help"])

