@@ -16,6 +16,7 @@ from rich.table import Table
 
 from cachecraft.config import Config
 from cachecraft.dataset import load_items
+from cachecraft.display import seconds
 from cachecraft.metrics import first_line
 from cachecraft.model.loader import LoadedModel
 
@@ -90,7 +91,7 @@ def _print_report(answer, console: Console) -> None:
         table.add_row(source.title, f"{source.score:.3f}", chunk.tier, (chunk.variant or "-")[:12],
                       "-" if chunk.cfo is None else f"{chunk.cfo:.3f}", f"{chunk.fraction:.0%}")
     console.print(table)
-    saved = "-" if answer.saved_s is None else f"{answer.saved_s:.2f} s"
+    saved = seconds(answer.saved_s)
     console.print(f"estimated prefill time saved on this request: {saved}. "
                   "Try `cachecraft query \"...\"` and `cachecraft stats` next.", highlight=False)
 

@@ -16,6 +16,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from cachecraft.display import seconds
+
 from .bench import bench_app
 from .common import (CONTEXT, METHODS_HELP, UserError, console, err_console, friendly, load_config, summarize_commands,
                      load_model_quietly, quiet_libraries)
@@ -120,7 +122,7 @@ def calibrate_cmd(
         result = calibrate(lm, config, items, candidates, target, max_new_tokens=max_new_tokens,
                            on_item=lambda done, total: progress.update(task, completed=done))
     table = Table(title=f"calibrate policy_alpha on {len(items)} item(s) (target agreement {target:g}; "
-                        f"full TTFT median {result.full_ttft_s:.2f} s)")
+                        f"full TTFT median {seconds(result.full_ttft_s)})")
     for column in ("alpha", "recompute", "agreement F1", "KL", "TTFT median (s)"):
         table.add_column(column, justify="right")
     for r in result.rows:
@@ -270,7 +272,8 @@ def query_cmd(
     """
     from cachecraft.methods import parse_method
 
-    from .product import cap_new_tokens, check_question_length, open_pipeline, print_report, streamer_for
+    from .product import (LOW_RELEVANCE, cap_new_tokens, check_question_length, open_pipeline, print_report,
+                          streamer_for, warn_low_relevance)
     if not question.strip():
         raise UserError("the question is empty")
     parse_method(method)  # an unknown method fails here, before the model loads
@@ -282,10 +285,12 @@ def query_cmd(
         max_new_tokens = cap_new_tokens(pipe, question, top_k, max_new_tokens or config.max_new_tokens)
         streamer = None if as_json else streamer_for(pipe.lm.tokenizer)
         answer = pipe.query(question, top_k=top_k, method=method, streamer=streamer, max_new_tokens=max_new_tokens)
+    threshold = LOW_RELEVANCE if config.embedder == "minilm" else None  # chosen for MiniLM's scores
     if as_json:
         print(json.dumps(answer.to_dict(), indent=2))
+        warn_low_relevance(answer, threshold)
         return
-    print_report(answer)
+    print_report(answer, threshold)
 
 
 def _require_corpus(config) -> None:
@@ -411,7 +416,8 @@ def explain_cmd(ctx: typer.Context,
     table = Table(title=f"request {record.id}: {record.method}, recompute {fmt(record.recompute_fraction, '{:.1%}')}, "
                         f"TTFT {fmt(record.ttft_s, '{:.2f}')} s")
     for column in ("#", "chunk", "variant", "tier", "CCI", "beta'", "CFO", "fraction", "stop layer"):
-        table.add_column(column, justify="right" if column not in ("chunk", "variant", "tier") else "left")
+        table.add_column(column, justify="right" if column not in ("chunk", "variant", "tier") else "left",
+                         no_wrap=column in ("chunk", "variant", "tier"))
     for c in record.chunks:
         table.add_row(str(c.position), c.chunk_key[:12], (c.variant_key or "-")[:12], c.tier, fmt(c.cci),
                       fmt(c.beta_prime), fmt(c.cfo), fmt(c.fraction, "{:.1%}"),
@@ -467,7 +473,7 @@ def _print_stats(data: dict) -> None:
     for row in data["by_method"]:
         methods.add_row(row["method"], str(row["requests"]), _fraction(row["hit_rate"]),
                         _fraction(row["recompute_mean"]),
-                        "-" if row["ttft_s_mean"] is None else f"{row['ttft_s_mean']:.2f} s", f"{row['saved_s']:.1f} s")
+                        seconds(row["ttft_s_mean"]), seconds(row["saved_s"], 1))
     console.print(methods)
     top = _table("top chunks", "chunk", "hits", "variants (stored)", "tokens", "source / preview")
     for chunk in data["top_chunks"]:
@@ -481,15 +487,18 @@ def _print_stats(data: dict) -> None:
         histogram.add_row(f"{low:.1f}-{high:.1f}", str(n), "#" * round(30 * n / widest))
     console.print(histogram)
     saved = data["prefill_time_saved"]
-    console.print(f"estimated prefill time saved: {saved['saved_s']:.1f} s over {saved['requests']} requests "
-                  f"({saved['full_prefill_s']:.1f} s of full prefill estimated, {saved['ttft_s']:.1f} s spent)",
+    console.print(f"estimated prefill time saved: {seconds(saved['saved_s'], 1)} over {saved['requests']} requests "
+                  f"({seconds(saved['full_prefill_s'], 1)} of full prefill estimated, {seconds(saved['ttft_s'], 1)} "
+                  "spent)",
                   highlight=False)
 
 
 def _table(title: str, *columns: str) -> Table:
+    """A table whose first column (a key: tier, method, chunk key) is never wrapped."""
     table = Table(title=title, title_justify="left")
     for i, column in enumerate(columns):
-        table.add_column(column, justify="left" if i == 0 or column.startswith("source") else "right")
+        table.add_column(column, justify="left" if i == 0 or column.startswith("source") else "right",
+                         no_wrap=i == 0, overflow="fold")
     return table
 
 
@@ -510,18 +519,26 @@ def _size(n: int | None) -> str:
 @config_app.command("show")
 @friendly
 def config_show_cmd(ctx: typer.Context,
-                    as_json: bool = typer.Option(False, "--json", help="Print one JSON document.")) -> None:
-    """Print the effective configuration and where it comes from."""
+                    as_json: bool = typer.Option(False, "--json", help="Print one JSON document: values and "
+                                                 "sources.")) -> None:
+    """Print the effective configuration and where each value comes from: default, the
+    config file, the environment (CACHECRAFT_<KEY>) or a flag."""
+    from cachecraft.config import Config
     config = load_config(ctx)
     values = config.to_dict()
+    obj = ctx.obj or {}
+    sources = dict.fromkeys(values, "default")
+    for source, layer in Config.layers(obj.get("config_path"), overrides=obj.get("overrides")):
+        sources.update(dict.fromkeys(layer, source))
     if as_json:
-        print(json.dumps(values, indent=2))
+        print(json.dumps({"values": values, "sources": sources}, indent=2))
         return
     table = Table(title="effective configuration")
-    table.add_column("key")
-    table.add_column("value")
+    table.add_column("key", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    table.add_column("source", overflow="fold")
     for key, value in values.items():
-        table.add_row(key, str(value))
+        table.add_row(key, str(value), sources[key])
     console.print(table)
 
 

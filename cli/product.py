@@ -211,18 +211,39 @@ def streamer_for(tokenizer):
     return TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
-def print_report(answer) -> None:
-    """Sources with scores and what the cache did for each chunk, then the timings."""
+# Cosine similarity of the bundled all-MiniLM-L6-v2 below which the best source is taken
+# as unrelated to the question. On the sample manual (data/kestrel), its 20 first sample
+# questions scored 0.46-0.82 against their best paragraph, while emoji-only questions
+# scored about 0.16 and off-topic ones (the weather, a joke, France's capital) 0.11-0.33.
+LOW_RELEVANCE = 0.35
+
+
+def print_report(answer, low_relevance: float | None = LOW_RELEVANCE) -> None:
+    """Sources with scores and what the cache did for each chunk, then the timings; a
+    warning when the best source scores below ``low_relevance`` (None: no check)."""
+    from cachecraft.display import seconds
+
     table = Table(title=f"{answer.method}: {len(answer.sources)} source(s)")
     for column in ("#", "score", "title", "file", "cache key", "tier", "variant", "recompute"):
         table.add_column(column, justify="right" if column in ("#", "score", "recompute") else "left",
-                         overflow="fold")
+                         overflow="fold", no_wrap=column not in ("title", "file"))
     for i, (source, chunk) in enumerate(zip(answer.sources, answer.chunks)):
         table.add_row(str(i + 1), f"{source.score:.3f}", source.title, os.path.basename(source.source),
                       chunk.chunk[:12], chunk.tier, (chunk.variant or "-")[:12], f"{chunk.fraction:.0%}")
     console.print(table)
-    saved = "-" if answer.saved_s is None else f"{answer.saved_s:.2f} s"
-    retrieval = "-" if answer.retrieval_s is None else f"{answer.retrieval_s:.2f} s"
-    console.print(f"TTFT {answer.ttft_s:.2f} s (retrieval {retrieval} apart); {answer.prompt_tokens} prompt "
-                  f"tokens, {answer.new_tokens} new; recomputed {answer.recompute_fraction:.0%} of the context; "
-                  f"estimated prefill time saved {saved}; request {answer.request_id}", highlight=False)
+    console.print(f"TTFT {seconds(answer.ttft_s)} (retrieval {seconds(answer.retrieval_s)} apart); "
+                  f"{answer.prompt_tokens} prompt tokens, {answer.new_tokens} new; recomputed "
+                  f"{answer.recompute_fraction:.0%} of the context; estimated prefill time saved "
+                  f"{seconds(answer.saved_s)}; request {answer.request_id}", highlight=False)
+    warn_low_relevance(answer, low_relevance)
+
+
+def warn_low_relevance(answer, threshold: float | None = LOW_RELEVANCE) -> bool:
+    """One line on stderr when no source scores ``threshold`` or more: the corpus likely
+    does not answer the question. Whether it warned."""
+    best = max((s.score for s in answer.sources), default=None)
+    if threshold is None or best is None or best >= threshold:
+        return False
+    err_console.print(f"[yellow]low relevance:[/yellow] the best source scores {best:.2f} (below {threshold:.2f}); "
+                      "the documents may not answer this question", highlight=False, soft_wrap=True)
+    return True

@@ -76,10 +76,13 @@ def test_ingest_warm_query_end_to_end(env, docs, cache_dir):
 
     shown = invoke("query", "w12 w13 w14", "--method", "reuse")
     assert "source(s)" in shown.output and "TTFT" in shown.output and "a.md" in shown.output
+    assert "low relevance" not in shown.output
+    emoji = invoke("query", "\U0001F642\U0001F642", "--method", "reuse")
+    assert "low relevance: the best source scores" in emoji.output and "-0.0" not in emoji.output
     stats = json.loads(invoke("stats", "--json").output)
     sources = {c["source"] for c in stats["top_chunks"]}
     assert {Path(s).name for s in sources if s and s.endswith(".md")} == {"a.md", "b.md"}  # recorded by warm
-    assert "cachecraft warm context" in sources
+    assert all(s and Path(s).parent.name in ("docs", "more") for s in sources)  # no system prompt, no warm context
     table = invoke("stats").output
     assert "a.md" in table and str(docs) not in table  # file names, not long paths, in the narrow column
 
