@@ -84,8 +84,10 @@ class TieredStore:
             make_policy(policy_name)
         except ValueError as exc:
             raise StoreConfigError(str(exc)) from None
-        catalog_missing = not catalog_path(self.cache_dir).exists()
-        self.catalog = Catalog(self.cache_dir)
+        catalog_missing = not config.catalog_url and not catalog_path(self.cache_dir).exists()
+        self.catalog = Catalog(self.cache_dir, url=config.catalog_url or None)
+        if config.catalog_url:  # a new, empty PostgreSQL catalog: rebuild it from the disk tier
+            catalog_missing = self.catalog.created
         self.owner = uuid.uuid4().hex[:16]
         self._owner_lock: OwnerLock | None = None
         self._maintenance = FileLock(self.locks_dir / MAINTENANCE_LOCK)
