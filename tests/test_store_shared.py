@@ -1,0 +1,227 @@
+"""The shared Redis tier (``redis_url``) against a real redis-server: bit-identical
+round trips between two nodes, layer-by-layer reads, promotion into local tiers, the
+byte budget, damaged values, and a server stopped, restarted or flushed mid-run."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+redis = pytest.importorskip("redis", reason="redis-py not installed (pip install cachecraft[shared])")
+
+from cachecraft.config import Config, ConfigError  # noqa: E402
+from cachecraft.store import CorruptEntryError, LayerStream, TieredStore  # noqa: E402
+from cachecraft.store import shared as shared_mod  # noqa: E402
+from cachecraft.store.codec import decode, encode, header_checksum  # noqa: E402
+from cachecraft.store.placement import to_stored  # noqa: E402
+from tests.servers import free_port, redis_server  # noqa: E402,F401  (fixture)
+from tests.store_helpers import bits_equal, make_kv, same_kv  # noqa: E402
+
+F16 = torch.float16
+
+
+def node(tmp_path, name: str, url: str, **overrides) -> TieredStore:
+    """A store with its own cache directory (its own catalog and disk), sharing ``url``."""
+    cfg = Config(cache_dir=tmp_path / name, redis_url=url, **overrides)
+    return TieredStore(cfg, tiers=("cpu", "disk"), reconcile=False)
+
+
+def blob_key(kv) -> str:
+    return f"{shared_mod.PREFIX}blob:{kv.variant}"
+
+
+@pytest.fixture
+def client(redis_server):  # noqa: F811
+    c = redis.Redis.from_url(redis_server.url)
+    yield c
+    c.close()
+
+
+def test_a_variant_put_on_one_node_is_read_bit_identical_on_another_and_promoted(tmp_path, redis_server, client):  # noqa: F811
+    kv = make_kv(1, layers=3)
+    with node(tmp_path, "a", redis_server.url) as a:
+        assert a.put(kv, cost_s=0.5, quality=0.9, cci=0.2, source="doc.txt") == "cpu"
+    data = client.get(blob_key(kv))
+    # the disk tier's format: safetensors whose header checksum the index records
+    meta = shared_mod.SharedMeta.from_json(client.hget(f"{shared_mod.PREFIX}meta", kv.variant))
+    assert meta.checksum == header_checksum(data) and same_kv(decode(data, meta.checksum, kv.variant), kv, F16)
+    with node(tmp_path, "b", redis_server.url) as b:
+        assert b.locate(kv.variant) == "redis"
+        [record] = b.variants_of(kv.chunk)
+        assert record.tier == "redis" and record.cost_s == 0.5 and record.quality == 0.9
+        assert b.stats_of(kv.variant) is not None
+        got = b.get(kv.variant)
+        assert got is not None and same_kv(got, kv, F16)
+        assert b.locate(kv.variant) == "cpu"  # promoted into this node's local tiers
+        assert b.info(kv.variant).hits == 1 and b.shared.counters.hits == 1
+        assert [e.kind for e in b.catalog.events(variant_key=kv.variant)] == ["promote"]
+        assert b.catalog.chunk(kv.chunk).source == "doc.txt"
+        again = b.get(kv.variant)  # now a local hit
+        assert same_kv(again, kv, F16) and b.shared.counters.hits == 1
+
+
+def test_layer_by_layer_reads_from_the_shared_tier(tmp_path, redis_server):  # noqa: F811
+    kv = make_kv(2, layers=4, tokens=16)
+    with node(tmp_path, "a", redis_server.url) as a:
+        a.put(kv)
+    with node(tmp_path, "b", redis_server.url) as b:
+        reader = b.iter_layers(kv.variant)
+        assert reader is not None and reader.tier == "redis"
+        assert reader.token_ids == kv.token_ids and reader.num_layers == 4
+        with reader:
+            layers = list(reader)
+        for i, (k, v) in enumerate(layers):
+            assert bits_equal(k, kv.keys[i].to(F16)) and bits_equal(v, kv.values[i].to(F16))
+        assert b.locate(kv.variant) == "cpu"  # read to the end: promoted
+    with node(tmp_path, "c", redis_server.url) as c:  # the streaming loader times the tier
+        stream = LayerStream([c.iter_layers(kv.variant, promote=False)])
+        try:
+            [streamed] = stream.kvs
+            assert bits_equal(streamed.layer(3)[0], kv.keys[3].to(F16))
+        finally:
+            stream.close()
+        assert stream.read_bytes.get("redis", 0) > 0 and "redis" in stream.read_seconds
+        assert c.locate(kv.variant) == "redis"  # promote=False: not copied
+
+
+def test_pipelined_multi_key_reads(tmp_path, redis_server):  # noqa: F811
+    kvs = [make_kv(i) for i in range(3)]
+    with node(tmp_path, "a", redis_server.url) as a:
+        for kv in kvs:
+            a.put(kv)
+        found = a.shared.get_many([kv.variant for kv in kvs] + ["missing"])
+    assert set(found) == {kv.variant for kv in kvs}
+    for kv in kvs:
+        assert same_kv(found[kv.variant][1], kv, F16)
+
+
+def test_the_byte_budget_is_kept_least_recently_used_first(tmp_path, redis_server, client):  # noqa: F811
+    kvs = [make_kv(i, tokens=16) for i in range(5)]
+    size = len(encode(to_stored(kvs[0], F16)).data)
+    budget = int(2.5 * size)
+    with node(tmp_path, "a", redis_server.url, redis_budget_bytes=budget) as a:
+        for i, kv in enumerate(kvs):
+            a.put(kv)
+            if i == 1:
+                a.shared.touch([kvs[0].variant])  # kvs[0] used after kvs[1]
+        used = int(client.get(f"{shared_mod.PREFIX}bytes"))
+        assert used <= budget and a.shared.count() == 2 == client.hlen(f"{shared_mod.PREFIX}meta")
+        held = {k.decode() for k in client.hkeys(f"{shared_mod.PREFIX}meta")}
+        assert held == {kvs[3].variant, kvs[4].variant}
+        assert sum(int(v) for v in client.hvals(f"{shared_mod.PREFIX}size")) == used
+        assert a.shared.counters.evictions == 3
+        assert a.usage()["redis"].bytes == used and a.usage()["redis"].budget == budget
+        too_big = make_kv(9, tokens=64)
+        assert a.put(too_big) == "cpu"  # over the shared budget: local only
+        assert not a.shared.contains(too_big.variant)
+
+
+def test_a_damaged_value_is_dropped_and_counted_never_served(tmp_path, redis_server, client, caplog):  # noqa: F811
+    kvs = [make_kv(i, layers=3) for i in range(3)]
+    with node(tmp_path, "a", redis_server.url) as a:
+        for kv in kvs:
+            a.put(kv)
+    for kv, offset in zip(kvs, (-5, -5, 20)):  # last layer's bytes twice, the header once
+        data = client.get(blob_key(kv))
+        pos = len(data) + offset if offset < 0 else offset
+        client.setrange(blob_key(kv), pos, bytes([data[pos] ^ 0xFF]))
+    with node(tmp_path, "b", redis_server.url) as b, caplog.at_level(logging.WARNING):
+        assert b.get(kvs[0].variant) is None  # whole read
+        reader = b.iter_layers(kvs[1].variant)  # header sound: opens, fails at the damaged layer
+        with pytest.raises(CorruptEntryError, match="shared tier"):
+            list(reader)
+        assert b.iter_layers(kvs[2].variant) is None  # damaged header: a miss at once
+        assert b.shared.counters.corrupt == 3
+        assert all(not b.shared.contains(kv.variant) for kv in kvs)
+        assert all(b.locate(kv.variant) is None for kv in kvs)  # nothing promoted
+    assert client.exists(*[blob_key(kv) for kv in kvs]) == 0
+    assert sum("damaged shared entry" in r.message for r in caplog.records) == 3
+
+
+def test_server_stopped_mid_run_is_a_miss_with_one_warning_then_reconnects(tmp_path, redis_server, caplog,  # noqa: F811
+                                                                          monkeypatch):
+    monkeypatch.setattr(shared_mod, "BACKOFF_START_S", 0.0)
+    local, remote = make_kv(1), make_kv(2)
+    with node(tmp_path, "a", redis_server.url) as a:
+        a.put(remote)
+    with node(tmp_path, "b", redis_server.url) as b:
+        b.put(local)
+        redis_server.stop()
+        with caplog.at_level(logging.WARNING, logger="cachecraft.store.shared"):
+            assert b.get(remote.variant) is None  # answered: a miss, no exception
+            assert b.iter_layers(remote.variant) is None
+            assert b.variants_of(remote.chunk) == [] and b.locate(remote.variant) is None
+            assert b.put(make_kv(3)) == "cpu"  # local tiers keep working
+            assert same_kv(b.get(local.variant), local, F16)  # untouched
+        warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1 and "shared tier" in warnings[0].message
+        assert b.shared.counters.errors >= 1 and not b.shared.available
+        redis_server.start()  # restarted, empty (no persistence)
+        with node(tmp_path, "a2", redis_server.url) as a:
+            a.put(remote)
+        b.shared._retry_at = 0.0  # the backoff has passed
+        got = b.get(remote.variant)
+        assert got is not None and same_kv(got, remote, F16) and b.shared.available
+        assert any("reachable again" in r.message for r in caplog.records)
+
+
+def test_backoff_skips_redis_while_it_is_down(tmp_path):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    clock = [100.0]
+    tier = shared_mod.RedisTier(url, 10**6, clock=lambda: clock[0])
+    try:
+        assert tier.get("v") is None and tier.counters.errors == 1
+        assert tier.get("v") is None and tier.counters.skipped == 1  # not tried again yet
+        clock[0] += shared_mod.BACKOFF_START_S + 0.01
+        assert tier.get("v") is None and tier.counters.errors == 2
+        assert tier._backoff == 2 * shared_mod.BACKOFF_START_S  # doubles, up to BACKOFF_MAX_S
+    finally:
+        tier.close()
+
+
+def test_server_flushed_mid_run_is_an_empty_tier(tmp_path, redis_server, client):  # noqa: F811
+    kv = make_kv(1)
+    with node(tmp_path, "a", redis_server.url) as a:
+        a.put(kv)
+        client.flushall()
+        with node(tmp_path, "b", redis_server.url) as b:
+            assert b.get(kv.variant) is None and b.shared.counters.errors == 0
+            assert b.shared.used() == 0
+        a.put(kv)
+        assert a.shared.count() == 1 and a.shared.used() == int(client.get(f"{shared_mod.PREFIX}bytes"))
+
+
+def test_unreachable_at_open_the_store_still_works(tmp_path):
+    with node(tmp_path, "a", f"redis://127.0.0.1:{free_port()}/0") as a:
+        kv = make_kv(1)
+        assert a.put(kv) == "cpu" and same_kv(a.get(kv.variant), kv, F16)
+
+
+def test_without_redis_url_nothing_changes(tmp_path):
+    with TieredStore(Config(cache_dir=tmp_path), tiers=("cpu", "disk")) as store:
+        assert store.shared is None and set(store.usage()) == {"cpu", "disk"}
+        assert store.locate("nope") is None and store.get("nope") is None
+
+
+def test_redis_url_is_validated_and_its_password_hidden(tmp_path):
+    with pytest.raises(ConfigError, match="redis_url"):
+        Config(cache_dir=tmp_path, redis_url="http://x")
+    with pytest.raises(ConfigError, match="redis_budget_bytes"):
+        Config(cache_dir=tmp_path, redis_budget_bytes=0)
+    cfg = Config.from_mapping({"cache_dir": tmp_path, "redis_url": "rediss://:pw@h:6380/1",
+                               "redis_budget_bytes": "1GiB"})
+    assert cfg.to_dict()["redis_url"] == "rediss://:***@h:6380/1" and cfg.redis_budget_bytes == 2**30
+    assert "redis_url" not in cfg.settings_changed()
+
+
+def test_a_shared_hit_can_be_recorded_and_timed():
+    from cachecraft.catalog import RequestChunk
+    from cachecraft.policy.loading import FULL_WEIGHT_BYTES, CostModel
+
+    assert RequestChunk(0, "c1", "v1", "redis").tier == "redis"
+    model = CostModel(prefill_s_per_token_layer=1e-5, num_layers=4, kv_bytes_per_token_layer=1024)
+    assert 0.0 <= model.r_load("redis") <= 1.0
+    timed = model.observe_load("redis", FULL_WEIGHT_BYTES, 0.01)  # a full-size load sets it
+    assert timed.bandwidths["redis"] == pytest.approx(FULL_WEIGHT_BYTES / 0.01)
