@@ -48,22 +48,26 @@ def _nice(cmd: list[str]) -> list[str]:
 class RedisServer:
     """One ``redis-server`` on loopback, no persistence; can be stopped and started again."""
 
-    def __init__(self, directory: Path, maxmemory: str | None = None) -> None:
+    def __init__(self, directory: Path, maxmemory: str | None = None, password: str | None = None) -> None:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             pytest.skip("redis-server not installed (apt-get install redis-server)")
         self.directory, self.port, self.maxmemory = Path(directory), free_port(), maxmemory
+        self.password = password
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{HOST}:{self.port}/0"
 
     def start(self) -> "RedisServer":
         cmd = [self.binary, "--bind", HOST, "--port", str(self.port), "--dir", str(self.directory),
                "--save", "", "--appendonly", "no", "--protected-mode", "yes"]
         if self.maxmemory:
             cmd += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
+        if self.password:
+            cmd += ["--requirepass", self.password]
         self.proc = subprocess.Popen(_nice(cmd), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_port(self.port)
         return self

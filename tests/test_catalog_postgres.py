@@ -50,8 +50,8 @@ def test_creates_the_tables_and_schema_version_in_postgres(tmp_path, catalog, pg
                                    "table_name='variants' AND column_name='nbytes'").fetchone()[0]
     assert version == "1" and nbytes_type == "bigint"
     assert {"chunks", "variants", "entries", "requests", "request_chunks", "tier_events"} <= tables
-    again = Catalog(tmp_path, url=pg_url)  # reopening is fine and creates nothing
-    assert not again.created
+    again = Catalog(tmp_path, url=_plain(pg_url))  # reopening is fine and creates nothing; plain
+    assert not again.created                       # postgresql:// also means psycopg 3
     again.close()
 
 
@@ -178,3 +178,13 @@ def test_cli_stats_reads_the_postgres_catalog_and_verify_says_it_cannot(cache_di
     result = runner.invoke(app, ["verify"])
     assert result.exit_code == 1 and "catalog_url" in result.output
     assert not catalog_path(cache_dir).exists()
+
+
+def test_cli_with_an_unreachable_catalog_is_one_line(cache_dir, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cli.app import app
+    monkeypatch.setenv("CACHECRAFT_CATALOG_URL", f"postgresql+psycopg://u:pw@127.0.0.1:{free_port()}/db")
+    result = CliRunner().invoke(app, ["stats"])
+    assert result.exit_code == 1 and "catalog_url" in result.output
+    assert "Traceback" not in result.output and "pw@" not in result.output

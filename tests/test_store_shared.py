@@ -16,7 +16,7 @@ from cachecraft.store import CorruptEntryError, LayerStream, TieredStore  # noqa
 from cachecraft.store import shared as shared_mod  # noqa: E402
 from cachecraft.store.codec import decode, encode, header_checksum  # noqa: E402
 from cachecraft.store.placement import to_stored  # noqa: E402
-from tests.servers import free_port, redis_server  # noqa: E402,F401  (fixture)
+from tests.servers import RedisServer, free_port, redis_server  # noqa: E402,F401  (fixture)
 from tests.store_helpers import bits_equal, make_kv, same_kv  # noqa: E402
 
 F16 = torch.float16
@@ -225,3 +225,49 @@ def test_a_shared_hit_can_be_recorded_and_timed():
     assert 0.0 <= model.r_load("redis") <= 1.0
     timed = model.observe_load("redis", FULL_WEIGHT_BYTES, 0.01)  # a full-size load sets it
     assert timed.bandwidths["redis"] == pytest.approx(FULL_WEIGHT_BYTES / 0.01)
+
+
+@pytest.mark.parametrize("stream_kv", [True, False])
+def test_a_second_node_answers_from_the_first_nodes_caches(tmp_path, redis_server, monkeypatch, stream_kv):  # noqa: F811
+    """End to end on the tiny model: node A answers and stores; node B, with its own cache
+    directory and catalog, reuses A's chunk-caches through Redis, exactly."""
+    from cachecraft.pipeline import Pipeline
+    from cachecraft.policy.planner import PolicyParams
+    from tests.conftest import tiny_model
+    from tests.test_pipeline import CHUNKS, QUESTION, traced
+
+    monkeypatch.setattr("cachecraft.policy.loading.MIN_OBSERVED_BYTES", 0)  # the tiny caches are timed
+
+    def run(name: str):
+        config = Config.load(overrides={"cache_dir": tmp_path / name, "max_new_tokens": 4, "kv_dtype": "float32",
+                                        "redis_url": redis_server.url, "stream_kv": stream_kv}, environ={})
+        with TieredStore(config, tiers=("cpu", "disk")) as store:
+            pipe = Pipeline(config, lm=tiny_model("llama"), store=store, policy=PolicyParams(alpha=0.5, check_layer=2))
+            answer = traced(pipe, CHUNKS, QUESTION)
+            record = pipe.catalog.get_request(answer.request_id)
+            return answer, record, pipe.cost_model, store.locate(answer.chunks[0].variant or "")
+
+    first, _, _, _ = run("a")
+    assert all(c.tier == "miss" for c in first.chunks)
+    second, record, cost_model, now = run("b")
+    assert second.recompute_fraction == 0.0 and second.text == first.text
+    assert (second.logits - first.logits).abs().max() < 1e-4
+    assert all(c.tier == "redis" for c in second.chunks)
+    assert [c.tier for c in record.chunks] == ["redis"] * len(CHUNKS)
+    assert now in ("cpu", "disk")  # promoted into node b's local tiers
+    assert "redis" in cost_model.bandwidths  # the loader timed the shared tier
+
+
+def test_a_password_in_the_url_is_used_and_a_wrong_one_is_a_miss(tmp_path, caplog):
+    server = RedisServer(tmp_path, password="s3cret").start()
+    try:
+        kv = make_kv(1)
+        with node(tmp_path, "a", server.url) as a:
+            a.put(kv)
+            assert a.shared.contains(kv.variant)
+        wrong = server.url.replace("s3cret", "nope")
+        with node(tmp_path, "b", wrong) as b, caplog.at_level(logging.WARNING):
+            assert b.get(kv.variant) is None and b.shared.counters.errors == 1
+        assert "nope" not in caplog.text and "s3cret" not in caplog.text
+    finally:
+        server.stop()

@@ -456,8 +456,15 @@ class Catalog:
 
     def _open_postgres(self, timeout_s: float) -> None:
         lock_timeout_ms = int(timeout_s * 1000)
+        url = make_url(self.url)
+        if url.drivername == "postgresql":  # SQLAlchemy's default driver is psycopg2; ours is psycopg 3
+            url = url.set(drivername="postgresql+psycopg")
+        try:
+            import psycopg  # noqa: F401
+        except ImportError:
+            raise CatalogError("catalog_url needs the psycopg package: pip install 'cachecraft[shared]'") from None
         self._engine = create_engine(
-            self.url, pool_pre_ping=True,
+            url, pool_pre_ping=True,
             connect_args={"connect_timeout": CONNECT_TIMEOUT_S,
                           "options": f"-c lock_timeout={lock_timeout_ms}"})
         # reads: one REPEATABLE READ snapshot per transaction, as SQLite's deferred reads
