@@ -271,3 +271,19 @@ def test_a_password_in_the_url_is_used_and_a_wrong_one_is_a_miss(tmp_path, caplo
         assert "nope" not in caplog.text and "s3cret" not in caplog.text
     finally:
         server.stop()
+
+
+def test_server_stopped_during_a_layer_read_fails_that_read_without_blaming_the_value(tmp_path, redis_server):  # noqa: F811
+    kv = make_kv(1, layers=4)
+    with node(tmp_path, "a", redis_server.url) as a:
+        a.put(kv)
+    with node(tmp_path, "b", redis_server.url) as b:
+        reader = b.iter_layers(kv.variant)
+        layers = iter(reader)
+        k0, _ = next(layers)
+        assert bits_equal(k0, kv.keys[0].to(F16))
+        redis_server.stop()
+        with pytest.raises(CorruptEntryError, match="shared tier"):  # the caller recomputes the chunk
+            list(layers)
+        assert b.shared.counters.corrupt == 0 and b.locate(kv.variant) is None
+        redis_server.start()
