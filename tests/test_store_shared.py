@@ -287,3 +287,16 @@ def test_server_stopped_during_a_layer_read_fails_that_read_without_blaming_the_
             list(layers)
         assert b.shared.counters.corrupt == 0 and b.locate(kv.variant) is None
         redis_server.start()
+
+
+def test_a_damaged_index_entry_is_dropped_not_raised(tmp_path, redis_server, client):  # noqa: F811
+    kvs = [make_kv(1), make_kv(2)]
+    with node(tmp_path, "a", redis_server.url) as a:
+        for kv in kvs:
+            a.put(kv)
+        for kv in kvs:
+            client.hset(f"{shared_mod.PREFIX}meta", kv.variant, b"{not json")
+        assert a.shared.variants_of(kvs[0].chunk) == []
+        assert a.shared.get(kvs[0].variant) is None and a.shared.open(kvs[1].variant) is None
+        assert a.shared.counters.corrupt == 2 and a.shared.count() == 0
+        assert client.exists(blob_key(kvs[0]), blob_key(kvs[1])) == 0

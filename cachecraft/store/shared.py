@@ -120,6 +120,16 @@ class SharedMeta:
         return cls(**data)
 
 
+def _parse_meta(raw: bytes | str | None) -> SharedMeta | None:
+    """A meta record, or None when absent or unreadable (a damaged index entry)."""
+    if raw is None:
+        return None
+    try:
+        return SharedMeta.from_json(raw)
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
 def _keys(variant: str, chunk: str) -> list[str]:
     return [f"{PREFIX}blob:{variant}", f"{PREFIX}meta", f"{PREFIX}size", f"{PREFIX}used",
             f"{PREFIX}chunk:{chunk}", f"{PREFIX}bytes"]
@@ -238,8 +248,8 @@ class RedisTier:
     def delete(self, variant: str) -> int | None:
         """Remove a variant; the bytes freed (0 if absent), None on a Redis error."""
         def run() -> int:
-            raw = self.client.hget(f"{PREFIX}meta", variant)
-            chunk = SharedMeta.from_json(raw).chunk if raw else "?"
+            meta = _parse_meta(self.client.hget(f"{PREFIX}meta", variant))
+            chunk = meta.chunk if meta is not None else "?"
             return int(self._delete_script(keys=_keys(variant, chunk), args=[variant]))
 
         return self._call("delete", run)
@@ -261,15 +271,18 @@ class RedisTier:
             keys = sorted(k.decode() for k in self.client.smembers(f"{PREFIX}chunk:{chunk}"))
             if not keys:
                 return []
-            raws = self.client.hmget(f"{PREFIX}meta", keys)
-            return [SharedMeta.from_json(r) for r in raws if r is not None]
+            metas = [_parse_meta(r) for r in self.client.hmget(f"{PREFIX}meta", keys)]
+            return [m for m in metas if m is not None and m.chunk == chunk]
 
         return self._call("lookup", run, default=[])
 
     def meta(self, variant: str) -> SharedMeta | None:
         """The recorded facts about a variant, or None."""
         raw = self._call("lookup", lambda: self.client.hget(f"{PREFIX}meta", variant))
-        return None if raw is None else SharedMeta.from_json(raw)
+        meta = _parse_meta(raw)
+        if raw is not None and meta is None:
+            self._drop_corrupt(variant, "unreadable index entry")
+        return meta
 
     def contains(self, variant: str) -> bool:
         return bool(self._call("lookup", lambda: self.client.hexists(f"{PREFIX}meta", variant), default=False))
@@ -302,7 +315,11 @@ class RedisTier:
                     self.delete(variant)
                 self.counters.misses += 1
                 continue
-            meta = SharedMeta.from_json(raw)
+            meta = _parse_meta(raw)
+            if meta is None or meta.variant != variant:
+                self._drop_corrupt(variant, "unreadable index entry")
+                self.counters.misses += 1
+                continue
             try:
                 out[variant] = meta, decode(data, meta.checksum, variant)
             except BlobError as exc:
