@@ -48,22 +48,39 @@ def _nice(cmd: list[str]) -> list[str]:
 class RedisServer:
     """One ``redis-server`` on loopback, no persistence; can be stopped and started again."""
 
-    def __init__(self, directory: Path, maxmemory: str | None = None, password: str | None = None) -> None:
+    def __init__(self, directory: Path, maxmemory: str | None = None, password: str | None = None,
+                 tls: bool = False) -> None:
         self.binary = shutil.which("redis-server")
         if self.binary is None:
             pytest.skip("redis-server not installed (apt-get install redis-server)")
         self.directory, self.port, self.maxmemory = Path(directory), free_port(), maxmemory
-        self.password = password
+        self.password, self.tls = password, tls
+        if tls:
+            if shutil.which("openssl") is None:
+                pytest.skip("openssl not installed (needed to make the TLS test's certificate)")
+            self.ca = self.directory / "ca.pem"
+            key, cert = self.directory / "key.pem", self.directory / "cert.pem"
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                            "-keyout", str(key), "-out", str(cert)],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            shutil.copy(cert, self.ca)
+            self.tls_args = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(cert),
+                             "--tls-key-file", str(key), "--tls-ca-cert-file", str(self.ca),
+                             "--tls-auth-clients", "no"]
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}{HOST}:{self.port}/0?ssl_ca_certs={self.ca}"
         return f"redis://{auth}{HOST}:{self.port}/0"
 
     def start(self) -> "RedisServer":
-        cmd = [self.binary, "--bind", HOST, "--port", str(self.port), "--dir", str(self.directory),
+        cmd = [self.binary, "--bind", HOST, "--dir", str(self.directory),
                "--save", "", "--appendonly", "no", "--protected-mode", "yes"]
+        cmd += self.tls_args if self.tls else ["--port", str(self.port)]
         if self.maxmemory:
             cmd += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
         if self.password:

@@ -300,3 +300,18 @@ def test_a_damaged_index_entry_is_dropped_not_raised(tmp_path, redis_server, cli
         assert a.shared.get(kvs[0].variant) is None and a.shared.open(kvs[1].variant) is None
         assert a.shared.counters.corrupt == 2 and a.shared.count() == 0
         assert client.exists(blob_key(kvs[0]), blob_key(kvs[1])) == 0
+
+
+def test_tls_through_the_url(tmp_path):
+    server = RedisServer(tmp_path, password="pw", tls=True).start()
+    try:
+        kv = make_kv(1)
+        with node(tmp_path, "a", server.url) as a:
+            a.put(kv)
+        with node(tmp_path, "b", server.url) as b:
+            assert same_kv(b.get(kv.variant), kv, F16) and b.shared.counters.errors == 0
+        plain = server.url.replace("rediss://", "redis://").split("?")[0]  # no TLS: refused, a miss
+        with node(tmp_path, "c", plain) as c:
+            assert c.get(kv.variant) is None and c.shared.counters.errors == 1
+    finally:
+        server.stop()
