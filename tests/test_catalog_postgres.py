@@ -14,7 +14,7 @@ psycopg = pytest.importorskip("psycopg", reason="psycopg not installed (pip inst
 from cachecraft.catalog import (Catalog, CatalogError, CatalogUnavailableError, ChunkRecord,
                                 SchemaVersionError, VariantRecord, catalog_path)
 from cachecraft.config import Config, ConfigError
-from cachecraft.store import TieredStore
+from cachecraft.store import StoreConfigError, TieredStore
 from tests.servers import free_port, pg_url, postgres  # noqa: F401  (fixtures)
 from tests.store_helpers import make_kv, same_kv
 # the SQLite catalog's behavioural tests, run again against PostgreSQL (the `catalog`
@@ -188,3 +188,15 @@ def test_cli_with_an_unreachable_catalog_is_one_line(cache_dir, monkeypatch):
     result = CliRunner().invoke(app, ["stats"])
     assert result.exit_code == 1 and "catalog_url" in result.output
     assert "Traceback" not in result.output and "pw@" not in result.output
+
+
+def test_a_second_cache_directory_on_the_same_database_is_refused(tmp_path, pg_url):  # noqa: F811
+    """Its store would take the first directory's disk rows for lost bytes and drop them."""
+    kv = make_kv(1)
+    first = Config(cache_dir=tmp_path / "a", catalog_url=pg_url)
+    with TieredStore(first, tiers=("disk",)) as store:
+        store.put(kv)
+    with pytest.raises(StoreConfigError, match="catalog_url .* already serves another cache directory"):
+        TieredStore(Config(cache_dir=tmp_path / "b", catalog_url=pg_url), tiers=("disk",))
+    with TieredStore(first, tiers=("disk",)) as store:  # the first one is intact
+        assert same_kv(store.get(kv.variant), kv, store.stored_dtype)

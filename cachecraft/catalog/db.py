@@ -116,6 +116,21 @@ class CatalogTx:
     def __init__(self, session: Session) -> None:
         self.session = session
 
+    # facts about the database ----------------------------------------------------------
+
+    def info_value(self, key: str) -> str | None:
+        """A value of the ``schema_info`` table, or None."""
+        row = self.session.get(SchemaInfo, key)
+        return None if row is None else row.value
+
+    def set_info_value(self, key: str, value: str) -> None:
+        """Set a value of the ``schema_info`` table."""
+        row = self.session.get(SchemaInfo, key)
+        if row is None:
+            self.session.add(SchemaInfo(key=key, value=value))
+        else:
+            row.value = value
+
     # chunks and variants -------------------------------------------------------------
 
     def upsert_chunk(self, rec: ChunkRecord) -> None:

@@ -106,6 +106,8 @@ class TieredStore:
             self._owner_lock = OwnerLock(self.locks_dir, self.owner)
             self._tiers = build_tiers(names, limits, disk_dir)
             self._policies: dict[str, EvictionPolicy] = {t.name: make_policy(policy_name) for t in self._tiers}
+            if self.catalog.shared:
+                _claim_catalog(self.catalog, self.root)
             if config.redis_url:
                 self.shared = _connect_shared(config)
             # a catalog deleted by hand must not make the disk tier look like orphans
@@ -480,6 +482,33 @@ class TieredStore:
             entry.hits += 1
         with self.catalog.write(exclusive=False) as tx:  # hits + 1 in SQL: no lock needed
             tx.touch(key)
+
+
+CATALOG_ID_FILE = "catalog-id"
+
+
+def _claim_catalog(catalog: Catalog, root: Path) -> None:
+    """Tie a server catalog (``catalog_url``) to this cache directory's disk tier.
+
+    The catalog's disk rows describe one disk tier; another cache directory opening the
+    same database would take them for lost bytes and drop them. The first store to open
+    a database records an id there and in ``<store root>/catalog-id``; a cache directory
+    without that id is refused with one line.
+    """
+    id_file = root / CATALOG_ID_FILE
+    local = id_file.read_text().strip() if id_file.is_file() else None
+    with catalog.write() as tx:
+        found = tx.info_value("disk_tier_id")
+        if found is None:  # a new database: this cache directory takes it
+            found = local or uuid.uuid4().hex
+            tx.set_info_value("disk_tier_id", found)
+            if local is None:
+                id_file.write_text(found + "\n")
+                local = found
+    if local != found:
+        raise StoreConfigError(f"catalog_url {catalog.where} already serves another cache directory; "
+                               "give each cache directory its own database (or share that cache "
+                               "directory itself)")
 
 
 def _connect_shared(config: Config):
