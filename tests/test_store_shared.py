@@ -315,3 +315,36 @@ def test_tls_through_the_url(tmp_path):
             assert c.get(kv.variant) is None and c.shared.counters.errors == 1
     finally:
         server.stop()
+
+
+def test_several_node_processes_share_one_redis_within_its_budget(tmp_path, redis_server, client):  # noqa: F811
+    """Three node processes put and read at once under a budget that forces evictions:
+    no damaged read, and the byte count the Lua scripts keep is exact."""
+    import json
+    import multiprocessing as mp
+
+    from tests.shared_workers import node_kv, node_worker
+
+    nodes, count = 3, 12
+    size = len(encode(to_stored(node_kv(0, 0), F16)).data)
+    budget = 10 * size  # fewer than the 36 entries: evictions race
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "cachecraft.store", "tests.shared_workers"])
+    barrier = ctx.Barrier(nodes)
+    outs = [tmp_path / f"node-{n}.json" for n in range(nodes)]
+    procs = [ctx.Process(target=node_worker, args=(str(tmp_path / f"node-{n}"), redis_server.url, budget, n,
+                                                   nodes, count, barrier, str(outs[n]))) for n in range(nodes)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(240)
+    assert [p.exitcode for p in procs] == [0] * nodes
+    results = [json.loads(o.read_text()) for o in outs]
+    assert [r["errors"] for r in results] == [[]] * nodes
+    assert all(r["counters"]["corrupt"] == 0 and r["counters"]["errors"] == 0 for r in results)
+    assert sum(r["hits"] for r in results) > 0
+    used = int(client.get(f"{shared_mod.PREFIX}bytes"))
+    assert used == sum(int(v) for v in client.hvals(f"{shared_mod.PREFIX}size")) <= budget
+    assert client.hlen(f"{shared_mod.PREFIX}meta") == client.zcard(f"{shared_mod.PREFIX}used") == used // size
+    blobs = [k for k in client.scan_iter(f"{shared_mod.PREFIX}blob:*")]
+    assert len(blobs) == used // size  # no blob without its index entry, none left over
