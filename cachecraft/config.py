@@ -41,6 +41,9 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_DTYPES = ("float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _EVICTION = ("cachecraft", "lru", "lfu", "pgdsf")
+_CATALOG_SCHEMES = ("postgresql://", "postgresql+psycopg://")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_URL_KEYS = ("catalog_url", "redis_url")
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -59,6 +62,11 @@ def parse_bytes(value: int | str) -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise ConfigError(f"not a byte size: {value!r} (use e.g. 1048576, 512MiB, 2GB)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def hide_password(url: str) -> str:
+    """``url`` with the password (``scheme://user:PASSWORD@host``) replaced by ``***``."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
 
 
 def _parse_bool(value: Any) -> bool:
@@ -117,6 +125,10 @@ class Config:
     top_k: int = 3
     warm_context: str = "builtin"  # text chunk-caches are warmed after: builtin, none, or a text file
     warm_context_tokens: int = 1024
+    # beyond one machine (both optional; empty: SQLite in cache_dir and local tiers only)
+    catalog_url: str = ""  # postgresql+psycopg://user:password@host:port/database
+    redis_url: str = ""  # redis://[:password@]host:port/db (rediss:// for TLS): a shared tier after disk
+    redis_budget_bytes: int = 4 * 2**30  # what cachecraft keeps in Redis, enforced by cachecraft
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -150,7 +162,13 @@ class Config:
         check(self.warm_context in ("builtin", "none") or Path(self.warm_context).expanduser().is_file(),
               f"warm_context must be 'builtin', 'none' or an existing text file, got {self.warm_context!r}")
         check(self.warm_context_tokens >= 0, f"warm_context_tokens must be >= 0, got {self.warm_context_tokens}")
-        for name in ("gpu_budget_bytes", "cpu_budget_bytes", "disk_budget_bytes"):
+        check(not self.catalog_url or self.catalog_url.startswith(_CATALOG_SCHEMES),
+              f"catalog_url must be empty (SQLite in cache_dir) or start with one of {_CATALOG_SCHEMES}, "
+              f"got {hide_password(self.catalog_url)!r}")
+        check(not self.redis_url or self.redis_url.startswith(_REDIS_SCHEMES),
+              f"redis_url must be empty (no shared tier) or start with one of {_REDIS_SCHEMES}, "
+              f"got {hide_password(self.redis_url)!r}")
+        for name in ("gpu_budget_bytes", "cpu_budget_bytes", "disk_budget_bytes", "redis_budget_bytes"):
             check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
 
     @property
@@ -169,16 +187,17 @@ class Config:
         return self.cache_dir / "corpus"
 
     def to_dict(self) -> dict[str, Any]:
-        """The effective values, JSON-friendly."""
-        return {f.name: str(v) if isinstance(v, Path) else v
+        """The effective values, JSON-friendly (passwords in URLs hidden)."""
+        return {f.name: str(v) if isinstance(v, Path) else (hide_password(v) if f.name in _URL_KEYS else v)
                 for f in fields(self) for v in [getattr(self, f.name)]}
 
     def settings_changed(self) -> dict[str, Any]:
-        """Settings that differ from the defaults; ``cache_dir`` is left out (it moves
-        files, it does not change results)."""
+        """Settings that differ from the defaults; ``cache_dir`` and the server URLs are left
+        out (they move bytes, they do not change results; URLs may hold passwords)."""
         defaults = Config(cache_dir=self.cache_dir)
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name != "cache_dir" and getattr(self, f.name) != getattr(defaults, f.name)}
+                if f.name not in ("cache_dir",) + _URL_KEYS
+                and getattr(self, f.name) != getattr(defaults, f.name)}
 
     @classmethod
     def known_keys(cls) -> list[str]:

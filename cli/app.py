@@ -346,6 +346,9 @@ def clear_cmd(
     """
     from cachecraft.store import destroy
     config = load_config(ctx)
+    if config.catalog_url:
+        raise UserError("clear removes the SQLite catalog in the cache directory; with catalog_url "
+                        "set it is not supported yet (drop the PostgreSQL database by hand)")
     what = "every chunk-cache and the catalog" + (" and the corpus" if corpus else "")
     if not yes:
         typer.confirm(f"Delete {what} in {config.cache_dir}?", abort=True)
@@ -368,6 +371,9 @@ def verify_cmd(ctx: typer.Context,
     Exit code 0 when the cache is consistent (or was repaired), 1 otherwise."""
     from cachecraft.store import verify
     config = load_config(ctx)
+    if config.catalog_url:
+        raise UserError("verify checks the SQLite catalog in the cache directory; with catalog_url "
+                        "set it is not supported yet (unset catalog_url to verify a local cache)")
     report = verify(config.cache_dir, repair=repair)
     if as_json:
         print(report.to_json(indent=2))
@@ -398,7 +404,7 @@ def explain_cmd(ctx: typer.Context,
 
     from cachecraft.catalog import Catalog
     config = load_config(ctx)
-    with Catalog(config.cache_dir) as catalog:
+    with Catalog(config.cache_dir, url=config.catalog_url or None) as catalog:
         if request_id is None:
             request_id = catalog.last_request_id()
             if request_id is None:
@@ -434,7 +440,7 @@ def stats_cmd(ctx: typer.Context, top: int = typer.Option(10, min=1, help="How m
     from cachecraft.catalog import Catalog
     from cachecraft.catalog.stats import summary
     config = load_config(ctx)
-    catalog = Catalog(config.cache_dir)
+    catalog = Catalog(config.cache_dir, url=config.catalog_url or None)
     try:
         data = summary(catalog, top=top)
     finally:

@@ -272,6 +272,25 @@ def promote_from_disk(store: TieredStore, key: str, kv: ChunkKV, row: EntryRecor
         log.warning("could not promote %s from disk: %s", key, exc)
 
 
+def promote_from_shared(store: TieredStore, key: str, kv: ChunkKV, meta) -> None:
+    """Copy a variant read from the shared tier into the fastest local tier that takes it
+    (memory first, then disk); the shared tier keeps it. Best effort: a local failure is
+    logged, the read still served."""
+    if any(key in t for t in store._memory_tiers()) or store._disk_row(key) is not None:
+        return
+    info = EntryInfo(key, kv.chunk, entry_nbytes(kv),
+                     meta.cost_s if meta.cost_s is not None else estimate_cost_s(kv.num_tokens, kv.num_layers),
+                     meta.quality if meta.quality is not None else 1.0)
+    move = Move(key, kv, info, "promote", "redis", False, None)
+    try:
+        for j in range(len(store._tiers)):
+            if place(store, j, move, frozenset({key})):
+                store.counters.promotions += 1
+                return
+    except StoreError as exc:
+        log.warning("could not promote %s from the shared tier: %s", key, exc)
+
+
 def forget(store: TieredStore, tier: MemoryTier, key: str, kind: str | None) -> None:
     """Drop ``key`` from a memory tier and its row (logging a ``kind`` event unless None)."""
     entry = tier.remove(key)
