@@ -47,7 +47,8 @@ def run_demo(lm: LoadedModel, config: Config, corpus: Path, questions: Path, lim
 def _prepare(pipe, corpus: Path, console: Console) -> None:
     with _bar(console) as bar:
         task = bar.add_task(f"ingesting {corpus}", total=None)
-        report = pipe.ingest([corpus], progress=lambda done, total: bar.update(task, completed=done, total=total))
+        report = pipe.ingest([corpus], progress=lambda stage, done, total: bar.update(
+            task, description=f"ingesting {corpus}: {stage}", completed=done, total=total)).report
     console.print(f"corpus: {report.chunks} chunks from {report.corpus_files} files "
                   f"({report.added} added, {report.unchanged} unchanged)")
     with _bar(console) as bar:

@@ -183,9 +183,6 @@ def ingest_cmd(
 
     Example: cachecraft ingest docs/ notes.md   (then: cachecraft warm)
     """
-    from cachecraft.retrieval.chunking import Chunker
-    from cachecraft.retrieval.ingest import ingest_paths
-
     from .product import open_pipeline, progress_bar
     config = load_config(ctx, model=model)
     with open_pipeline(config) as pipe, progress_bar() as bar:
@@ -197,9 +194,7 @@ def ingest_cmd(
                                             "embedding (chunks)", total=None)
             bar.update(tasks[stage], completed=done, total=total)
 
-        chunker = Chunker(pipe.builder.encode, config.chunk_tokens, config.chunk_overlap)
-        settings = {"model": pipe.lm.name, "chunk_tokens": config.chunk_tokens, "chunk_overlap": config.chunk_overlap}
-        outcome = ingest_paths(pipe.corpus, chunker, paths, settings=settings, progress=progress)
+        outcome = pipe.ingest(paths, progress=progress)
     report = outcome.report
     if as_json:
         print(json.dumps(outcome.to_dict(), indent=2))
