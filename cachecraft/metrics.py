@@ -1,4 +1,4 @@
-"""Quality measures: first-token KL, token F1 (SQuAD-style), exact match."""
+"""Quality measures: first-token KL, answer-level divergence, token F1 (SQuAD-style), exact match."""
 
 from __future__ import annotations
 
@@ -15,6 +15,18 @@ def kl_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> float
     p = reference_logits.float().log_softmax(-1)
     q = logits.float().log_softmax(-1)
     return float((p.exp() * (p - q)).sum().clamp_min(0.0))
+
+
+def answer_divergence(reference_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
+    """Along one answer (``[n, vocab]`` logits per position, both over the same forced
+    tokens): the mean per-position KL(reference || other), and token agreement, the share
+    of positions where the two most likely tokens are the same."""
+    assert reference_logits.shape == logits.shape, f"{tuple(reference_logits.shape)} vs {tuple(logits.shape)}"
+    p = reference_logits.float().log_softmax(-1)
+    q = logits.float().log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1).clamp_min(0.0)  # [n]
+    agree = (reference_logits.argmax(-1) == logits.argmax(-1)).float()
+    return float(kl.mean()), float(agree.mean())
 
 
 def normalize_answer(text: str) -> str:

@@ -16,6 +16,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from cachecraft.display import seconds
+
 from .bench import bench_app
 from .common import (CONTEXT, METHODS_HELP, UserError, console, err_console, friendly, load_config, summarize_commands,
                      load_model_quietly, quiet_libraries)
@@ -47,7 +49,8 @@ def main_options(
 @friendly
 def check_model_cmd(
     ctx: typer.Context,
-    model: str = typer.Argument(..., help="smollm2, a local HF model directory, a .gguf file or a hub id."),
+    model: str = typer.Argument(..., help="A bundled name (smollm2, qwen2.5-coder-0.5b), a local HF model "
+                                          "directory, a .gguf file or a hub id."),
     prompts: int = typer.Option(3, min=1, help="How many generated prompts to check."),
     tolerance: Optional[float] = typer.Option(None, help="Max |logit difference| allowed (default by dtype; 1e-4 in float32)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
@@ -119,7 +122,7 @@ def calibrate_cmd(
         result = calibrate(lm, config, items, candidates, target, max_new_tokens=max_new_tokens,
                            on_item=lambda done, total: progress.update(task, completed=done))
     table = Table(title=f"calibrate policy_alpha on {len(items)} item(s) (target agreement {target:g}; "
-                        f"full TTFT median {result.full_ttft_s:.2f} s)")
+                        f"full TTFT median {seconds(result.full_ttft_s)})")
     for column in ("alpha", "recompute", "agreement F1", "KL", "TTFT median (s)"):
         table.add_column(column, justify="right")
     for r in result.rows:
@@ -164,8 +167,8 @@ def demo_cmd(
 @friendly
 def ingest_cmd(
     ctx: typer.Context,
-    paths: list[Path] = typer.Argument(..., help="Files (.txt, .md, .markdown) or directories (read recursively, "
-                                                 "hidden files skipped)."),
+    paths: list[Path] = typer.Argument(..., help="Files (.txt, .md, .markdown, .html, .htm, .pdf, .docx) or "
+                                                 "directories (read recursively, hidden files skipped)."),
     model: Optional[str] = typer.Option(None, help="Generator whose tokenizer measures chunks (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
@@ -173,21 +176,38 @@ def ingest_cmd(
     most chunk_tokens generator tokens (at paragraphs, else sentences, else words), embed
     them (embedder, default the bundled MiniLM) and index them for `cachecraft query`.
     Identical chunks are stored once; ingesting a changed file again replaces its chunks,
-    and a directory ingested again also drops the files gone from it.
+    and a directory ingested again also drops the files gone from it. Large files are
+    read and chunked piece by piece. A file that cannot be read (type, encoding, damage,
+    permissions) is skipped and listed with its reason, the others are ingested, and the
+    exit code is 1.
 
     Example: cachecraft ingest docs/ notes.md   (then: cachecraft warm)
     """
     from .product import open_pipeline, progress_bar
     config = load_config(ctx, model=model)
     with open_pipeline(config) as pipe, progress_bar() as bar:
-        task = bar.add_task("ingesting", total=None)
-        report = pipe.ingest(paths, progress=lambda done, total: bar.update(task, completed=done, total=total))
+        tasks: dict[str, int] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task("reading and chunking (bytes)" if stage == "reading" else
+                                            "embedding (chunks)", total=None)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        outcome = pipe.ingest(paths, progress=progress)
+    report = outcome.report
     if as_json:
-        print(json.dumps(report.to_dict(), indent=2))
-        return
-    console.print(f"chunks added {report.added}, unchanged {report.unchanged}, removed {report.removed} "
-                  f"({report.files} file(s) read); corpus: {report.chunks} chunks from {report.corpus_files} "
-                  "file(s)", highlight=False)
+        print(json.dumps(outcome.to_dict(), indent=2))
+    else:
+        console.print(f"chunks added {report.added}, unchanged {report.unchanged}, removed {report.removed} "
+                      f"({report.files} file(s) read); corpus: {report.chunks} chunks from {report.corpus_files} "
+                      "file(s)", highlight=False)
+        if outcome.skipped:
+            console.print(f"[yellow]{len(outcome.skipped)} file(s) skipped:[/yellow]")
+            for skipped in outcome.skipped:
+                console.print(f"  {skipped.path}: {skipped.reason}", highlight=False, markup=False, soft_wrap=True)
+    if outcome.skipped:
+        raise typer.Exit(1)
 
 
 @app.command("warm")
@@ -206,14 +226,22 @@ def warm_cmd(
 
     Example: cachecraft warm --workers 2
     """
-    from .product import warm_in_process, warm_in_workers
+    from .product import count_kept, warm_in_process, warm_in_workers, warm_mark
     config = load_config(ctx, model=model)
+    _require_corpus(config)  # before the model loads
+    mark = warm_mark(config)
     totals = warm_in_process(config) if workers == 1 else warm_in_workers(config, workers)
+    totals.kept = count_kept(config, mark, totals.made)
     if as_json:
         print(json.dumps(totals.__dict__, indent=2))
-        return
-    console.print(f"chunk-caches made {totals.made}, skipped {totals.skipped} (already cached), "
-                  f"of {totals.total} chunks", highlight=False)
+    else:
+        console.print(f"chunk-caches made {totals.made}, skipped {totals.skipped} (already cached), "
+                      f"of {totals.total} chunks", highlight=False)
+    if totals.kept < totals.made:
+        err_console.print(f"[yellow]warning:[/yellow] only {totals.kept} of the {totals.made} chunk-caches made are "
+                          f"still stored: the disk tier's budget ({_size(config.disk_budget_bytes)}) evicted the "
+                          "others; raise disk_budget_bytes (CACHECRAFT_DISK_BUDGET_BYTES) and warm again",
+                          highlight=False, soft_wrap=True)
 
 
 @app.command("query")
@@ -239,19 +267,25 @@ def query_cmd(
     """
     from cachecraft.methods import parse_method
 
-    from .product import open_pipeline, print_report, streamer_for
+    from .product import (LOW_RELEVANCE, cap_new_tokens, check_question_length, open_pipeline, print_report,
+                          streamer_for, warn_low_relevance)
     if not question.strip():
         raise UserError("the question is empty")
     parse_method(method)  # an unknown method fails here, before the model loads
     config = load_config(ctx, model=model)
+    check_question_length(config, question)
     _require_corpus(config)
     with open_pipeline(config) as pipe:
+        top_k = config.top_k if top_k is None else top_k
+        max_new_tokens = cap_new_tokens(pipe, question, top_k, max_new_tokens or config.max_new_tokens)
         streamer = None if as_json else streamer_for(pipe.lm.tokenizer)
         answer = pipe.query(question, top_k=top_k, method=method, streamer=streamer, max_new_tokens=max_new_tokens)
+    threshold = LOW_RELEVANCE if config.embedder == "minilm" else None  # chosen for MiniLM's scores
     if as_json:
         print(json.dumps(answer.to_dict(), indent=2))
+        warn_low_relevance(answer, threshold)
         return
-    print_report(answer)
+    print_report(answer, threshold)
 
 
 def _require_corpus(config) -> None:
@@ -307,6 +341,9 @@ def clear_cmd(
     """
     from cachecraft.store import destroy
     config = load_config(ctx)
+    if config.catalog_url:
+        raise UserError("clear removes the SQLite catalog in the cache directory; with catalog_url "
+                        "set it is not supported yet (drop the PostgreSQL database by hand)")
     what = "every chunk-cache and the catalog" + (" and the corpus" if corpus else "")
     if not yes:
         typer.confirm(f"Delete {what} in {config.cache_dir}?", abort=True)
@@ -329,6 +366,9 @@ def verify_cmd(ctx: typer.Context,
     Exit code 0 when the cache is consistent (or was repaired), 1 otherwise."""
     from cachecraft.store import verify
     config = load_config(ctx)
+    if config.catalog_url:
+        raise UserError("verify checks the SQLite catalog in the cache directory; with catalog_url "
+                        "set it is not supported yet (unset catalog_url to verify a local cache)")
     report = verify(config.cache_dir, repair=repair)
     if as_json:
         print(report.to_json(indent=2))
@@ -359,7 +399,7 @@ def explain_cmd(ctx: typer.Context,
 
     from cachecraft.catalog import Catalog
     config = load_config(ctx)
-    with Catalog(config.cache_dir) as catalog:
+    with Catalog(config.cache_dir, url=config.catalog_url or None) as catalog:
         if request_id is None:
             request_id = catalog.last_request_id()
             if request_id is None:
@@ -377,7 +417,8 @@ def explain_cmd(ctx: typer.Context,
     table = Table(title=f"request {record.id}: {record.method}, recompute {fmt(record.recompute_fraction, '{:.1%}')}, "
                         f"TTFT {fmt(record.ttft_s, '{:.2f}')} s")
     for column in ("#", "chunk", "variant", "tier", "CCI", "beta'", "CFO", "fraction", "stop layer"):
-        table.add_column(column, justify="right" if column not in ("chunk", "variant", "tier") else "left")
+        table.add_column(column, justify="right" if column not in ("chunk", "variant", "tier") else "left",
+                         no_wrap=column in ("chunk", "variant", "tier"))
     for c in record.chunks:
         table.add_row(str(c.position), c.chunk_key[:12], (c.variant_key or "-")[:12], c.tier, fmt(c.cci),
                       fmt(c.beta_prime), fmt(c.cfo), fmt(c.fraction, "{:.1%}"),
@@ -394,7 +435,7 @@ def stats_cmd(ctx: typer.Context, top: int = typer.Option(10, min=1, help="How m
     from cachecraft.catalog import Catalog
     from cachecraft.catalog.stats import summary
     config = load_config(ctx)
-    catalog = Catalog(config.cache_dir)
+    catalog = Catalog(config.cache_dir, url=config.catalog_url or None)
     try:
         data = summary(catalog, top=top)
     finally:
@@ -433,7 +474,7 @@ def _print_stats(data: dict) -> None:
     for row in data["by_method"]:
         methods.add_row(row["method"], str(row["requests"]), _fraction(row["hit_rate"]),
                         _fraction(row["recompute_mean"]),
-                        "-" if row["ttft_s_mean"] is None else f"{row['ttft_s_mean']:.2f} s", f"{row['saved_s']:.1f} s")
+                        seconds(row["ttft_s_mean"]), seconds(row["saved_s"], 1))
     console.print(methods)
     top = _table("top chunks", "chunk", "hits", "variants (stored)", "tokens", "source / preview")
     for chunk in data["top_chunks"]:
@@ -447,15 +488,18 @@ def _print_stats(data: dict) -> None:
         histogram.add_row(f"{low:.1f}-{high:.1f}", str(n), "#" * round(30 * n / widest))
     console.print(histogram)
     saved = data["prefill_time_saved"]
-    console.print(f"estimated prefill time saved: {saved['saved_s']:.1f} s over {saved['requests']} requests "
-                  f"({saved['full_prefill_s']:.1f} s of full prefill estimated, {saved['ttft_s']:.1f} s spent)",
+    console.print(f"estimated prefill time saved: {seconds(saved['saved_s'], 1)} over {saved['requests']} requests "
+                  f"({seconds(saved['full_prefill_s'], 1)} of full prefill estimated, {seconds(saved['ttft_s'], 1)} "
+                  "spent)",
                   highlight=False)
 
 
 def _table(title: str, *columns: str) -> Table:
+    """A table whose first column (a key: tier, method, chunk key) is never wrapped."""
     table = Table(title=title, title_justify="left")
     for i, column in enumerate(columns):
-        table.add_column(column, justify="left" if i == 0 or column.startswith("source") else "right")
+        table.add_column(column, justify="left" if i == 0 or column.startswith("source") else "right",
+                         no_wrap=i == 0, overflow="fold")
     return table
 
 
@@ -476,18 +520,26 @@ def _size(n: int | None) -> str:
 @config_app.command("show")
 @friendly
 def config_show_cmd(ctx: typer.Context,
-                    as_json: bool = typer.Option(False, "--json", help="Print one JSON document.")) -> None:
-    """Print the effective configuration and where it comes from."""
+                    as_json: bool = typer.Option(False, "--json", help="Print one JSON document: values and "
+                                                 "sources.")) -> None:
+    """Print the effective configuration and where each value comes from: default, the
+    config file, the environment (CACHECRAFT_<KEY>) or a flag."""
+    from cachecraft.config import Config
     config = load_config(ctx)
     values = config.to_dict()
+    obj = ctx.obj or {}
+    sources = dict.fromkeys(values, "default")
+    for source, layer in Config.layers(obj.get("config_path"), overrides=obj.get("overrides")):
+        sources.update(dict.fromkeys(layer, source))
     if as_json:
-        print(json.dumps(values, indent=2))
+        print(json.dumps({"values": values, "sources": sources}, indent=2))
         return
     table = Table(title="effective configuration")
-    table.add_column("key")
-    table.add_column("value")
+    table.add_column("key", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    table.add_column("source", overflow="fold")
     for key, value in values.items():
-        table.add_row(key, str(value))
+        table.add_row(key, str(value), sources[key])
     console.print(table)
 
 

@@ -34,32 +34,49 @@ def bench_quality_cmd(
     warm_context: str = typer.Option("none", help="What the chunk-caches are made after, following the system "
                                                   "prompt: none (the papers' setting), builtin (what `warm` "
                                                   "uses by default) or a text file."),
-    model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
+    model: Optional[str] = typer.Option(None, help="Model: smollm2, qwen2.5-coder-0.5b (the judge) or a path "
+                                                   "(default: config model)."),
+    rows: Optional[Path] = typer.Option(None, help="JSON-lines file each item's rows are appended to as it "
+                                                   "finishes (default: OUT with the suffix .rows.jsonl)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: items already in the rows "
+                                "file are not run again (same settings required)."),
 ) -> None:
     """Compare methods on the same requests: time to first token, recompute fraction,
-    first-token KL and answer agreement against `full`, and gold F1."""
+    first-token KL, the answer-level divergence along full's answer (per-token KL and
+    token agreement), answer agreement and exact match against `full`, and gold F1; every
+    mean with its 95% bootstrap interval, and each method against `full` and
+    `cacheblend@0.15` item by item ("better"/"worse" only where the paired interval
+    excludes zero)."""
     from rich.progress import Progress
 
     from cachecraft.bench.common import write_result
-    from cachecraft.bench.quality import run_quality
+    from cachecraft.bench.quality import RowsFileError, run_quality
     from cachecraft.dataset import load_items
     from cachecraft.methods import parse_methods
 
     config = load_config(ctx, model=model, warm_context=warm_context)
     specs = parse_methods(methods, config.cacheblend_ratio if ratio is None else ratio, config.policy_alpha)
     items = load_items(dataset, limit, skip)
+    rows = rows or out.with_suffix(".rows.jsonl")
     lm = load_model_quietly(config)
+    settings = {"model": lm.name, "fingerprint": lm.fingerprint, "dataset": str(dataset),
+                "config": {k: str(getattr(config, k)) for k in RUN_SETTINGS}}
     with Progress(console=err_console, transient=True) as progress:
-        task = progress.add_task("requests", total=len(items))
-        result = run_quality(lm, config, items, specs, max_new_tokens=max_new_tokens,
-                             on_item=lambda done, total: progress.update(task, completed=done))
+        task = progress.add_task("items", total=len(items))
+        try:
+            result = run_quality(lm, config, items, specs, max_new_tokens=max_new_tokens, rows_path=rows,
+                                 resume=resume, settings=settings,
+                                 on_item=lambda done, total: progress.update(task, completed=done))
+        except RowsFileError as exc:
+            raise UserError(str(exc)) from None
     payload = {"benchmark": "quality", "command": _invocation(ctx, "quality"), "model": lm.name,
                "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""),
                "kv_dtype": config.kv_dtype, "warm_context": config.warm_context, "dataset": str(dataset),
-               "limit": len(items), "skip": skip, **result}
+               "limit": len(items), "skip": skip, "rows": str(rows), **result}
     write_result(out, payload)
     print_quality_table(result["methods"])
-    console.print(f"wrote {out}")
+    print_comparisons(result["comparisons"])
+    console.print(f"wrote {out} (rows: {rows})")
 
 
 @bench_app.command("workload")
@@ -197,20 +214,49 @@ def bench_eviction_cmd(
     console.print(f"wrote {out}")
 
 
+# Config values a resumed bench quality run must share with the run it continues.
+RUN_SETTINGS = ("system_prompt", "question_template", "kv_dtype", "dtype", "warm_context", "warm_context_tokens",
+                "stats_layer_step", "check_layer", "policy_check_layer", "early_stop_layers", "early_stop_share",
+                "stream_kv")
+
+
+def _with_interval(m: dict, key: str, mean_key: str, digits: int) -> str:
+    interval = (m.get("intervals") or {}).get(key)
+    text = f"{m[mean_key]:.{digits}f}"
+    return text + (f" [{interval['low']:.{digits}f}, {interval['high']:.{digits}f}]" if interval else "")
+
+
 def print_quality_table(methods: dict[str, dict]) -> None:
-    """The aggregates of ``bench quality`` as a table."""
-    table = Table(title="quality vs full prefill (same requests)")
-    for column in ("method", "TTFT median (s)", "speedup", "recompute", "KL", "agreement F1",
-                   "exact match", "gold F1", "RSS growth / KV (MB)"):
+    """The aggregates of ``bench quality`` as a table (means with 95% intervals)."""
+    table = Table(title="quality vs full prefill (same requests; [95% bootstrap interval])")
+    for column in ("method", "TTFT median (s)", "speedup", "recompute", "first-token KL", "answer KL",
+                   "token agreement", "agreement F1", "exact match", "gold F1"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for label, m in methods.items():
         if not m:
             continue
         table.add_row(label, f"{m['ttft_s_median']:.2f}", f"{m['speedup_vs_full_median']:.1f}x",
-                      f"{m['recompute_fraction_mean']:.3f}", f"{m['kl_mean']:.4f}",
-                      f"{m['agreement_f1_mean']:.3f}", f"{m['exact_match_rate']:.2f}",
-                      f"{m['gold_f1_mean']:.3f}",
-                      f"{m.get('rss_growth_mb_max', float('nan')):.0f} / {m['kv_mb_mean']:.0f}")
+                      f"{m['recompute_fraction_mean']:.3f}", _with_interval(m, "kl", "kl_mean", 4),
+                      _with_interval(m, "answer_kl", "answer_kl_mean", 4),
+                      _with_interval(m, "token_agreement", "token_agreement_mean", 3),
+                      _with_interval(m, "agreement_f1", "agreement_f1_mean", 3),
+                      f"{m['exact_match_rate']:.2f}", _with_interval(m, "gold_f1", "gold_f1_mean", 3))
+    console.print(table)
+
+
+def print_comparisons(comparisons: dict[str, dict]) -> None:
+    """Each method against each baseline, item by item: the verdict per figure."""
+    from cachecraft.bench.quality import verdict_phrase
+
+    figures = (("answer_kl", "answer KL"), ("token_agreement", "token agreement"), ("kl", "first-token KL"),
+               ("gold_f1", "gold F1"))
+    table = Table(title="paired against a baseline: method - baseline [95% interval]; 'better'/'worse' only "
+                        "where the interval excludes zero")
+    for column in ("method", "against", *(name for _, name in figures)):
+        table.add_column(column)
+    for label, against in comparisons.items():
+        for base, comparison in against.items():
+            table.add_row(label, base.removeprefix("vs "), *(verdict_phrase(comparison, k) for k, _ in figures))
     console.print(table)
 
 

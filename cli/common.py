@@ -24,6 +24,25 @@ METHODS_HELP = ("full: prefill everything; prefix: exact prefix reuse of earlier
 from cachecraft.config import Config, ConfigError
 
 CONTEXT = {"help_option_names": ["-h", "--help"]}
+
+
+def _flags_without_types() -> None:
+    """Typer's rich help prints a type after every option, ``<bool>`` after a flag too
+    (``--json <bool>``), which reads as if the flag took a value; flags show none."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "flags_without_types", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag and self.metavar is None else shown(self, ctx)
+
+    display_type_rich.flags_without_types = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_without_types()
 console = Console()
 err_console = Console(stderr=True)
 

@@ -35,11 +35,40 @@ def progress_bar() -> Progress:
 
 @dataclass
 class WarmTotals:
-    """made / skipped / total over every worker."""
+    """made / skipped / total over every worker; ``kept``: of those made, how many are
+    still stored when the warm ends (the disk budget may have evicted some)."""
 
     made: int = 0
     skipped: int = 0
     total: int = 0
+    kept: int | None = None
+
+
+def warm_mark(config: Config) -> int:
+    """The catalog's newest tier event before a warm (see :func:`count_kept`)."""
+    from cachecraft.catalog import Catalog
+
+    with Catalog(config.cache_dir) as catalog, catalog.read() as tx:
+        return tx.last_event_id()
+
+
+def count_kept(config: Config, mark: int, made: int) -> int:
+    """Of ``made`` chunk-caches put since ``mark``, how many are still stored: each put of
+    a corpus chunk's variant since then that no tier holds now was evicted (by the
+    budget) after it was made."""
+    from cachecraft.catalog import Catalog
+    from cachecraft.retrieval.corpus import Corpus
+
+    sources = set(Corpus(config.corpus_dir, config.embedder).snapshot().files)
+    with Catalog(config.cache_dir) as catalog, catalog.read() as tx:
+        put = {e.variant_key for e in tx.events(kind="put", since_id=mark)}
+        stored = {r.variant_key for r in tx.entries()}
+        lost = 0
+        for key in put - stored:
+            variant = tx.variant(key)
+            chunk = tx.chunk(variant.chunk_key) if variant is not None else None
+            lost += chunk is not None and chunk.source in sources
+    return max(made - lost, 0)
 
 
 def warm_in_process(config: Config) -> WarmTotals:
@@ -126,6 +155,55 @@ def _warm_worker(config: Config, shard: tuple[int, int], threads: int, messages)
 
 # -- query -----------------------------------------------------------------------------------
 
+LARGEST_CONTEXT = 32768  # the largest context window of a bundled model (qwen2.5-coder-0.5b)
+# Tokenizers of these models average about 4 characters per token on English text, so a
+# question longer than 4 characters per token of the window cannot fit in it beside the
+# system prompt and the retrieved chunks; the exact count is made once the model loads.
+CHARS_PER_TOKEN = 4
+
+
+def context_hint(model: str) -> int:
+    """The context window of ``model`` as far as it is known without loading it: a bundled
+    model's, a local model directory's ``config.json``, else :data:`LARGEST_CONTEXT`."""
+    import json
+    from pathlib import Path
+
+    from cachecraft.model.bundled import BUNDLED
+
+    if model in BUNDLED and BUNDLED[model].context_tokens:
+        return BUNDLED[model].context_tokens
+    try:
+        settings = json.loads((Path(model).expanduser() / "config.json").read_text(encoding="utf-8"))
+        return int(settings.get("max_position_embeddings") or LARGEST_CONTEXT)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return LARGEST_CONTEXT
+
+
+def check_question_length(config: Config, question: str) -> None:
+    """Refuse, before the model loads, a question that cannot fit in the model's context."""
+    window = context_hint(config.model)
+    if len(question) > CHARS_PER_TOKEN * window:
+        raise UserError(f"the question is too long: {len(question):,} characters, more than the {window:,}-token "
+                        f"context of {config.model} holds (about {CHARS_PER_TOKEN} characters per token); "
+                        "shorten it")
+
+
+def cap_new_tokens(pipe, question: str, top_k: int, requested: int) -> int:
+    """``requested`` answer tokens, or fewer where the prompt leaves less room in the
+    model's context (then a one-line notice on stderr)."""
+    hits = pipe.corpus.search(question, top_k)
+    pieces = pipe.builder.build([h.chunk.prompt_text for h in hits], question, max_tokens=pipe.lm.max_context)
+    room = pipe.lm.max_context - pieces.num_tokens
+    if requested <= room:
+        return requested
+    if room < 1:
+        raise UserError(f"the prompt takes {pieces.num_tokens} tokens, the whole {pipe.lm.max_context}-token "
+                        "context of the model: no room left for an answer; ask a shorter question or use a "
+                        "smaller --top-k")
+    err_console.print(f"max_new_tokens {requested} capped at {room}: the model's context window is "
+                      f"{pipe.lm.max_context} tokens and the prompt takes {pieces.num_tokens}", highlight=False)
+    return room
+
 def streamer_for(tokenizer):
     """Prints answer tokens to stdout as generate makes them."""
     from transformers import TextStreamer
@@ -133,18 +211,39 @@ def streamer_for(tokenizer):
     return TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
-def print_report(answer) -> None:
-    """Sources with scores and what the cache did for each chunk, then the timings."""
+# Cosine similarity of the bundled all-MiniLM-L6-v2 below which the best source is taken
+# as unrelated to the question. On the sample manual (data/kestrel), its 20 first sample
+# questions scored 0.46-0.82 against their best paragraph, while emoji-only questions
+# scored about 0.16 and off-topic ones (the weather, a joke, France's capital) 0.11-0.33.
+LOW_RELEVANCE = 0.35
+
+
+def print_report(answer, low_relevance: float | None = LOW_RELEVANCE) -> None:
+    """Sources with scores and what the cache did for each chunk, then the timings; a
+    warning when the best source scores below ``low_relevance`` (None: no check)."""
+    from cachecraft.display import seconds
+
     table = Table(title=f"{answer.method}: {len(answer.sources)} source(s)")
     for column in ("#", "score", "title", "file", "cache key", "tier", "variant", "recompute"):
         table.add_column(column, justify="right" if column in ("#", "score", "recompute") else "left",
-                         overflow="fold")
+                         overflow="fold", no_wrap=column not in ("title", "file"))
     for i, (source, chunk) in enumerate(zip(answer.sources, answer.chunks)):
         table.add_row(str(i + 1), f"{source.score:.3f}", source.title, os.path.basename(source.source),
                       chunk.chunk[:12], chunk.tier, (chunk.variant or "-")[:12], f"{chunk.fraction:.0%}")
     console.print(table)
-    saved = "-" if answer.saved_s is None else f"{answer.saved_s:.2f} s"
-    retrieval = "-" if answer.retrieval_s is None else f"{answer.retrieval_s:.2f} s"
-    console.print(f"TTFT {answer.ttft_s:.2f} s (retrieval {retrieval} apart); {answer.prompt_tokens} prompt "
-                  f"tokens, {answer.new_tokens} new; recomputed {answer.recompute_fraction:.0%} of the context; "
-                  f"estimated prefill time saved {saved}; request {answer.request_id}", highlight=False)
+    console.print(f"TTFT {seconds(answer.ttft_s)} (retrieval {seconds(answer.retrieval_s)} apart); "
+                  f"{answer.prompt_tokens} prompt tokens, {answer.new_tokens} new; recomputed "
+                  f"{answer.recompute_fraction:.0%} of the context; estimated prefill time saved "
+                  f"{seconds(answer.saved_s)}; request {answer.request_id}", highlight=False)
+    warn_low_relevance(answer, low_relevance)
+
+
+def warn_low_relevance(answer, threshold: float | None = LOW_RELEVANCE) -> bool:
+    """One line on stderr when no source scores ``threshold`` or more: the corpus likely
+    does not answer the question. Whether it warned."""
+    best = max((s.score for s in answer.sources), default=None)
+    if threshold is None or best is None or best >= threshold:
+        return False
+    err_console.print(f"[yellow]low relevance:[/yellow] the best source scores {best:.2f} (below {threshold:.2f}); "
+                      "the documents may not answer this question", highlight=False, soft_wrap=True)
+    return True

@@ -239,3 +239,18 @@ def test_event_pruning_keeps_the_newest(catalog):
     with catalog.write() as tx:
         assert tx.prune_events(keep=3) == 7
     assert [e.variant_key for e in catalog.events()] == ["v7", "v8", "v9"]
+
+
+def test_top_chunks_leave_out_the_system_prompt_and_the_warm_context(catalog):
+    from cachecraft import warm_context
+
+    add_variant(catalog, "a1", "A", hits=2)
+    with catalog.write() as tx:
+        tx.upsert_chunk(ChunkRecord("sys", "fp", 10, None, "You are a helpful assistant."))
+        tx.upsert_variant(VariantRecord("s1", "sys", (), 100, "float16"))
+        tx.upsert_chunk(ChunkRecord("W", "fp", 10, warm_context.SOURCE, "Lighthouses"))
+        tx.upsert_variant(VariantRecord("w1", "W", ("sys",), 100, "float16"))
+        for _ in range(5):
+            tx.touch("s1")
+            tx.touch("w1")
+    assert [c.chunk_key for c in stats.top_chunks(catalog)] == ["A"]

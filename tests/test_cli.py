@@ -102,7 +102,54 @@ def test_corrupted_config_file_is_reported(tmp_path):
     good = tmp_path / "g.toml"
     good.write_text('max_new_tokens = 5\n')
     result = runner.invoke(app, ["--config", str(good), "config", "show", "--json"])
-    assert json.loads(result.output)["max_new_tokens"] == 5
+    assert json.loads(result.output)["values"]["max_new_tokens"] == 5
+
+
+def test_config_show_says_where_each_value_comes_from(tmp_path, monkeypatch):
+    path = tmp_path / "c.toml"
+    path.write_text('max_new_tokens = 5\nmodel = "from-file"\n')
+    monkeypatch.setenv("CACHECRAFT_TOP_K", "7")
+    monkeypatch.setenv("CACHECRAFT_MODEL", "from-env")
+    args = ["--config", str(path), "--cache-dir", str(tmp_path / "cd"), "config", "show"]
+    shown = json.loads(runner.invoke(app, args + ["--json"]).output)
+    assert shown["values"]["model"] == "from-env" and shown["values"]["top_k"] == 7
+    assert shown["sources"] == {**{k: "default" for k in shown["values"]}, "max_new_tokens": f"file {path}",
+                                "model": "environment", "top_k": "environment", "cache_dir": "flag"}
+    table = runner.invoke(app, args).output
+    lines = {line.split()[1]: line for line in table.splitlines() if line.startswith("│")}
+    assert "environment" in lines["top_k"] and "default" in lines["policy_alpha"] and "flag" in lines["cache_dir"]
+
+
+def test_tables_keep_keys_whole_when_piped():
+    from types import SimpleNamespace
+
+    from cli import product
+
+    source = SimpleNamespace(score=0.812, title="A rather long title of one section of the manual",
+                             source="/a/long/path/to/a-document-with-a-long-name.md")
+    chunk = SimpleNamespace(chunk="3fa2c1d09b7e" + "0" * 52, tier="disk", variant="9b7e3fa2c1d0" + "1" * 52,
+                            fraction=0.25)
+    answer = SimpleNamespace(method="cachecraft", sources=[source] * 3, chunks=[chunk] * 3, ttft_s=0.1,
+                             retrieval_s=0.01, prompt_tokens=100, new_tokens=4, recompute_fraction=0.2,
+                             saved_s=-0.001, request_id=3)
+    with product.console.capture() as captured:  # not a terminal: 80 columns
+        product.print_report(answer, low_relevance=None)
+    text = captured.get()
+    assert text.count("3fa2c1d09b7e") == 3 and text.count("9b7e3fa2c1d0") == 3, text
+    assert "-0.00" not in text and "saved 0.00 s" in text
+
+
+def test_help_shows_no_bool_metavars():
+    for command in ([], ["ingest"], ["warm"], ["query"], ["evict"], ["clear"], ["verify"], ["stats"],
+                    ["config", "show"], ["bench", "quality"], ["bench", "scaling"], ["calibrate"]):
+        result = runner.invoke(app, command + ["--help"])
+        assert result.exit_code == 0 and "<bool>" not in result.output, command
+
+
+def test_printed_times_never_read_minus_zero():
+    from cachecraft.display import seconds
+    assert seconds(-0.004) == "0.00 s" and seconds(-0.04, 1) == "0.0 s" and seconds(-0.3, 1) == "-0.3 s"
+    assert seconds(None) == "-" and seconds(1.234) == "1.23 s"
 
 
 def test_real_subprocess_check_model(tiny_dir, tmp_path):

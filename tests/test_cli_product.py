@@ -76,12 +76,48 @@ def test_ingest_warm_query_end_to_end(env, docs, cache_dir):
 
     shown = invoke("query", "w12 w13 w14", "--method", "reuse")
     assert "source(s)" in shown.output and "TTFT" in shown.output and "a.md" in shown.output
+    assert "low relevance" not in shown.output
+    emoji = invoke("query", "\U0001F642\U0001F642", "--method", "reuse")
+    assert "low relevance: the best source scores" in emoji.output and "-0.0" not in emoji.output
     stats = json.loads(invoke("stats", "--json").output)
     sources = {c["source"] for c in stats["top_chunks"]}
     assert {Path(s).name for s in sources if s and s.endswith(".md")} == {"a.md", "b.md"}  # recorded by warm
-    assert "cachecraft warm context" in sources
+    assert all(s and Path(s).parent.name in ("docs", "more") for s in sources)  # no system prompt, no warm context
     table = invoke("stats").output
     assert "a.md" in table and str(docs) not in table  # file names, not long paths, in the narrow column
+
+
+def test_ingest_reads_html_and_reports_every_skipped_file(env, docs):
+    (docs / "page.html").write_text(f"<title>w9</title><p>{words(200, 8)}</p>", encoding="utf-8")
+    (docs / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
+    (docs / "gone.md").symlink_to(docs / "nowhere.md")
+    result = runner.invoke(app, ["ingest", str(docs)])
+    assert result.exit_code == 1, result.output  # something was skipped
+    assert "(4 file(s) read)" in result.output and "2 file(s) skipped" in result.output
+    assert "latin.txt: is not UTF-8 text" in result.output and "gone.md: broken symbolic link" in result.output
+    shown = runner.invoke(app, ["ingest", str(docs), "--json"])
+    assert shown.exit_code == 1
+    report = json.loads(shown.stdout)
+    assert report["files"] == 4 and {Path(s["path"]).name for s in report["skipped"]} == {"latin.txt", "gone.md"}
+    assert report["unchanged"] == report["chunks"] and report["corpus_files"] == 4
+
+
+def test_warm_says_when_the_disk_budget_did_not_keep_what_it_made(env, docs, cache_dir, monkeypatch):
+    invoke("ingest", str(docs))
+    made = json.loads(invoke("warm", "--json").output)["made"]
+    with Catalog(cache_dir) as catalog, catalog.read() as tx:
+        sizes = [r.nbytes for r in tx.entries(tier="disk")]
+    invoke("evict", "--tier", "disk")
+    monkeypatch.setenv("CACHECRAFT_DISK_BUDGET_BYTES", str(3 * min(sizes)))  # two or three chunks
+    again = runner.invoke(app, ["warm", "--json"])
+    assert again.exit_code == 0, again.output
+    report = json.loads(again.stdout)
+    assert report["made"] == made and report["kept"] < made
+    shown = invoke("warm")  # nothing kept is cached, so it is made again, and not kept again
+    assert "chunk-caches made are still stored" in shown.output
+    assert "disk_budget_bytes" in shown.output
+    monkeypatch.delenv("CACHECRAFT_DISK_BUDGET_BYTES")
+    assert "still stored" not in invoke("warm").output
 
 
 def test_evict_and_clear(env, docs, cache_dir):
@@ -122,12 +158,33 @@ def test_bad_input_is_one_line(env, docs, tmp_path):
     one_line_error(runner.invoke(app, ["query", "w1 w2"]), "nothing ingested")
     one_line_error(runner.invoke(app, ["warm"]), "cachecraft ingest PATH")
     one_line_error(runner.invoke(app, ["ingest", str(tmp_path / "missing")]), "no such file or directory")
-    (tmp_path / "x.pdf").write_bytes(b"%PDF")
-    one_line_error(runner.invoke(app, ["ingest", str(tmp_path / "x.pdf")]), "unsupported file type")
+    (tmp_path / "x.png").write_bytes(b"\x89PNG")
+    one_line_error(runner.invoke(app, ["ingest", str(tmp_path / "x.png")]), "unsupported file type")
     invoke("ingest", str(docs))
     one_line_error(runner.invoke(app, ["query", "  "]), "the question is empty")
     one_line_error(runner.invoke(app, ["query", "w1", "--method", "fancy"]), "unknown method 'fancy'")
     one_line_error(runner.invoke(app, ["--config", str(tmp_path / "none.toml"), "query", "w1"]), "config file not found")
+
+
+def test_checks_that_need_no_model_come_before_it_loads(env, docs, monkeypatch):
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model must not load")
+
+    monkeypatch.setattr("cachecraft.model.loader.load_model", no_model)
+    one_line_error(runner.invoke(app, ["warm"]), "cachecraft ingest PATH")
+    long_question = "w1 " * 1400  # 4200 characters: over 4 per token of the tiny model's 1024
+    one_line_error(runner.invoke(app, ["query", long_question]), "the question is too long")
+    monkeypatch.setenv("CACHECRAFT_MODEL", "smollm2")  # a bundled model: its window is known without it
+    one_line_error(runner.invoke(app, ["query", "x" * 39_900]), "8,192-token context of smollm2")
+
+
+def test_max_new_tokens_is_capped_at_the_room_left_in_the_context(env, docs):
+    invoke("ingest", str(docs))
+    result = runner.invoke(app, ["query", "w12 w13", "--json", "--max-new-tokens", "9000", "--method", "full"])
+    assert result.exit_code == 0, result.output
+    answer = json.loads(result.stdout)
+    assert answer["prompt_tokens"] + answer["new_tokens"] <= 1024
+    assert "max_new_tokens 9000 capped at" in result.output and "1024" in result.output
 
 
 def test_help_teaches_with_examples():

@@ -129,3 +129,20 @@ def test_stream_kv_reads_booleans_from_toml_and_words_from_the_environment(tmp_p
     from cachecraft.bench.common import with_settings
 
     assert with_settings("cachecraft bench scaling", off) == "CACHECRAFT_STREAM_KV=false cachecraft bench scaling"
+
+
+def test_an_unknown_environment_variable_is_named_with_the_nearest_key(tmp_path, caplog):
+    env = {"CACHECRAFT_TOPK": "5", "CACHECRAFT_CACHE_DIR": str(tmp_path), "CACHECRAFT_CONFIG_X_UNLIKE": "1",
+           "CACHECRAFT_MAX_NEW_TOKENS": "9"}
+    with caplog.at_level("WARNING", logger="cachecraft.config"):
+        config = Config.load(environ=env)
+        Config.load(environ=env)  # said once per process
+    assert config.top_k == 3 and config.max_new_tokens == 9
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    topk = next(m for m in messages if "CACHECRAFT_TOPK" in m)
+    assert "did you mean CACHECRAFT_TOP_K" in topk and "\n" not in topk
+    assert all("CACHECRAFT_CACHE_DIR" not in m and "MAX_NEW_TOKENS" not in m for m in messages)
+    with caplog.at_level("WARNING", logger="cachecraft.config"):
+        Config.load(path=None, environ={"CACHECRAFT_CACHE_DIR": str(tmp_path), "CACHECRAFT_CONFIG": ""})
+    assert len(caplog.records) == 2  # CACHECRAFT_CONFIG is known

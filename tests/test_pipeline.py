@@ -206,7 +206,9 @@ def corpus_pipeline(cache_dir):
 
 def test_ingest_warm_then_query_hits_every_warmed_chunk(corpus_pipeline, tmp_path):
     pipe = corpus_pipeline
-    report = pipe.ingest([_write_docs(tmp_path / "docs")])
+    outcome = pipe.ingest([_write_docs(tmp_path / "docs")])
+    report = outcome.report
+    assert outcome.skipped == ()
     assert report.added == report.chunks == len(pipe.corpus) >= 4 and report.files == 2
     assert all(len(pipe.builder.encode(c.prompt_text)) <= 24 for c in pipe.corpus.chunks())
     first, second = pipe.warm_corpus(shard=(0, 2)), pipe.warm_corpus(shard=(1, 2))

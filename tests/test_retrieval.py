@@ -96,7 +96,7 @@ def test_documents_from_files_and_directories(tmp_path):
     (root / "b.md").write_text("intro\n\n# The Title #\n\nbody", encoding="utf-8")
     (root / "sub" / "a.txt").write_text("\ufeffplain text", encoding="utf-8")
     (root / "sub" / "c.markdown").write_text("no heading", encoding="utf-8")
-    (root / "skip.pdf").write_bytes(b"%PDF")
+    (root / "skip.png").write_bytes(b"\x89PNG")
     (root / ".hidden.md").write_text("secret")
     (root / ".git" / "x.md").write_text("secret")
     docs = read_documents([root, root / "b.md"])
@@ -107,17 +107,41 @@ def test_documents_from_files_and_directories(tmp_path):
 
 
 @pytest.mark.parametrize("case,needle", [("missing", "no such file or directory"),
-                                         ("pdf", "unsupported file type '.pdf'"),
+                                         ("png", "unsupported file type '.png'"),
                                          ("latin1", "is not UTF-8 text"),
-                                         ("empty_dir", "no .txt/.md/.markdown files found")])
+                                         ("empty_dir", "no .txt/.md/.markdown/.html/.htm/.pdf/.docx files found")])
 def test_document_errors_are_clear(tmp_path, case, needle):
-    paths = {"missing": tmp_path / "nope.md", "pdf": tmp_path / "a.pdf", "latin1": tmp_path / "l.txt",
+    paths = {"missing": tmp_path / "nope.md", "png": tmp_path / "a.png", "latin1": tmp_path / "l.txt",
              "empty_dir": tmp_path / "empty"}
-    (tmp_path / "a.pdf").write_bytes(b"%PDF")
+    (tmp_path / "a.png").write_bytes(b"\x89PNG")
     (tmp_path / "l.txt").write_bytes("caf\xe9".encode("latin-1"))
     (tmp_path / "empty").mkdir()
-    (tmp_path / "empty" / "notes.pdf").write_bytes(b"x")
+    (tmp_path / "empty" / "notes.png").write_bytes(b"x")
     with pytest.raises(DocumentError, match=needle):
         read_documents([paths[case]])
     with pytest.raises(DocumentError, match="no .txt"):
         find_files([])
+
+
+@pytest.mark.parametrize("encoder", sorted(ENCODERS))
+@pytest.mark.parametrize("block", [7, 100, 5000])
+def test_chunking_a_stream_of_blocks_matches_chunking_the_whole_text(encoder, block):
+    text = _document(3)
+    chunker = Chunker(ENCODERS[encoder], 40, overlap=8)
+    blocks = [text[i:i + block] for i in range(0, len(text), block)]
+    assert list(chunker.split_stream(blocks, "a title", whole_below=0)) == chunker.split(text, "a title")
+
+
+def test_a_stream_without_paragraph_breaks_is_still_cut_and_covered():
+    chunker = Chunker(ENCODERS["word"], 24)
+    text = " ".join(f"w{i % 300}" for i in range(5000))  # one long paragraph
+    blocks = [text[i:i + 500] for i in range(0, len(text), 500)]
+    chunks = list(chunker.split_stream(blocks, "t", whole_below=0, max_buffer=2000))
+    assert all(chunker.size(c.text, c.title) <= 24 for c in chunks)
+    assert " ".join(c.text for c in chunks).split() == text.split()
+    assert [c.position for c in chunks] == list(range(len(chunks)))
+
+
+def test_a_small_stream_is_chunked_as_a_whole():
+    chunker = Chunker(ENCODERS["word"], 24)
+    assert list(chunker.split_stream(["w1 w2\n\n", "w3"], "t")) == chunker.split("w1 w2\n\nw3", "t")

@@ -171,3 +171,20 @@ def test_destroy_waits_for_a_disk_writer_then_gives_up(cache_dir):
         with pytest.raises(StoreBusyError, match="another process is writing"):
             destroy(cache_dir, lock_timeout_s=0.05)
     assert root.is_dir() and len(blob_files(cache_dir)) == 1
+
+
+def test_a_lower_disk_budget_takes_effect_when_the_store_opens(cache_dir):
+    kvs = [make_kv(i) for i in range(4)]
+    with TieredStore(config(cache_dir), tiers=("disk",)) as store:
+        for kv in kvs:
+            store.put(kv)
+        sizes = {r.variant_key: r.nbytes for r in entry_rows(cache_dir, "disk")}
+    budget = max(sizes.values()) + min(sizes.values()) // 2  # room for one entry only
+    with TieredStore(config(cache_dir, disk_budget_bytes=budget), tiers=("disk",)) as store:
+        usage = store.usage()["disk"]
+        assert usage.bytes <= budget and usage.entries == 1
+        assert len(blob_files(cache_dir)) == 1
+        assert len(store.catalog.events(kind="evict")) == 3
+        assert store.counters.evictions == 3
+    with TieredStore(config(cache_dir), tiers=("disk",)) as store:  # a larger budget evicts nothing more
+        assert store.usage()["disk"].entries == 1

@@ -44,6 +44,22 @@ def quality_losses(data: dict | None) -> list[str]:
             lines.append(f"Quality: `{label}` has a lower first-token KL ({m['kl_mean']:.4f}) than any cachecraft "
                          f"setting (best {lowest_kl:.4f}).")
     lines += _ratio_losses(methods)
+    return lines + paired_losses(data)
+
+
+def paired_losses(data: dict | None) -> list[str]:
+    """Every figure where a cachecraft setting is measurably worse than a baseline (its
+    paired interval excludes zero on the worse side)."""
+    lines = []
+    for label, against in ((data or {}).get("comparisons") or {}).items():
+        if family(label) != "cachecraft":
+            continue
+        for base, figures in against.items():
+            for key, f in figures.items():
+                if f["verdict"] == "worse":
+                    lines.append(f"Quality: `{label}` is worse than `{base.removeprefix('vs ')}` on {key} "
+                                 f"(paired difference {f['mean']:+.4f}, 95% interval [{f['low']:+.4f}, "
+                                 f"{f['high']:+.4f}]).")
     return lines
 
 

@@ -107,6 +107,36 @@ def quality_tradeoff(data: dict, path: Path) -> Path | None:
         return _save(fig, path)
 
 
+def quality_intervals(data: dict, path: Path) -> Path | None:
+    """Answer-level KL and token agreement against speedup over full, one point per
+    method with its 95% interval as a bar (results with intervals only)."""
+    methods = {k: v for k, v in (data.get("methods") or {}).items() if v and v.get("intervals")}
+    if not methods:
+        return None
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
+        for ax, key, mean_key, ylabel in (
+                (axes[0], "answer_kl", "answer_kl_mean", "answer-level KL(full || method), mean per token (nats)"),
+                (axes[1], "token_agreement", "token_agreement_mean", "token agreement with full's answer")):
+            for label, m in methods.items():
+                interval = m["intervals"][key]
+                y = m[mean_key]
+                ax.errorbar(m["speedup_vs_full_median"], y, yerr=[[y - interval["low"]], [interval["high"] - y]],
+                            fmt="o", color=color(label), capsize=4, markersize=7)
+                ax.annotate(label, (m["speedup_vs_full_median"], y), textcoords="offset points", xytext=(6, 4),
+                            fontsize=8, color=color(label))
+            _log_axis(ax, "x")
+            ax.set_xlabel("median speedup of the first token over full (log scale)")
+            ax.set_ylabel(ylabel)
+        axes[0].set_title("Answer-level KL (lower is better)")
+        axes[1].set_title("Token agreement (higher is better)")
+        _family_legend(axes[1], list(methods), loc="lower left", title="method")
+        fig.suptitle(f"The yardstick: {data.get('model', '?')}, {data.get('limit', '?')} items, 95% intervals",
+                     fontsize=15)
+        fig.tight_layout()
+        return _save(fig, path)
+
+
 def quality_bars(data: dict, path: Path) -> Path | None:
     """One horizontal bar per method for TTFT, recompute, KL, agreement and gold F1."""
     methods = {k: v for k, v in (data.get("methods") or {}).items() if v}

@@ -19,8 +19,39 @@ def _commit(data: dict) -> str:
     return f", commit {commit[:10]}" if commit else ""
 
 
+def _ci(m: dict, key: str, mean_key: str, digits: int) -> str:
+    interval = m["intervals"][key]
+    return f"{m[mean_key]:.{digits}f} [{interval['low']:.{digits}f}, {interval['high']:.{digits}f}]"
+
+
+def yardstick_table(data: dict) -> str:
+    """Markdown table of a ``bench quality`` result with intervals and paired verdicts."""
+    lines = [f"`{data['command']}` ({data['model']}, {data['limit']} items, "
+             f"{data['date'][:10]}{_commit(data)}, {data['machine']['cpu']}, {data['machine']['cores']} cores; "
+             "[95% bootstrap interval])", "",
+             "| method | TTFT median (s) | speedup vs full | recompute | answer KL vs full | token agreement | "
+             "first-token KL | answer agreement F1 | exact match | gold F1 |", "|---" * 10 + "|"]
+    for label, m in data["methods"].items():
+        lines.append(f"| {label} | {m['ttft_s_median']:.2f} | {m['speedup_vs_full_median']:.1f}x | "
+                     f"{m['recompute_fraction_mean']:.3f} | {_ci(m, 'answer_kl', 'answer_kl_mean', 4)} | "
+                     f"{_ci(m, 'token_agreement', 'token_agreement_mean', 3)} | {_ci(m, 'kl', 'kl_mean', 4)} | "
+                     f"{_ci(m, 'agreement_f1', 'agreement_f1_mean', 3)} | {m['exact_match_rate']:.2f} | "
+                     f"{_ci(m, 'gold_f1', 'gold_f1_mean', 3)} |")
+    lines += ["", "Paired, item by item (method - baseline, [95% interval]); \"better\"/\"worse\" only where the "
+              "interval excludes zero:", "",
+              "| method | against | answer KL | token agreement | first-token KL | gold F1 |", "|---" * 6 + "|"]
+    for label, against in data.get("comparisons", {}).items():
+        for base, figures in against.items():
+            cells = [f"{figures[k]['verdict']} ({figures[k]['mean']:+.3f} [{figures[k]['low']:+.3f}, "
+                     f"{figures[k]['high']:+.3f}])" for k in ("answer_kl", "token_agreement", "kl", "gold_f1")]
+            lines.append(f"| {label} | {base.removeprefix('vs ')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def quality_table(data: dict) -> str:
-    """Markdown table of a ``bench quality`` result."""
+    """Markdown table of a ``bench quality`` result (with intervals where it has them)."""
+    if data.get("comparisons"):
+        return yardstick_table(data)
     lines = [f"`{data['command']}` ({data['model']}, {data['limit']} items, "
              f"{data['date'][:10]}{_commit(data)}, {data['machine']['cpu']}, {data['machine']['cores']} cores)", "",
              "| method | TTFT median (s) | speedup vs full | recompute | KL vs full | answer agreement F1 | "

@@ -82,6 +82,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def quality_section(data: dict, source: Path, out: Path) -> list[str]:
     lines = ["## Quality and speed on the same requests", "", *provenance(data, source)]
     lines += _plots(out, data, [("quality_tradeoff.png", plots.quality_tradeoff, "quality against TTFT"),
+                                ("quality_intervals.png", plots.quality_intervals,
+                                 "answer-level divergence with 95% intervals"),
                                 ("quality_bars.png", plots.quality_bars, "figures per method")])
     rows = [[label, f"{m['ttft_s_median']:.2f}", f"{m.get('speedup_vs_full_median', float('nan')):.1f}x",
              f"{m['recompute_fraction_mean']:.3f}", f"{m['kl_mean']:.4f}", f"{m['agreement_f1_mean']:.3f}",

@@ -8,8 +8,6 @@ the same JSON the command would, recording that command.
 from __future__ import annotations
 
 import shlex
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -79,22 +77,11 @@ def run_quality_default(lm: LoadedModel, config: Config, dataset: Path, out: Pat
     from cachecraft.bench.quality import run_quality
     from cachecraft.dataset import load_items
     from cachecraft.methods import parse_methods
-    from cachecraft.model.loader import DTYPES
-    from cachecraft.store import TieredStore
 
     items = load_items(dataset, limit)
     specs = parse_methods(QUALITY_METHODS, config.cacheblend_ratio, config.policy_alpha)
-    scratch = Path(tempfile.mkdtemp(prefix="bench-quality-", dir=config.cache_dir))
-    try:
-        with TieredStore(config.replace(cache_dir=scratch), tiers=("cpu",)) as store:
-            result = run_quality(lm, items, specs, system_prompt=config.system_prompt,
-                                 question_template=config.question_template, kv_dtype=DTYPES[config.kv_dtype],
-                                 store=store, stats_layer_step=config.stats_layer_step,
-                                 on_item=lambda done, total: on_progress and on_progress(
-                                     f"quality: item {done}/{total}"))
-            store.close(persist=False)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    result = run_quality(lm, config.replace(warm_context="none"), items, specs,  # the command's default
+                         on_item=lambda done, total: on_progress and on_progress(f"quality: item {done}/{total}"))
     payload = {**_payload("quality", lm, config, dataset, out, limit=limit), "kv_dtype": config.kv_dtype,
                "limit": len(items), **result}
     return write_result(out, payload)

@@ -1,16 +1,18 @@
-"""cachecraft catalog: what is cached, where, and what each request did (SQLite)."""
+"""cachecraft catalog: what is cached, where, and what each request did (SQLite or PostgreSQL)."""
 
-from cachecraft.catalog.db import CATALOG_FILE, Catalog, CatalogTx, catalog_path, remove_catalog
+from cachecraft.catalog.db import (CATALOG_FILE, Catalog, CatalogTx, catalog_path, display_url,
+                                   remove_catalog)
 from cachecraft.catalog.errors import (CatalogBusyError, CatalogCorruptError, CatalogError,
-                                       CatalogWriteError, SchemaVersionError)
+                                       CatalogUnavailableError, CatalogWriteError,
+                                       SchemaVersionError)
 from cachecraft.catalog.models import SCHEMA_VERSION
 from cachecraft.catalog.records import (EVENT_KINDS, MISS, TIERS, ChunkRecord, EntryRecord,
                                         RequestChunk, RequestRecord, TierEventRecord,
                                         VariantRecord, question_hash)
 
 __all__ = [
-    "CATALOG_FILE", "Catalog", "CatalogTx", "catalog_path", "remove_catalog", "CatalogError",
-    "CatalogBusyError", "CatalogCorruptError", "CatalogWriteError", "SchemaVersionError",
+    "CATALOG_FILE", "Catalog", "CatalogTx", "catalog_path", "display_url", "remove_catalog",
+    "CatalogError", "CatalogUnavailableError", "CatalogBusyError", "CatalogCorruptError", "CatalogWriteError", "SchemaVersionError",
     "SCHEMA_VERSION", "EVENT_KINDS", "MISS", "TIERS", "ChunkRecord", "EntryRecord",
     "RequestChunk", "RequestRecord", "TierEventRecord", "VariantRecord", "question_hash",
 ]

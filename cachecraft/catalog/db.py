@@ -1,10 +1,16 @@
-"""The catalog: an SQLite database (WAL mode) in the cache directory.
+"""The catalog: an SQLite database (WAL mode) in the cache directory, or PostgreSQL.
 
 Every write runs in one ``BEGIN IMMEDIATE`` transaction (:meth:`Catalog.write`), so
 several processes can share a cache directory: writers queue on SQLite's lock (busy
 timeout) instead of failing or losing rows, and a transaction that raises is rolled
 back whole. Reads run in deferred transactions (:meth:`Catalog.read`) and see one
 consistent snapshot without blocking writers.
+
+With ``catalog_url`` = ``postgresql+psycopg://...`` the same models live in
+PostgreSQL: a write transaction first takes a transaction-level advisory lock, which
+plays the part of ``BEGIN IMMEDIATE`` (writers on every node queue instead of racing
+on read-then-insert), and counters (hits) are ``SET hits = hits + 1`` in SQL, so
+concurrent nodes lose no update even outside that lock.
 """
 
 from __future__ import annotations
@@ -17,12 +23,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from sqlalchemy import create_engine, delete, event, func, inspect, select, update
+from sqlalchemy import create_engine, delete, event, func, inspect, select, text, update
 from sqlalchemy import exc as sa_exc
+from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
 from cachecraft.catalog.errors import (CatalogBusyError, CatalogCorruptError, CatalogError,
-                                       CatalogWriteError, SchemaVersionError)
+                                       CatalogUnavailableError, CatalogWriteError,
+                                       SchemaVersionError)
 from cachecraft.catalog.models import (SCHEMA_VERSION, Base, Chunk, Entry, Request,
                                        RequestChunkRow, SchemaInfo, TierEvent, Variant)
 from cachecraft.catalog.records import (TIERS, ChunkRecord, EntryRecord, RequestChunk,
@@ -33,7 +41,9 @@ log = logging.getLogger(__name__)
 
 CATALOG_FILE = "catalog.sqlite"
 DEFAULT_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 5
 MAX_EVENTS = 200_000
+WRITE_LOCK_ID = 0x63616368  # the advisory lock PostgreSQL writers queue on ("cach")
 
 
 def catalog_path(cache_dir: str | Path) -> Path:
@@ -51,6 +61,14 @@ def remove_catalog(cache_dir: str | Path) -> list[Path]:
             side.unlink()
             removed.append(side)
     return removed
+
+
+def display_url(url: str) -> str:
+    """``url`` with its password hidden, for messages and logs."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except sa_exc.ArgumentError:
+        return url
 
 
 def _sqlite_error(exc: BaseException) -> BaseException | None:
@@ -79,11 +97,39 @@ def translate_error(exc: BaseException, path: Path) -> CatalogError | None:
     return None
 
 
+def translate_server_error(exc: BaseException, url: str) -> CatalogError | None:
+    """Map a PostgreSQL error to a one-line :class:`CatalogError` naming ``catalog_url``, or None."""
+    orig = getattr(exc, "orig", exc)
+    first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
+    name = type(orig).__name__
+    if name in ("LockNotAvailable", "QueryCanceled") or "lock timeout" in first.lower():
+        return CatalogBusyError(f"catalog at catalog_url {display_url(url)} stayed locked ({first}); retry")
+    if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
+        return CatalogUnavailableError(f"cannot reach the catalog at catalog_url {display_url(url)} "
+                                       f"({first}); start PostgreSQL there or fix catalog_url")
+    return None
+
+
 class CatalogTx:
     """Operations inside one catalog transaction (from :meth:`Catalog.write`/:meth:`read`)."""
 
     def __init__(self, session: Session) -> None:
         self.session = session
+
+    # facts about the database ----------------------------------------------------------
+
+    def info_value(self, key: str) -> str | None:
+        """A value of the ``schema_info`` table, or None."""
+        row = self.session.get(SchemaInfo, key)
+        return None if row is None else row.value
+
+    def set_info_value(self, key: str, value: str) -> None:
+        """Set a value of the ``schema_info`` table."""
+        row = self.session.get(SchemaInfo, key)
+        if row is None:
+            self.session.add(SchemaInfo(key=key, value=value))
+        else:
+            row.value = value
 
     # chunks and variants -------------------------------------------------------------
 
@@ -284,6 +330,10 @@ class CatalogTx:
         return [TierEventRecord(r.id, r.at, r.variant_key, r.kind, r.from_tier, r.to_tier,
                                 r.nbytes, r.owner) for r in self.session.scalars(query)]
 
+    def last_event_id(self) -> int:
+        """The id of the newest tier event (0 when there is none): a mark for ``events(since_id=...)``."""
+        return int(self.session.scalar(select(func.max(TierEvent.id))) or 0)
+
     def prune_events(self, keep: int = MAX_EVENTS) -> int:
         """Keep only the newest ``keep`` tier events; returns how many were deleted."""
         last = self.session.scalar(select(func.max(TierEvent.id))) or 0
@@ -349,17 +399,55 @@ def _entry_record(row: Entry) -> EntryRecord:
 
 
 class Catalog:
-    """The catalog database of one cache directory.
+    """The catalog database of one cache directory (or of ``url``, when given).
 
     Opening creates the database (and the directory) when missing, switches it to WAL
     mode and checks the schema version. Raises :class:`SchemaVersionError` for a
     database written by an incompatible version, :class:`CatalogCorruptError` for a
     damaged file and :class:`CatalogWriteError` when the directory cannot be written.
+
+    ``url`` (the config's ``catalog_url``): a SQLAlchemy URL; empty or None means the
+    SQLite file in ``cache_dir``. ``postgresql+psycopg://user:pass@host:port/db`` puts
+    the catalog in PostgreSQL (the same tables); an unreachable server raises
+    :class:`CatalogUnavailableError`, one line naming ``catalog_url``.
     """
 
-    def __init__(self, cache_dir: str | Path, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(self, cache_dir: str | Path, *, url: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.cache_dir = Path(cache_dir)
+        self.url = url or None
+        self.created = False  # set when this open created the tables
         self.path = catalog_path(self.cache_dir)
+        if self.url is None:
+            self.dialect = "sqlite"
+            self._open_sqlite(timeout_s)
+        else:
+            try:
+                self.dialect = make_url(self.url).get_backend_name()
+            except sa_exc.ArgumentError:
+                self.dialect = "?"
+            if self.dialect != "postgresql":
+                raise CatalogError(f"catalog_url {display_url(self.url)} is not supported; use "
+                                   "postgresql+psycopg://user:password@host:port/database, or leave "
+                                   "catalog_url empty for the SQLite file in the cache directory")
+            self._open_postgres(timeout_s)
+        try:
+            self._init_schema()
+        except BaseException:
+            self._engine.dispose()
+            raise
+
+    @property
+    def where(self) -> str:
+        """The catalog's location for messages: the SQLite file, or the URL without password."""
+        return str(self.path) if self.url is None else display_url(self.url)
+
+    @property
+    def shared(self) -> bool:
+        """Whether the catalog lives in a server (PostgreSQL) rather than the cache directory."""
+        return self.url is not None
+
+    def _open_sqlite(self, timeout_s: float) -> None:
         try:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -384,13 +472,26 @@ class Catalog:
             conn.exec_driver_sql("BEGIN " + conn.get_execution_options().get("cachecraft_begin", "IMMEDIATE"))
 
         self._read_engine = self._engine.execution_options(cachecraft_begin="DEFERRED")
+
+    def _open_postgres(self, timeout_s: float) -> None:
+        lock_timeout_ms = int(timeout_s * 1000)
+        url = make_url(self.url)
+        if url.drivername == "postgresql":  # SQLAlchemy's default driver is psycopg2; ours is psycopg 3
+            url = url.set(drivername="postgresql+psycopg")
         try:
-            self._init_schema()
-        except BaseException:
-            self._engine.dispose()
-            raise
+            import psycopg  # noqa: F401
+        except ImportError:
+            raise CatalogError("catalog_url needs the psycopg package: pip install 'cachecraft[shared]'") from None
+        self._engine = create_engine(
+            url, pool_pre_ping=True,
+            connect_args={"connect_timeout": CONNECT_TIMEOUT_S,
+                          "options": f"-c lock_timeout={lock_timeout_ms}"})
+        # reads: one REPEATABLE READ snapshot per transaction, as SQLite's deferred reads
+        self._read_engine = self._engine.execution_options(isolation_level="REPEATABLE READ")
 
     def _init_schema(self) -> None:
+        # schema changes live in one place: the models (cachecraft.catalog.models) and
+        # SCHEMA_VERSION there; a database of another version is refused, never migrated
         with self.write() as tx:
             conn = tx.session.connection()
             tables = set(inspect(conn).get_table_names())
@@ -399,28 +500,36 @@ class Catalog:
                 found = None if row is None else row.value
                 if found != str(SCHEMA_VERSION):
                     raise SchemaVersionError(
-                        f"catalog {self.path} has schema version {found}, this cachecraft needs "
+                        f"catalog {self.where} has schema version {found}, this cachecraft needs "
                         f"{SCHEMA_VERSION}; use the cachecraft version that wrote it, or move the "
                         "cache directory aside")
                 missing = set(Base.metadata.tables) - tables
                 if missing:
-                    raise SchemaVersionError(f"catalog {self.path} lacks tables {sorted(missing)}; "
+                    raise SchemaVersionError(f"catalog {self.where} lacks tables {sorted(missing)}; "
                                              "move the cache directory aside")
             elif tables:
-                raise SchemaVersionError(f"{self.path} is not a cachecraft catalog (tables "
+                raise SchemaVersionError(f"{self.where} is not a cachecraft catalog (tables "
                                          f"{sorted(tables)}); move it aside or pick another cache directory")
             else:
                 Base.metadata.create_all(conn)
+                self.created = True
                 from cachecraft import __version__
                 tx.session.add_all([SchemaInfo(key="schema_version", value=str(SCHEMA_VERSION)),
                                     SchemaInfo(key="created_by", value=f"cachecraft {__version__}")])
 
     @contextmanager
-    def write(self) -> Iterator[CatalogTx]:
-        """One write transaction (``BEGIN IMMEDIATE``); commits on success, rolls back on error."""
+    def write(self, *, exclusive: bool = True) -> Iterator[CatalogTx]:
+        """One write transaction (``BEGIN IMMEDIATE``); commits on success, rolls back on error.
+
+        On PostgreSQL the transaction first takes the writers' advisory lock; with
+        ``exclusive=False`` it does not (for statements that are atomic on their own, such
+        as :meth:`CatalogTx.touch`). SQLite always takes its write lock.
+        """
         with self._translated():
             with Session(self._engine, expire_on_commit=False) as session, session.begin():
-                session.connection()  # BEGIN IMMEDIATE now: the write lock is held for the whole block
+                conn = session.connection()  # BEGIN IMMEDIATE now: the write lock is held for the whole block
+                if exclusive and self.dialect == "postgresql":
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": WRITE_LOCK_ID})
                 yield CatalogTx(session)
 
     @contextmanager
@@ -435,13 +544,17 @@ class Catalog:
         try:
             yield
         except (sa_exc.DBAPIError, sqlite3.Error) as exc:
-            mapped = translate_error(exc, self.path)
+            mapped = (translate_error(exc, self.path) if self.url is None
+                      else translate_server_error(exc, self.url))
             if mapped is None:
                 raise
             raise mapped from exc
 
     def integrity_problems(self) -> list[str]:
-        """SQLite's own ``PRAGMA integrity_check`` findings (empty when sound)."""
+        """SQLite's own ``PRAGMA integrity_check`` findings (empty when sound; PostgreSQL
+        keeps its own integrity, so always empty there)."""
+        if self.dialect != "sqlite":
+            return []
         with self.read() as tx:
             rows = [r[0] for r in tx.session.connection().exec_driver_sql("PRAGMA integrity_check")]
         return [] if rows == ["ok"] else rows

@@ -21,3 +21,7 @@ class CatalogBusyError(CatalogError):
 
 class CatalogWriteError(CatalogError):
     """The catalog could not be written (disk full, read-only file or directory)."""
+
+
+class CatalogUnavailableError(CatalogError):
+    """The catalog's server (``catalog_url``) cannot be reached."""

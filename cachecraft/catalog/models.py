@@ -1,4 +1,8 @@
-"""SQLAlchemy ORM models of the catalog (SQLite, WAL mode, ``<cache_dir>/catalog.sqlite``).
+"""SQLAlchemy ORM models of the catalog (SQLite, WAL mode, ``<cache_dir>/catalog.sqlite``;
+or PostgreSQL from ``catalog_url``: the same tables).
+
+Schema changes live here and only here, with :data:`SCHEMA_VERSION`: the catalog
+creates these tables in an empty database and refuses one of another version.
 
 These classes are internal to :mod:`cachecraft.catalog`; what crosses the package
 boundary are the frozen records in :mod:`cachecraft.catalog.records`.
@@ -20,10 +24,14 @@ Tables:
 
 from __future__ import annotations
 
-from sqlalchemy import Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import BigInteger, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 SCHEMA_VERSION = 1
+
+# Byte counts may pass 2**31 in PostgreSQL; SQLite's INTEGER is already 64-bit (and the
+# SQLite DDL stays exactly as before, so existing catalogs keep schema version 1).
+Bytes = BigInteger().with_variant(Integer(), "sqlite")
 
 
 class Base(DeclarativeBase):
@@ -61,7 +69,7 @@ class Variant(Base):
     chunk_key: Mapped[str] = mapped_column(ForeignKey("chunks.key"), index=True)
     prefix: Mapped[str] = mapped_column(Text)  # JSON list of segment keys, in order
     prefix_len: Mapped[int] = mapped_column(Integer)
-    nbytes: Mapped[int] = mapped_column(Integer)
+    nbytes: Mapped[int] = mapped_column(Bytes)
     dtype: Mapped[str] = mapped_column(String(16))
     cci: Mapped[float | None] = mapped_column(Float, nullable=True)
     stats: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON object of floats
@@ -84,7 +92,7 @@ class Entry(Base):
     variant_key: Mapped[str] = mapped_column(ForeignKey("variants.key"), index=True)
     tier: Mapped[str] = mapped_column(String(8))
     owner: Mapped[str] = mapped_column(String(64))
-    nbytes: Mapped[int] = mapped_column(Integer)
+    nbytes: Mapped[int] = mapped_column(Bytes)
     blob: Mapped[str | None] = mapped_column(Text, nullable=True)  # disk tier: diskcache key
     checksum: Mapped[str | None] = mapped_column(String(64), nullable=True)
     stored_at: Mapped[float] = mapped_column(Float)
@@ -137,5 +145,5 @@ class TierEvent(Base):
     kind: Mapped[str] = mapped_column(String(16))
     from_tier: Mapped[str | None] = mapped_column(String(8), nullable=True)
     to_tier: Mapped[str | None] = mapped_column(String(8), nullable=True)
-    nbytes: Mapped[int] = mapped_column(Integer)
+    nbytes: Mapped[int] = mapped_column(Bytes)
     owner: Mapped[str] = mapped_column(String(64))

@@ -10,6 +10,10 @@ from typing import Mapping
 TIERS = ("gpu", "cpu", "disk")
 """Tier names, fastest first."""
 
+SHARED_TIER = "redis"
+"""The shared tier (``redis_url``): after the local tiers; its placements are indexed in
+Redis, not in the catalog, so it is not one of :data:`TIERS`."""
+
 MISS = "miss"
 EVENT_KINDS = ("put", "promote", "demote", "evict", "delete", "corrupt", "lost")
 """Tier event kinds: ``corrupt`` = damaged bytes dropped on read or verify; ``lost`` =
@@ -90,7 +94,8 @@ class RequestChunk:
     stop_layer: int | None = None
 
     def __post_init__(self) -> None:
-        assert self.tier in TIERS + (MISS,), f"tier must be one of {TIERS + (MISS,)}, got {self.tier!r}"
+        known = TIERS + (SHARED_TIER, MISS)
+        assert self.tier in known, f"tier must be one of {known}, got {self.tier!r}"
         assert (self.tier == MISS) == (self.variant_key is None), (
             "a hit names the variant used, a miss names none")
 

@@ -7,11 +7,12 @@ import statistics as pystats
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import case, func, or_, select
 
 from cachecraft.catalog.db import Catalog
 from cachecraft.catalog.models import Chunk, Entry, Request, Variant
 from cachecraft.catalog.records import TIERS
+from cachecraft.warm_context import SOURCE as WARM_CONTEXT_SOURCE
 
 
 @dataclass(frozen=True)
@@ -125,10 +126,15 @@ def tier_usage(catalog: Catalog) -> dict[str, TierUsage]:
 
 
 def top_chunks(catalog: Catalog, limit: int = 10) -> list[ChunkHits]:
-    """Chunks whose variants were hit most, most first."""
+    """Document chunks whose variants were hit most, most first. The system prompt (the
+    first segment of every prefix) and the warm context are left out: every request and
+    every warmed chunk uses them, so they would always top the list."""
     live = func.sum(case((Variant.tier.is_not(None), 1), else_=0))
+    system = select(func.json_extract(Variant.prefix, "$[0]")).where(Variant.prefix_len > 0).distinct()
     query = (select(Chunk, func.sum(Variant.hits), func.count(Variant.key), live)
-             .join(Variant, Variant.chunk_key == Chunk.key).group_by(Chunk.key)
+             .join(Variant, Variant.chunk_key == Chunk.key)
+             .where(Chunk.key.not_in(system), or_(Chunk.source.is_(None), Chunk.source != WARM_CONTEXT_SOURCE))
+             .group_by(Chunk.key)
              .order_by(func.sum(Variant.hits).desc(), Chunk.key).limit(limit))
     with catalog.read() as tx:
         return [ChunkHits(c.key, int(h or 0), int(n), int(lv or 0), c.num_tokens, c.source, c.preview)

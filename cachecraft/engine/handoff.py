@@ -47,3 +47,21 @@ def generate_from(model, tokenizer, result: BlendResult, *, max_new_tokens: int 
                          max_new_tokens=max_new_tokens, do_sample=do_sample, streamer=streamer,
                          pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **kwargs)
     return out[0, ids.shape[1]:]
+
+
+@torch.inference_mode()
+def teacher_forced_logits(model, keys: list[torch.Tensor], values: list[torch.Tensor], token_ids: torch.Tensor,
+                          forced_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token logits ``[n, vocab]`` (float32) at each position of ``forced_ids`` after a
+    prefill (``keys``/``values`` per layer ``[H_kv, N, D]`` with RoPE applied, ``token_ids``
+    the prompt ``[N]``): row 0 predicts ``forced_ids[0]`` from the prompt, row i predicts
+    ``forced_ids[i]`` after ``forced_ids[:i]``. As in :func:`generate_from`, the last prompt
+    token runs again over the cache of the others; the given tensors are not changed."""
+    n = token_ids.numel()
+    cache = DynamicCache(config=model.config)
+    for layer, (k, v) in enumerate(zip(keys, values)):
+        cache.update(k[None, :, :n - 1], v[None, :, :n - 1], layer)
+    inputs = torch.cat([token_ids[-1:], forced_ids[:-1].to(token_ids.device)])[None]  # [1, n_forced]
+    mask = torch.ones(1, n - 1 + inputs.shape[1], dtype=torch.long, device=token_ids.device)
+    out = model(input_ids=inputs, attention_mask=mask, past_key_values=cache, use_cache=True)
+    return out.logits[0].float()

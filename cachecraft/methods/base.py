@@ -98,8 +98,10 @@ class Method:
         return hash(self.label)
 
     def load_plan(self, request: RequestContext) -> LoadPlan | None:
-        """Variants to load; None when the method uses no chunk-caches. Default: each
-        chunk's independent variant."""
+        """Variants to load; None when the method uses no chunk-caches (``uses_cache``
+        false). Default: each chunk's independent variant."""
+        if not self.uses_cache:
+            return None
         return LoadPlan(tuple(request.lookup.independent_variant(k, request.prefix_key) for k in request.keys))
 
     def segments(self, request: RequestContext, prefix_kv: LayerSource | None,

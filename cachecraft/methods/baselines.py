@@ -19,9 +19,6 @@ class Full(Method):
     summary = "prefill everything"
     uses_cache = False
 
-    def load_plan(self, request: RequestContext) -> LoadPlan | None:
-        return None
-
     def segments(self, request, prefix_kv, kvs) -> list[Segment]:
         return plain_segments(request, None, [None] * len(request.keys), keep=False)
 
@@ -32,9 +29,6 @@ class Prefix(Method):
     name = "prefix"
     summary = "exact prefix reuse of earlier requests (vLLM-style)"
     uses_cache = False
-
-    def load_plan(self, request: RequestContext) -> LoadPlan | None:
-        return None
 
     def segments(self, request, prefix_kv, kvs) -> list[Segment]:
         pieces = request.pieces

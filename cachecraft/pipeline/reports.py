@@ -47,22 +47,27 @@ class WarmReport:
     total: int
 
 
-@dataclass(frozen=True)
+@dataclass
 class PrefillTrace:
-    """What a benchmark may inspect of one request's prefill, handed to the ``observer``
-    of :meth:`~cachecraft.pipeline.Pipeline.answer` before generation starts.
+    """What a benchmark may inspect of one request, handed to the ``observer`` of
+    :meth:`~cachecraft.pipeline.Pipeline.answer` before generation starts.
 
     ``logits``: the last position's ``[vocab]`` (float32, CPU); ``token_layers``: tokens
     run through a layer, summed over layers, look-ahead included; ``kv_bytes``: the
-    request's KV in the compute dtype; ``blend``: the engine's result itself (its KV is
-    handed to ``generate`` right after the observer returns)."""
+    request's KV in the compute dtype; ``keys``/``values``: the prefilled KV per layer
+    (``[H_kv, N, D]``, RoPE applied), the tensors ``generate`` starts from (never changed
+    in place; an observer that keeps them keeps them alive); ``token_ids``: the prompt
+    ``[N]``. ``answer_ids``: the generated ids, filled in once generation is done."""
 
     method: str
     logits: torch.Tensor
     token_layers: int
     kv_bytes: int
     recompute_fraction: float
-    blend: object
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    token_ids: torch.Tensor
+    answer_ids: torch.Tensor | None = None
 
 
 @dataclass

@@ -35,6 +35,8 @@ OBSERVED_PREFILL_WEIGHT = 0.3
 # placeholder for HBM. Starting points only: the pipeline replaces each with what it
 # measures while loading (see CostModel.observe_load).
 DEFAULT_BANDWIDTHS: dict[str, float] = {"gpu": 100e9, "cpu": 3e9, "disk": 0.7e9}
+# Assumed for a tier with no entry above (the shared Redis tier) until a load is timed.
+UNKNOWN_TIER_BANDWIDTH = 1e9
 
 # Weight of a new load measurement in a tier's running bandwidth; until a full-size
 # load (below) has been timed from a tier, the weight is 1: the measurement replaces
@@ -125,7 +127,8 @@ class CostModel:
 
     def r_load(self, tier: str) -> float:
         """The recompute fraction that hides loading from ``tier``."""
-        return load_hiding_fraction(self.prefill_s_per_token, self.kv_bytes_per_token, self.bandwidths[tier])
+        return load_hiding_fraction(self.prefill_s_per_token, self.kv_bytes_per_token,
+                                    self.bandwidths.get(tier, UNKNOWN_TIER_BANDWIDTH))
 
     def observe_load(self, tier: str, nbytes: int, seconds: float) -> "CostModel":
         """This model with ``tier``'s bandwidth moved towards ``nbytes / seconds``, one
@@ -140,7 +143,8 @@ class CostModel:
             return self
         share = min(1.0, nbytes / FULL_WEIGHT_BYTES)
         weight = (OBSERVED_WEIGHT if tier in self.timed else 1.0) * share
-        per_byte = (1 - weight) / self.bandwidths[tier] + weight * seconds / nbytes
+        prior = self.bandwidths.get(tier, UNKNOWN_TIER_BANDWIDTH)
+        per_byte = (1 - weight) / prior + weight * seconds / nbytes
         timed = self.timed | {tier} if share == 1.0 else self.timed
         return dataclasses.replace(self, bandwidths={**self.bandwidths, tier: 1.0 / per_byte}, timed=timed)
 

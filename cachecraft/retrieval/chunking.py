@@ -5,19 +5,29 @@ formatted by :meth:`PromptBuilder.chunk_text`. Text is cut at paragraph boundari
 when it can be, else at line, sentence and word boundaries, and a single word longer
 than the budget is cut by characters. Pieces are then packed greedily, so chunk
 boundaries fall between whole paragraphs unless a paragraph alone is too long.
+
+A long text can come as a stream of blocks (:meth:`Chunker.split_stream`): it is cut at
+complete paragraph breaks as the blocks arrive and chunks come out as they are made, so
+no more than a paragraph (at most ``max_buffer`` characters) is tokenized at once.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from itertools import chain
+from typing import Callable, Iterable, Iterator, Sequence
 
 from cachecraft.prompt import PromptBuilder
 
 # (pattern that splits a piece, separator that joins the parts back), coarsest first
 _LEVELS = ((re.compile(r"\n[ \t]*\n\s*"), "\n\n"), (re.compile(r"\n\s*"), "\n"),
            (re.compile(r"(?<=[.!?;:])\s+"), " "), (re.compile(r"\s+"), " "))
+# A stream shorter than this (characters) is chunked as one text. A stream gives the
+# chunks of the whole text except where the whole text fits in one chunk (none is near
+# this long) or a paragraph is longer than MAX_BUFFER.
+WHOLE_BELOW = 1 << 16
+MAX_BUFFER = 1 << 20  # characters of a stream held when no paragraph break comes
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,33 @@ class Chunker:
         bodies = self._pack(pieces, title)
         return [TextChunk(body, title, i) for i, body in enumerate(bodies)]
 
+    def split_stream(self, blocks: Iterable[str], title: str, *, whole_below: int | None = None,
+                     max_buffer: int | None = None) -> Iterator[TextChunk]:
+        """The chunks of the text ``"".join(blocks)``, yielded as they are made.
+
+        A text shorter than ``whole_below`` characters is chunked as :meth:`split` does.
+        A longer one is cut at complete paragraph breaks as blocks arrive, which gives the
+        same chunks as :meth:`split` on the whole text; a paragraph longer than
+        ``max_buffer`` characters is cut at the last line break, else sentence or word
+        break, else character, within it."""
+        whole_below = WHOLE_BELOW if whole_below is None else whole_below
+        blocks = iter(blocks)
+        head: list[str] = []
+        length = 0
+        for block in blocks:
+            head.append(block)
+            length += len(block)
+            if length >= whole_below:
+                break
+        else:
+            if length < whole_below:
+                yield from self.split("".join(head), title)
+                return
+        title = self.fit_title(title)
+        pieces = self._stream_pieces(chain(head, blocks), title, max_buffer or MAX_BUFFER)
+        for position, body in enumerate(self._pack_stream(pieces, title)):
+            yield TextChunk(body, title, position)
+
     def size(self, body: str, title: str) -> int:
         """Tokens of a chunk as it goes into the prompt."""
         return len(self.encode(PromptBuilder.chunk_text(body, title)))
@@ -104,21 +141,50 @@ class Chunker:
             text = text[lo:]
         return out
 
+    def _stream_pieces(self, blocks: Iterable[str], title: str, max_buffer: int) -> Iterator[_Piece]:
+        """The pieces :meth:`_pieces` makes of the whole text, from its blocks: a paragraph
+        break followed by text is final, so the paragraphs before it are the whole text's."""
+        paragraph, joiner = _LEVELS[0]
+        buffer, sep, emitted = "", "", False  # sep joins the next part to the one before
+
+        def parts(text: str) -> Iterator[_Piece]:
+            nonlocal sep, emitted
+            for part in (p.strip() for p in paragraph.split(text)):
+                if part:
+                    yield from self._pieces(part, sep, 1, title)
+                    sep, emitted = joiner, True
+
+        for block in blocks:
+            buffer += block
+            cut = _last_break(buffer, paragraph)
+            if cut is not None:
+                yield from parts(buffer[:cut[0]])
+                buffer = buffer[cut[1]:]
+                sep = joiner if emitted else ""
+            elif len(buffer) > max_buffer:  # no paragraph break in sight: cut inside the paragraph
+                start, end, continued = _forced_cut(buffer, max_buffer)
+                yield from parts(buffer[:start])
+                buffer = buffer[end:]
+                sep = continued if emitted else ""
+        yield from parts(buffer)
+
     def _pack(self, pieces: list[_Piece], title: str) -> list[str]:
         """Greedily join pieces into chunk bodies that fit."""
-        bodies: list[str] = []
+        return list(self._pack_stream(pieces, title))
+
+    def _pack_stream(self, pieces: Iterable[_Piece], title: str) -> Iterator[str]:
+        """Greedily join pieces into chunk bodies that fit, each yielded when complete."""
         current: list[_Piece] = []
         for piece in pieces:
             if current and self._fits(_join(current + [piece]), title):
                 current.append(piece)
                 continue
             if current:
-                bodies.append(_join(current))
+                yield _join(current)
                 current = self._carry(current, piece, title)
             current.append(piece)
         if current:
-            bodies.append(_join(current))
-        return bodies
+            yield _join(current)
 
     def _carry(self, previous: list[_Piece], piece: _Piece, title: str) -> list[_Piece]:
         """Trailing pieces of ``previous`` within ``overlap`` tokens that leave room for ``piece``."""
@@ -129,6 +195,26 @@ class Chunker:
                 break
             tail = trial
         return tail
+
+
+def _last_break(text: str, pattern: re.Pattern) -> tuple[int, int] | None:
+    """(start, end) of the last match of ``pattern`` in ``text`` that text follows (so more
+    text cannot extend it), or None."""
+    last = None
+    for match in pattern.finditer(text):
+        if match.end() < len(text) and match.end() > match.start():
+            last = match.span()
+    return last
+
+
+def _forced_cut(text: str, limit: int) -> tuple[int, int, str]:
+    """Where to cut a paragraph longer than ``limit``: the last line, else sentence, else
+    word break, else at ``limit`` characters; (start, end, joiner of the two sides)."""
+    for pattern, joiner in _LEVELS[1:]:
+        cut = _last_break(text, pattern)
+        if cut is not None:
+            return cut[0], cut[1], joiner
+    return limit, limit, ""
 
 
 def _join(pieces: list[_Piece]) -> str:

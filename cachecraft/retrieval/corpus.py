@@ -20,6 +20,7 @@ from cachecraft.retrieval.index import ChunkIndex
 from cachecraft.retrieval.snapshot import CorpusChunk, CorpusError, Snapshot, SnapshotStore
 
 Progress = Callable[[int, int], None]
+EMBED_BATCH = 256  # chunks embedded per call (and per progress update)
 
 
 def chunk_id(text: str) -> str:
@@ -99,16 +100,19 @@ class Corpus:
 
     # -- writing ---------------------------------------------------------------------------
     def ingest(self, files: Mapping[str, Sequence[TextChunk]], *, scopes: Iterable[str | Path] = (),
-               settings: Mapping | None = None, progress: Progress | None = None) -> IngestReport:
+               settings: Mapping | None = None, progress: Progress | None = None,
+               chunk_progress: Progress | None = None) -> IngestReport:
         """Add or replace the chunks of each source file in ``files``.
 
         ``scopes``: directories that were read whole; corpus files under them that are
-        not in ``files`` are dropped. ``settings`` (chunking, model) are recorded."""
+        not in ``files`` are dropped. ``settings`` (chunking, model) are recorded.
+        ``progress`` counts source files embedded, ``chunk_progress`` chunks embedded
+        (every ``EMBED_BATCH``)."""
         with self.snapshots.writing() as old:
             self._check_embedder(old)
             sources = _merge_files(old.files, files, scopes)
             chunks = _records(sources, old.chunks, files)
-            index = self._index(old, chunks, progress, len(files))
+            index = self._index(old, chunks, progress, len(files), chunk_progress)
             new = Snapshot(self.embedder, dict(settings or old.settings), sources, chunks, index)
             if _same(old, new):
                 new = old
@@ -144,8 +148,9 @@ class Corpus:
                               "or start over with `cachecraft clear --corpus --yes`")
 
     def _index(self, old: Snapshot, chunks: dict[str, CorpusChunk], progress: Progress | None,
-               steps: int) -> ChunkIndex:
-        """The index over ``chunks``: old vectors kept, new chunks embedded (progress per source)."""
+               steps: int, chunk_progress: Progress | None = None) -> ChunkIndex:
+        """The index over ``chunks``: old vectors kept, new chunks embedded (progress per
+        source, and per batch of chunks)."""
         vectors = _old_vectors(old, chunks)
         fresh = [c for c in chunks.values() if c.id not in vectors]
         by_source: dict[str, list[CorpusChunk]] = {}
@@ -154,8 +159,16 @@ class Corpus:
         done = steps - len(by_source)
         if progress:
             progress(done, steps)
+        embedded = 0
+        if chunk_progress:
+            chunk_progress(0, len(fresh))
         for group in by_source.values():
-            vectors.update(zip((c.id for c in group), self.embed([embedding_text(c) for c in group])))
+            for start in range(0, len(group), EMBED_BATCH):
+                batch = group[start:start + EMBED_BATCH]
+                vectors.update(zip((c.id for c in batch), self.embed([embedding_text(c) for c in batch])))
+                embedded += len(batch)
+                if chunk_progress:
+                    chunk_progress(embedded, len(fresh))
             done += 1
             if progress:
                 progress(done, steps)

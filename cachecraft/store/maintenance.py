@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from cachecraft.catalog import TIERS, Catalog, remove_catalog
 from cachecraft.store.errors import SelectorError, StoreBusyError, StoreConfigError
 from cachecraft.store.locks import FileLock, live_owners, owner_alive
+from cachecraft.store.placement import NoRoom, disk_victims
 from cachecraft.store.paths import MAINTENANCE_LOCK, store_paths
 from cachecraft.store.recover import rebuild_from_disk
 from cachecraft.store.tiers import DiskTier
@@ -93,6 +94,36 @@ def reconcile(store: TieredStore) -> dict[str, int]:
     if any(fixed.values()):
         log.warning("reconciled cache %s: %s", store.cache_dir, fixed)
     return fixed
+
+
+def fit_disk_budget(store: TieredStore) -> int:
+    """Evict disk entries (by the disk policy) until the tier is within its budget, as a
+    put would; a budget lowered since the entries were stored takes effect here, when a
+    store opens. Returns how many entries were evicted."""
+    disk = store._disk()
+    if disk is None:
+        return 0
+    policy = store._policies["disk"]
+    with store._lock:
+        with store.catalog.write() as tx:
+            used = tx.tier_bytes("disk")
+            if used <= disk.budget:
+                return 0
+            try:
+                victims = disk_victims(tx, policy, 0, None, frozenset(), disk.budget)
+            except NoRoom:  # pragma: no cover - the policy lists every disk entry after the sync
+                victims = []
+            for v in victims:
+                tx.remove_entry(v.variant_key, "disk", blob=v.blob)
+                tx.event("evict", v.variant_key, "disk", None, v.nbytes, store.owner)
+        for v in victims:  # after COMMIT: drop the evicted files
+            disk.delete(v.blob)
+            policy.on_evict(v.variant_key)
+            store.counters.evictions += 1
+    if victims:
+        log.warning("disk tier held %d bytes over its budget of %d bytes: evicted %d entries (%d bytes)",
+                    used - disk.budget, disk.budget, len(victims), sum(v.nbytes for v in victims))
+    return len(victims)
 
 
 def reconcile_disk(catalog: Catalog, disk: DiskTier, owner: str) -> dict[str, int]:

@@ -177,7 +177,7 @@ def _place_disk(store: TieredStore, disk: DiskTier, move: Move, exclude: frozens
         try:
             with store.catalog.write() as tx:  # ... then the row: the commit point
                 old = tx.entry(move.key, "disk")
-                victims = _disk_victims(tx, policy, size, old, exclude | {move.key}, disk.budget)
+                victims = disk_victims(tx, policy, size, old, exclude | {move.key}, disk.budget)
                 for v in victims:
                     tx.remove_entry(v.variant_key, "disk", blob=v.blob)
                     tx.event("evict", v.variant_key, "disk", None, v.nbytes, store.owner)
@@ -200,7 +200,7 @@ def _place_disk(store: TieredStore, disk: DiskTier, move: Move, exclude: frozens
     return True
 
 
-def _disk_victims(tx: CatalogTx, policy: EvictionPolicy, size: int, old: EntryRecord | None,
+def disk_victims(tx: CatalogTx, policy: EvictionPolicy, size: int, old: EntryRecord | None,
                   skip: frozenset[str], budget: int) -> list[EntryRecord]:
     """Disk entries to evict so that ``size`` more bytes fit (inside the transaction)."""
     used = tx.tier_bytes("disk") - (old.nbytes if old is not None else 0)
@@ -270,6 +270,25 @@ def promote_from_disk(store: TieredStore, key: str, kv: ChunkKV, row: EntryRecor
                 return
     except StoreError as exc:
         log.warning("could not promote %s from disk: %s", key, exc)
+
+
+def promote_from_shared(store: TieredStore, key: str, kv: ChunkKV, meta) -> None:
+    """Copy a variant read from the shared tier into the fastest local tier that takes it
+    (memory first, then disk); the shared tier keeps it. Best effort: a local failure is
+    logged, the read still served."""
+    if any(key in t for t in store._memory_tiers()) or store._disk_row(key) is not None:
+        return
+    info = EntryInfo(key, kv.chunk, entry_nbytes(kv),
+                     meta.cost_s if meta.cost_s is not None else estimate_cost_s(kv.num_tokens, kv.num_layers),
+                     meta.quality if meta.quality is not None else 1.0)
+    move = Move(key, kv, info, "promote", "redis", False, None)
+    try:
+        for j in range(len(store._tiers)):
+            if place(store, j, move, frozenset({key})):
+                store.counters.promotions += 1
+                return
+    except StoreError as exc:
+        log.warning("could not promote %s from the shared tier: %s", key, exc)
 
 
 def forget(store: TieredStore, tier: MemoryTier, key: str, kind: str | None) -> None:

@@ -152,6 +152,22 @@ class DiskLayerReader(LayerReader):
             self._blob = None
 
 
+class SharedLayerReader(DiskLayerReader):
+    """Layers of a variant in the shared tier (Redis), fetched and verified one by one."""
+
+    def __init__(self, tier: str, key: str, blob, dtype: torch.dtype | None, device: torch.device | str,
+                 on_corrupt: Callable[[Exception], None],
+                 on_complete: Callable[[ChunkKV], None] | None = None) -> None:
+        super().__init__(key, blob, dtype, device, on_corrupt, on_complete)
+        self.tier = tier
+
+    def _fail(self, exc: Exception) -> None:
+        self._on_corrupt(exc)
+        self.close()
+        raise CorruptEntryError(f"variant {self.key} could not be read from the shared tier ({exc}); "
+                                "recompute the chunk") from None
+
+
 def _convert_whole(kv: ChunkKV, dtype: torch.dtype | None, device: torch.device | str) -> ChunkKV:
     return dataclasses.replace(kv, keys=kv.keys.to(device=device, dtype=dtype),
                                values=kv.values.to(device=device, dtype=dtype))

@@ -8,6 +8,12 @@ disk reads, which verify checksums and the entry's identity and drop damaged ent
 :mod:`~cachecraft.store.disk_reads` (memory tiers hold tensors this process made and
 are not re-hashed); reconcile, recovery and eviction on demand:
 :mod:`~cachecraft.store.maintenance`.
+
+With ``redis_url`` set, a shared tier (:mod:`~cachecraft.store.shared`) comes after the
+local tiers: every put is also written there, a local miss is looked up there (reads
+verified like disk reads, layer by layer for :meth:`TieredStore.iter_layers`), and a
+hit is promoted into this node's local tiers. The shared tier failing is a miss, never
+an error.
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ from cachecraft.catalog import TIERS, Catalog, ChunkRecord, EntryRecord, Variant
 from cachecraft.config import Config
 from cachecraft.kv import AttentionStats, ChunkKV, chunk_key
 from cachecraft.store import disk_reads, maintenance, placement
-from cachecraft.store.codec import copy_to
+from cachecraft.store.codec import copy_to, encode
 from cachecraft.store.errors import StoreConfigError
 from cachecraft.store.eviction import EntryInfo, EvictionPolicy, estimate_cost_s, make_policy
 from cachecraft.store.locks import FileLock, OwnerLock
 from cachecraft.store.maintenance import EvictReport
 from cachecraft.store.paths import MAINTENANCE_LOCK, ensure_writable, store_paths
-from cachecraft.store.readers import LayerReader, MemoryLayerReader
+from cachecraft.store.readers import LayerReader, MemoryLayerReader, SharedLayerReader
+from cachecraft.store.shared import SharedMeta
 from cachecraft.store.tiers import (DiskTier, MemEntry, MemoryTier, TierState, build_tiers, entry_nbytes,
                                     select_tiers, tier_budgets)
 
@@ -84,23 +91,31 @@ class TieredStore:
             make_policy(policy_name)
         except ValueError as exc:
             raise StoreConfigError(str(exc)) from None
-        catalog_missing = not catalog_path(self.cache_dir).exists()
-        self.catalog = Catalog(self.cache_dir)
+        catalog_missing = not config.catalog_url and not catalog_path(self.cache_dir).exists()
+        self.catalog = Catalog(self.cache_dir, url=config.catalog_url or None)
+        if config.catalog_url:  # a new, empty PostgreSQL catalog: rebuild it from the disk tier
+            catalog_missing = self.catalog.created
         self.owner = uuid.uuid4().hex[:16]
         self._owner_lock: OwnerLock | None = None
         self._maintenance = FileLock(self.locks_dir / MAINTENANCE_LOCK)
         self._lock = threading.RLock()
         self.counters = StoreCounters()
+        self.shared = None  # the shared (Redis) tier, when redis_url is set
         self._tiers: list[MemoryTier | DiskTier] = []
         try:
             self._owner_lock = OwnerLock(self.locks_dir, self.owner)
             self._tiers = build_tiers(names, limits, disk_dir)
             self._policies: dict[str, EvictionPolicy] = {t.name: make_policy(policy_name) for t in self._tiers}
+            if self.catalog.shared:
+                _claim_catalog(self.catalog, self.root)
+            if config.redis_url:
+                self.shared = _connect_shared(config)
             # a catalog deleted by hand must not make the disk tier look like orphans
             if catalog_missing and not maintenance.recover_catalog(self):
                 reconcile = False  # never treat un-rebuilt blobs as orphans
             if reconcile:
                 self.reconcile()
+            maintenance.fit_disk_budget(self)  # a budget lowered since the last run takes effect now
         except BaseException:
             self._release()
             raise
@@ -155,6 +170,12 @@ class TieredStore:
                 tx.upsert_variant(VariantRecord(key, kv.chunk, kv.prefix, nbytes, self.config.kv_dtype,
                                                 cci=cci, stats=stats, cost_s=cost_s, quality=quality))
             tier = placement.place_new(self, placement.Move(key, stored, info))
+            if self.shared is not None:
+                meta = SharedMeta(key, kv.chunk, "", 0, kv.fingerprint, kv.num_tokens, tuple(kv.prefix),
+                                  self.config.kv_dtype, cci, None if stats is None else dict(stats), cost_s,
+                                  quality, source)
+                if self.shared.put(meta, encode(stored)) and tier is None:
+                    tier = self.shared.name
             if tier is not None:
                 return tier
             self.counters.not_cached += 1
@@ -183,6 +204,8 @@ class TieredStore:
                 return out
             found = disk_reads.read_disk(self, key)
             if found is None:
+                if self.shared is not None:
+                    return self._get_shared(key, dtype, device, fingerprint, promote, count_hit)
                 return self._miss(key)
             row, kv = found
             if fingerprint is not None and kv.fingerprint != fingerprint:
@@ -216,6 +239,8 @@ class TieredStore:
                 return reader
             opened = disk_reads.open_disk(self, key)
             if opened is None:
+                if self.shared is not None:
+                    return self._open_shared(key, dtype, device, fingerprint, promote, count_hit)
                 return self._miss(key)
             row, blob = opened
             if fingerprint is not None and blob.metadata["fingerprint"] != fingerprint:
@@ -244,6 +269,8 @@ class TieredStore:
                     return tier.name
             if self._disk() is not None and self._disk_row(key) is not None:
                 return "disk"
+            if self.shared is not None and self.shared.contains(key):
+                return self.shared.name
             return None
 
     def delete(self, key: str) -> bool:
@@ -254,7 +281,10 @@ class TieredStore:
                 if key in tier:
                     placement.forget(self, tier, key, kind="delete")
                     found = True
-            return placement.delete_disk_copy(self, key, kind="delete") or found
+            found = placement.delete_disk_copy(self, key, kind="delete") or found
+            if self.shared is not None:
+                found = bool(self.shared.delete(key)) or found
+            return found
 
     def evict(self, *, chunk: str | None = None, source: str | None = None, tier: str | None = None,
               everything: bool = False) -> EvictReport:
@@ -269,7 +299,13 @@ class TieredStore:
     def variants_of(self, chunk: str) -> list[VariantRecord]:
         """Variants of a chunk this store can read (tier = the fastest it can read from)."""
         with self.catalog.read() as tx:
-            return tx.available_variants(chunk, self.owner)
+            local = tx.available_variants(chunk, self.owner)
+        if self.shared is None:
+            return local
+        have = {r.key for r in local}
+        shared = [_shared_record(m, self.shared.name) for m in self.shared.variants_of(chunk)
+                  if m.variant not in have and m.dtype == self.config.kv_dtype]
+        return local + shared
 
     def info(self, key: str) -> VariantRecord | None:
         """What the catalog records about a variant (live or evicted), or None."""
@@ -285,6 +321,11 @@ class TieredStore:
                     return entry.kv.stats
             opened = disk_reads.open_disk(self, key)
         if opened is None:
+            if self.shared is not None:
+                blob = self.shared.open(key, count=False)
+                if blob is not None:
+                    blob.close()
+                    return blob.stats
             return None
         _, blob = opened
         blob.close()
@@ -299,6 +340,9 @@ class TieredStore:
                 with self.catalog.read() as tx:
                     rows = tx.entries(tier="disk")
                 out["disk"] = TierState("disk", len(rows), sum(r.nbytes for r in rows), disk.budget)
+            if self.shared is not None:
+                out[self.shared.name] = TierState(self.shared.name, self.shared.count(), self.shared.used(),
+                                                  self.shared.budget)
             return out
 
     def keys(self, tier: str) -> list[str]:
@@ -330,6 +374,8 @@ class TieredStore:
                 self._release()
 
     def _release(self) -> None:
+        if self.shared is not None:
+            self.shared.close()
         for tier in self._tiers:
             if tier.is_disk:
                 tier.close()
@@ -363,6 +409,65 @@ class TieredStore:
         with self.catalog.read() as tx:
             return tx.entry(key, "disk")
 
+    def _get_shared(self, key: str, dtype: torch.dtype | None, device: torch.device | str,
+                    fingerprint: str | None, promote: bool, count_hit: bool) -> ChunkKV | None:
+        """A local miss looked up in the shared tier; a hit is promoted into the local tiers."""
+        found = self.shared.get(key)
+        if found is None:
+            return self._miss(key)
+        meta, kv = found
+        if meta.dtype != self.config.kv_dtype:
+            return self._miss(key, f"shared copy is {meta.dtype}, this store keeps {self.config.kv_dtype}")
+        if fingerprint is not None and kv.fingerprint != fingerprint:
+            return self._miss(key, f"fingerprint {kv.fingerprint} is not {fingerprint}")
+        self._record_shared(meta, entry_nbytes(kv))
+        self._hit_shared(key, count_hit)
+        if promote:
+            placement.promote_from_shared(self, key, kv, meta)
+        return _convert(kv, dtype, device)
+
+    def _open_shared(self, key: str, dtype: torch.dtype | None, device: torch.device | str,
+                     fingerprint: str | None, promote: bool, count_hit: bool) -> LayerReader | None:
+        """A layer reader over the shared tier's copy; read to the end, it is promoted."""
+        blob = self.shared.open(key)
+        if blob is None:
+            return self._miss(key)
+        meta = blob.meta
+        if meta.dtype != self.config.kv_dtype:
+            return self._miss(key, f"shared copy is {meta.dtype}, this store keeps {self.config.kv_dtype}")
+        if fingerprint is not None and blob.metadata["fingerprint"] != fingerprint:
+            return self._miss(key, f"fingerprint {blob.metadata['fingerprint']} is not {fingerprint}")
+        self._record_shared(meta, meta.nbytes)
+        self._hit_shared(key, count_hit)
+        shared = self.shared
+
+        def on_corrupt(exc: Exception) -> None:
+            shared.drop(key, exc)
+
+        def on_complete(kv: ChunkKV) -> None:
+            with self._lock:
+                placement.promote_from_shared(self, key, kv, meta)
+
+        promotable = promote and bool(self._tiers)
+        return SharedLayerReader(shared.name, key, blob, dtype, device, on_corrupt,
+                                 on_complete if promotable else None)
+
+    def _record_shared(self, meta: SharedMeta, nbytes: int) -> None:
+        """Chunk and variant rows for a variant found in the shared tier (a promotion's
+        placement rows need them)."""
+        with self.catalog.write() as tx:
+            tx.upsert_chunk(ChunkRecord(meta.chunk, meta.fingerprint, meta.num_tokens, meta.source))
+            if tx.variant(meta.variant) is None:
+                tx.upsert_variant(VariantRecord(meta.variant, meta.chunk, meta.prefix, nbytes, meta.dtype,
+                                                cci=meta.cci, stats=meta.stats, cost_s=meta.cost_s,
+                                                quality=meta.quality))
+
+    def _hit_shared(self, key: str, count: bool) -> None:
+        if not count:
+            return
+        with self.catalog.write(exclusive=False) as tx:
+            tx.touch(key)
+
     def _miss(self, key: str, why: str | None = None) -> None:
         self.counters.misses += 1
         if why:
@@ -376,8 +481,51 @@ class TieredStore:
         self._policies[tier].on_hit(key)
         if entry is not None:
             entry.hits += 1
-        with self.catalog.write() as tx:
+        with self.catalog.write(exclusive=False) as tx:  # hits + 1 in SQL: no lock needed
             tx.touch(key)
+
+
+CATALOG_ID_FILE = "catalog-id"
+
+
+def _claim_catalog(catalog: Catalog, root: Path) -> None:
+    """Tie a server catalog (``catalog_url``) to this cache directory's disk tier.
+
+    The catalog's disk rows describe one disk tier; another cache directory opening the
+    same database would take them for lost bytes and drop them. The first store to open
+    a database records an id there and in ``<store root>/catalog-id``; a cache directory
+    without that id is refused with one line.
+    """
+    id_file = root / CATALOG_ID_FILE
+    local = id_file.read_text().strip() if id_file.is_file() else None
+    with catalog.write() as tx:
+        found = tx.info_value("disk_tier_id")
+        if found is None:  # a new database: this cache directory takes it
+            found = local or uuid.uuid4().hex
+            tx.set_info_value("disk_tier_id", found)
+            if local is None:
+                id_file.write_text(found + "\n")
+                local = found
+    if local != found:
+        raise StoreConfigError(f"catalog_url {catalog.where} already serves another cache directory; "
+                               "give each cache directory its own database (or share that cache "
+                               "directory itself)")
+
+
+def _connect_shared(config: Config):
+    """The shared tier of ``config.redis_url``."""
+    try:
+        from cachecraft.store.shared import RedisTier
+        return RedisTier(config.redis_url, config.redis_budget_bytes)
+    except ImportError:
+        raise StoreConfigError("redis_url needs the redis package: pip install 'cachecraft[shared]'") from None
+    except ValueError as exc:  # a malformed URL
+        raise StoreConfigError(f"redis_url is not usable ({exc}); use redis://host:port/db") from None
+
+
+def _shared_record(meta: SharedMeta, tier: str) -> VariantRecord:
+    return VariantRecord(meta.variant, meta.chunk, meta.prefix, meta.nbytes, meta.dtype, cci=meta.cci,
+                         stats=meta.stats, cost_s=meta.cost_s, quality=meta.quality, tier=tier)
 
 
 def _convert(kv: ChunkKV, dtype: torch.dtype | None, device: torch.device | str) -> ChunkKV:

@@ -1,0 +1,55 @@
+"""The yardstick's figures in the README table, the report's plot and its list of losses."""
+
+from __future__ import annotations
+
+from cachecraft.bench.findings import paired_losses
+from cachecraft.bench.plots import quality_intervals
+from cachecraft.bench.quality import aggregate, compare_methods
+from tests.test_bench_readme import render
+
+LABELS = ["full", "cacheblend@0.15", "cachecraft@0.08"]
+
+
+def _rows() -> list[dict]:
+    """Three items by hand: cachecraft's answer KL is 0.1 above CacheBlend's on every item,
+    its token agreement 0.1 below on one item and equal on the others."""
+    rows = []
+    for item in range(3):
+        for label, answer_kl, agreement in (("full", 0.0, 1.0), ("cacheblend@0.15", 0.2 + item / 10, 0.8),
+                                            ("cachecraft@0.08", 0.3 + item / 10, 0.7 if item == 0 else 0.8)):
+            rows.append({"item": item, "method": label, "ttft_s": 1.0 if label != "full" else 10.0,
+                         "speedup_vs_full": 10.0 if label != "full" else 1.0, "recompute_fraction": 0.1,
+                         "kl": answer_kl / 2, "answer_kl": answer_kl, "token_agreement": agreement,
+                         "agreement_f1": agreement, "exact_match": 0.0, "gold_f1": 0.1, "peak_rss_mb": 1.0,
+                         "rss_growth_mb": 1.0, "kv_mb": 1.0})
+    return rows
+
+
+def _result() -> dict:
+    rows = _rows()
+    return {"command": "cachecraft bench quality --limit 3", "model": "m", "limit": 3, "date": "2026-11-24T00:00",
+            "machine": {"cpu": "cpu", "cores": 2}, "items": rows,
+            "methods": {label: aggregate(rows, label) for label in LABELS},
+            "comparisons": compare_methods(rows, LABELS)}
+
+
+def test_paired_verdicts_by_hand():
+    vs_blend = _result()["comparisons"]["cachecraft@0.08"]["vs cacheblend@0.15"]
+    assert vs_blend["answer_kl"]["verdict"] == "worse"  # +0.1 on every item: the interval is [0.1, 0.1]
+    assert abs(vs_blend["answer_kl"]["low"] - 0.1) < 1e-9 and abs(vs_blend["answer_kl"]["high"] - 0.1) < 1e-9
+    # differences -0.1, 0, 0: resampled means run from -0.1 to 0, so the interval touches zero
+    assert vs_blend["token_agreement"]["verdict"] == "no measurable difference"
+    assert vs_blend["gold_f1"]["verdict"] == "no measurable difference"  # identical
+    assert _result()["comparisons"]["cachecraft@0.08"]["vs full"]["answer_kl"]["verdict"] == "worse"
+
+
+def test_readme_table_plot_and_losses(tmp_path):
+    data = _result()
+    text = render(tmp_path, "quality", data)
+    assert "| cachecraft@0.08 | cacheblend@0.15 | worse (+0.100 [+0.100, +0.100])" in text
+    assert "[95% bootstrap interval]" in text
+    png = quality_intervals(data, tmp_path / "intervals.png")
+    assert png.is_file() and png.stat().st_size > 1000
+    losses = paired_losses(data)
+    assert any("`cachecraft@0.08` is worse than `cacheblend@0.15` on answer_kl" in line for line in losses)
+    assert not any("token_agreement" in line and "cacheblend" in line for line in losses)
