@@ -130,7 +130,9 @@ def top_chunks(catalog: Catalog, limit: int = 10) -> list[ChunkHits]:
     first segment of every prefix) and the warm context are left out: every request and
     every warmed chunk uses them, so they would always top the list."""
     live = func.sum(case((Variant.tier.is_not(None), 1), else_=0))
-    system = select(func.json_extract(Variant.prefix, "$[0]")).where(Variant.prefix_len > 0).distinct()
+    # The system prompt is the one chunk cached with nothing before it (every other chunk
+    # comes after it); asked in plain SQL so that SQLite and PostgreSQL read it alike.
+    system = select(Variant.chunk_key).where(Variant.prefix_len == 0).distinct()
     query = (select(Chunk, func.sum(Variant.hits), func.count(Variant.key), live)
              .join(Variant, Variant.chunk_key == Chunk.key)
              .where(Chunk.key.not_in(system), or_(Chunk.source.is_(None), Chunk.source != WARM_CONTEXT_SOURCE))
