@@ -7,7 +7,7 @@ import statistics as pystats
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import case, func, or_, select
+from sqlalchemy import JSON, case, cast, func, or_, select, type_coerce
 
 from cachecraft.catalog.db import Catalog
 from cachecraft.catalog.models import Chunk, Entry, Request, Variant
@@ -130,9 +130,10 @@ def top_chunks(catalog: Catalog, limit: int = 10) -> list[ChunkHits]:
     first segment of every prefix) and the warm context are left out: every request and
     every warmed chunk uses them, so they would always top the list."""
     live = func.sum(case((Variant.tier.is_not(None), 1), else_=0))
-    # The system prompt is the one chunk cached with nothing before it (every other chunk
-    # comes after it); asked in plain SQL so that SQLite and PostgreSQL read it alike.
-    system = select(Variant.chunk_key).where(Variant.prefix_len == 0).distinct()
+    # The first key of every stored prefix. PostgreSQL reads the text column as JSON after a
+    # cast; SQLite must not cast (its JSON type name has numeric affinity) and reads it as is.
+    prefix = (cast if catalog.dialect == "postgresql" else type_coerce)(Variant.prefix, JSON)
+    system = select(prefix[0].as_string()).where(Variant.prefix_len > 0).distinct()
     query = (select(Chunk, func.sum(Variant.hits), func.count(Variant.key), live)
              .join(Variant, Variant.chunk_key == Chunk.key)
              .where(Chunk.key.not_in(system), or_(Chunk.source.is_(None), Chunk.source != WARM_CONTEXT_SOURCE))
