@@ -188,7 +188,39 @@ def read_header(fh: BinaryIO, expected_checksum: str) -> tuple[dict, dict]:
     return _parse_header(head, expected_checksum)
 
 
-class LazyBlob:
+class LayeredBlob:
+    """What a verified, layer-by-layer view of a blob shares, wherever its bytes live:
+    the small tensors (token ids, statistics) read and checked on opening, then each
+    layer read and verified on demand through :meth:`tensor`."""
+
+    digests: dict[str, str]
+    metadata: dict[str, str]
+    small: dict[str, torch.Tensor]
+
+    def _opened(self, key: str | None) -> None:
+        """Read the entry's identity from the small tensors and check it against ``key``."""
+        self.token_ids = tuple(self.small["token_ids"].tolist())
+        try:
+            self.num_layers = int(self.metadata["num_layers"])
+            self.stats = AttentionStats.from_tensors(self.small)
+        except (KeyError, ValueError) as exc:
+            raise BlobError(f"unreadable metadata: {exc}") from None
+        _check_identity(key, self.metadata, self.token_ids)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def layers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(K, V) per layer, each ``[H_kv, T, D]``, verified as read."""
+        for layer in range(self.num_layers):
+            yield self.tensor(f"k.{layer}"), self.tensor(f"v.{layer}")
+
+    def assemble(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> ChunkKV:
+        """The whole ChunkKV from layers read (in the stored dtype, on the CPU)."""
+        return assemble(self.small, self.metadata, keys, values)
+
+
+class LazyBlob(LayeredBlob):
     """A verified view of a blob file that reads layers on demand (safetensors mmap).
 
     Construction verifies the header checksum, every tensor that is not a layer (token
@@ -208,13 +240,7 @@ class LazyBlob:
         if set(self._file.keys()) != set(self.digests):
             raise BlobError("tensor list does not match the digests")
         self.small = {name: self.tensor(name) for name in self.digests if not _LAYER.match(name)}
-        self.token_ids = tuple(self.small["token_ids"].tolist())
-        try:
-            self.num_layers = int(self.metadata["num_layers"])
-            self.stats = AttentionStats.from_tensors(self.small)
-        except (KeyError, ValueError) as exc:
-            raise BlobError(f"unreadable metadata: {exc}") from None
-        _check_identity(key, self.metadata, self.token_ids)
+        self._opened(key)
 
     def tensor(self, name: str) -> torch.Tensor:
         """One verified tensor."""
@@ -225,15 +251,6 @@ class LazyBlob:
         if tensor_checksum(t) != self.digests.get(name):
             raise BlobError(f"tensor {name} checksum mismatch")
         return t
-
-    def layers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(K, V) per layer, each ``[H_kv, T, D]``, verified as read."""
-        for layer in range(self.num_layers):
-            yield self.tensor(f"k.{layer}"), self.tensor(f"v.{layer}")
-
-    def assemble(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> ChunkKV:
-        """The whole ChunkKV from layers read (in the stored dtype, on the CPU)."""
-        return assemble(self.small, self.metadata, keys, values)
 
     def close(self) -> None:
         """Release the mapping."""

@@ -31,13 +31,13 @@ import logging
 import threading
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
-from cachecraft.kv import AttentionStats, ChunkKV
-from cachecraft.store.codec import (_LAYER, Blob, BlobError, _check_identity, _header_length,
-                                    _parse_header, assemble, checksum, decode)
+from cachecraft.kv import ChunkKV
+from cachecraft.store.codec import (_LAYER, Blob, BlobError, LayeredBlob, _header_length,
+                                    _parse_header, checksum, decode)
 
 log = logging.getLogger(__name__)
 
@@ -387,7 +387,7 @@ class _Unavailable(BlobError):
     fails like a damaged one, but nothing is dropped or counted as damaged."""
 
 
-class RedisBlob:
+class RedisBlob(LayeredBlob):
     """A verified view of a blob in Redis that reads layers on demand (``GETRANGE``).
 
     The same interface as :class:`cachecraft.store.codec.LazyBlob`: opening verifies the
@@ -419,13 +419,7 @@ class RedisBlob:
         self._pending: dict[str, torch.Tensor] = {}
         small = [name for name in self.digests if not _LAYER.match(name)]
         self.small = dict(zip(small, self._fetch(small)))
-        self.token_ids = tuple(self.small["token_ids"].tolist())
-        try:
-            self.num_layers = int(self.metadata["num_layers"])
-            self.stats = AttentionStats.from_tensors(self.small)
-        except (KeyError, ValueError) as exc:
-            raise BlobError(f"unreadable metadata: {exc}") from None
-        _check_identity(variant, self.metadata, self.token_ids)
+        self._opened(variant)
 
     def _fetch(self, names: Sequence[str]) -> list[torch.Tensor]:
         spans = []
@@ -459,13 +453,6 @@ class RedisBlob:
             self._pending[pair[1]] = v
             return k
         return self._fetch([name])[0]
-
-    def layers(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        for layer in range(self.num_layers):
-            yield self.tensor(f"k.{layer}"), self.tensor(f"v.{layer}")
-
-    def assemble(self, keys: list[torch.Tensor], values: list[torch.Tensor]) -> ChunkKV:
-        return assemble(self.small, self.metadata, keys, values)
 
     def close(self) -> None:
         self._pending.clear()
