@@ -91,12 +91,6 @@ class Method:
     def __repr__(self) -> str:
         return f"<method {self.label}>"
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Method) and other.label == self.label
-
-    def __hash__(self) -> int:
-        return hash(self.label)
-
     def load_plan(self, request: RequestContext) -> LoadPlan | None:
         """Variants to load; None when the method uses no chunk-caches (``uses_cache``
         false). Default: each chunk's independent variant."""

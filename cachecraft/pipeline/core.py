@@ -336,8 +336,8 @@ class Pipeline:
             uncached = sum(len(s.token_ids) for s in prepared.segments if s.cached is None)
             work += uncached * (prepared.hooks.lookahead_layer + 1)
         kv_bytes = sum(k.numel() * k.element_size() * 2 for k in result.keys)
-        return PrefillTrace(method.label, result.logits.float().cpu(), work, kv_bytes, result.recompute_fraction,
-                            list(result.keys), list(result.values), result.token_ids)
+        return PrefillTrace(method.label, result.logits.float().cpu(), work, kv_bytes, list(result.keys),
+                            list(result.values), result.token_ids)
 
     def starting_bandwidths(self) -> dict[str, float]:
         """Per tier, the bandwidth the loading controller assumes before it has timed a load:

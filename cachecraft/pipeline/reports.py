@@ -63,7 +63,6 @@ class PrefillTrace:
     logits: torch.Tensor
     token_layers: int
     kv_bytes: int
-    recompute_fraction: float
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     token_ids: torch.Tensor
