@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.table import Table
 
-from cachecraft.display import seconds
+from cachecraft.display import saved as saved_text, seconds
+
+from . import STARTED
 
 from .bench import bench_app
 from .common import (CONTEXT, METHODS_HELP, UserError, console, err_console, friendly, load_config, summarize_commands,
@@ -280,12 +283,14 @@ def query_cmd(
         max_new_tokens = cap_new_tokens(pipe, question, top_k, max_new_tokens or config.max_new_tokens)
         streamer = None if as_json else streamer_for(pipe.lm.tokenizer)
         answer = pipe.query(question, top_k=top_k, method=method, streamer=streamer, max_new_tokens=max_new_tokens)
+        startup_s = dict(pipe.startup_s)
+    command_s = time.perf_counter() - STARTED  # the store is closed too: what the user waited for
     threshold = LOW_RELEVANCE if config.embedder == "minilm" else None  # chosen for MiniLM's scores
     if as_json:
-        print(json.dumps(answer.to_dict(), indent=2))
+        print(json.dumps({**answer.to_dict(), "command_s": command_s, "startup_s": startup_s}, indent=2))
         warn_low_relevance(answer, threshold)
         return
-    print_report(answer, threshold)
+    print_report(answer, threshold, command_s=command_s, startup_s=startup_s)
 
 
 def _require_corpus(config) -> None:
@@ -407,15 +412,17 @@ def explain_cmd(ctx: typer.Context,
         record = catalog.get_request(request_id)
     if record is None:
         raise UserError(f"no request with id {request_id} in {config.cache_dir}")
+    from cachecraft.catalog.stats import saved_seconds
+    saved_s = saved_seconds(record.full_prefill_s, record.ttft_s, record.recompute_fraction)
     if as_json:
-        print(json.dumps(dataclasses.asdict(record), indent=2, default=str))
+        print(json.dumps({**dataclasses.asdict(record), "saved_s": saved_s}, indent=2, default=str))
         return
 
     def fmt(value: float | None, pattern: str = "{:.3f}") -> str:
         return "-" if value is None else pattern.format(value)
 
     table = Table(title=f"request {record.id}: {record.method}, recompute {fmt(record.recompute_fraction, '{:.1%}')}, "
-                        f"TTFT {fmt(record.ttft_s, '{:.2f}')} s")
+                        f"TTFT {fmt(record.ttft_s, '{:.2f}')} s, prefill time {saved_text(saved_s)}")
     for column in ("#", "chunk", "variant", "tier", "CCI", "beta'", "CFO", "fraction", "stop layer"):
         table.add_column(column, justify="right" if column not in ("chunk", "variant", "tier") else "left",
                          no_wrap=column in ("chunk", "variant", "tier"))
@@ -474,7 +481,7 @@ def _print_stats(data: dict) -> None:
     for row in data["by_method"]:
         methods.add_row(row["method"], str(row["requests"]), _fraction(row["hit_rate"]),
                         _fraction(row["recompute_mean"]),
-                        seconds(row["ttft_s_mean"]), seconds(row["saved_s"], 1))
+                        seconds(row["ttft_s_mean"]), saved_text(row["saved_s"], 1))
     console.print(methods)
     top = _table("top chunks", "chunk", "hits", "variants (stored)", "tokens", "source / preview")
     for chunk in data["top_chunks"]:
@@ -488,10 +495,12 @@ def _print_stats(data: dict) -> None:
         histogram.add_row(f"{low:.1f}-{high:.1f}", str(n), "#" * round(30 * n / widest))
     console.print(histogram)
     saved = data["prefill_time_saved"]
-    console.print(f"estimated prefill time saved: {seconds(saved['saved_s'], 1)} over {saved['requests']} requests "
-                  f"({seconds(saved['full_prefill_s'], 1)} of full prefill estimated, {seconds(saved['ttft_s'], 1)} "
-                  "spent)",
-                  highlight=False)
+    basis = (f"full prefill timed at {saved['full_s_per_1k_tokens']:.2f} s per 1k prompt tokens by the recorded "
+             "`full` requests" if saved["basis"] == "measured" else "full prefill estimated by the cost model; "
+             "no `full` request recorded to time it")
+    console.print(f"prefill time {saved_text(saved['saved_s'], 1)} over {saved['requests']} requests "
+                  f"({seconds(saved['full_prefill_s'], 1)} of full prefill against {seconds(saved['ttft_s'], 1)} "
+                  f"spent; {basis})", highlight=False)
 
 
 def _table(title: str, *columns: str) -> Table:

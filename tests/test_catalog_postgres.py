@@ -48,7 +48,7 @@ def test_creates_the_tables_and_schema_version_in_postgres(tmp_path, catalog, pg
             "SELECT tablename FROM pg_tables WHERE schemaname='public'")}
         nbytes_type = conn.execute("SELECT data_type FROM information_schema.columns WHERE "
                                    "table_name='variants' AND column_name='nbytes'").fetchone()[0]
-    assert version == "1" and nbytes_type == "bigint"
+    assert version == "2" and nbytes_type == "bigint"
     assert {"chunks", "variants", "entries", "requests", "request_chunks", "tier_events"} <= tables
     again = Catalog(tmp_path, url=_plain(pg_url))  # reopening is fine and creates nothing; plain
     assert not again.created                       # postgresql:// also means psycopg 3
@@ -65,7 +65,7 @@ def test_incompatible_schema_version_is_refused(tmp_path, pg_url):  # noqa: F811
     Catalog(tmp_path, url=pg_url).close()
     with psycopg.connect(_plain(pg_url)) as conn:
         conn.execute("UPDATE schema_info SET value='999' WHERE key='schema_version'")
-    with pytest.raises(SchemaVersionError, match="schema version 999.*needs 1"):
+    with pytest.raises(SchemaVersionError, match="schema version 999.*needs 2"):
         Catalog(tmp_path, url=pg_url)
 
 

@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 from cachecraft.catalog.errors import (CatalogBusyError, CatalogCorruptError, CatalogError,
                                        CatalogUnavailableError, CatalogWriteError,
                                        SchemaVersionError)
-from cachecraft.catalog.models import (SCHEMA_VERSION, Base, Chunk, Entry, Request,
+from cachecraft.catalog.models import (SCHEMA_VERSION, UPGRADES, Base, Chunk, Entry, ModelProfile, Request,
                                        RequestChunkRow, SchemaInfo, TierEvent, Variant)
 from cachecraft.catalog.records import (TIERS, ChunkRecord, EntryRecord, RequestChunk,
                                         RequestRecord, TierEventRecord, VariantRecord,
@@ -347,7 +347,7 @@ class CatalogTx:
                       num_chunks=len(rec.chunks), hits_gpu=hits["gpu"], hits_cpu=hits["cpu"],
                       hits_disk=hits["disk"], misses=rec.misses,
                       recompute_fraction=rec.recompute_fraction, ttft_s=rec.ttft_s,
-                      full_prefill_s=rec.full_prefill_s)
+                      full_prefill_s=rec.full_prefill_s, num_tokens=rec.num_tokens)
         self.session.add(row)
         self.session.flush()
         for c in rec.chunks:
@@ -370,7 +370,44 @@ class CatalogTx:
             chunks=tuple(RequestChunk(c.position, c.chunk_key, c.variant_key, c.tier, c.cci,
                                       c.beta_prime, c.cfo, c.fraction, c.stop_layer) for c in chunks),
             recompute_fraction=row.recompute_fraction, ttft_s=row.ttft_s,
-            full_prefill_s=row.full_prefill_s, created_at=row.created_at, id=row.id)
+            full_prefill_s=row.full_prefill_s, created_at=row.created_at, id=row.id,
+            num_tokens=row.num_tokens)
+
+    # what was measured or fitted per model ----------------------------------------------
+
+    def profile(self, fingerprint: str, device: str, kind: str) -> dict | None:
+        """The ``kind`` profile (a JSON object) of model ``fingerprint`` on ``device``, or None."""
+        row = self.session.get(ModelProfile, (fingerprint, device, kind))
+        if row is None:
+            return None
+        try:
+            value = json.loads(row.value)
+        except ValueError:
+            return None  # unreadable: as if never measured, and overwritten by the next save
+        return value if isinstance(value, dict) else None
+
+    def set_profile(self, fingerprint: str, device: str, kind: str, value: dict) -> None:
+        """Store (or replace) the ``kind`` profile of model ``fingerprint`` on ``device``."""
+        row = self.session.get(ModelProfile, (fingerprint, device, kind))
+        text = json.dumps(value, sort_keys=True)
+        if row is None:
+            self.session.add(ModelProfile(fingerprint=fingerprint, device=device, kind=kind, value=text,
+                                          updated_at=time.time()))
+        else:
+            row.value, row.updated_at = text, time.time()
+
+    def profiles(self, fingerprint: str | None = None) -> list[tuple[str, str, str, dict]]:
+        """Every stored profile as (fingerprint, device, kind, value), optionally of one model."""
+        query = select(ModelProfile).order_by(ModelProfile.fingerprint, ModelProfile.device, ModelProfile.kind)
+        if fingerprint is not None:
+            query = query.where(ModelProfile.fingerprint == fingerprint)
+        rows = []
+        for row in self.session.scalars(query):
+            try:
+                rows.append((row.fingerprint, row.device, row.kind, json.loads(row.value)))
+            except ValueError:
+                continue
+        return rows
 
     def request_ids(self, limit: int | None = None) -> list[int]:
         """Ids of stored requests, newest first."""
@@ -417,6 +454,7 @@ class Catalog:
         self.cache_dir = Path(cache_dir)
         self.url = url or None
         self.created = False  # set when this open created the tables
+        self.upgraded_from: int | None = None  # set when this open upgraded an older schema
         self.path = catalog_path(self.cache_dir)
         if self.url is None:
             self.dialect = "sqlite"
@@ -490,20 +528,26 @@ class Catalog:
         self._read_engine = self._engine.execution_options(isolation_level="REPEATABLE READ")
 
     def _init_schema(self) -> None:
-        # schema changes live in one place: the models (cachecraft.catalog.models) and
-        # SCHEMA_VERSION there; a database of another version is refused, never migrated
+        # schema changes live in one place: the models (cachecraft.catalog.models), with
+        # SCHEMA_VERSION and the UPGRADES from older versions there
         with self.write() as tx:
             conn = tx.session.connection()
             tables = set(inspect(conn).get_table_names())
             if "schema_info" in tables:
                 row = tx.session.get(SchemaInfo, "schema_version")
                 found = None if row is None else row.value
-                if found != str(SCHEMA_VERSION):
+                version = int(found) if found is not None and found.isdigit() else None
+                if version != SCHEMA_VERSION and (version is None or version > SCHEMA_VERSION
+                                                  or any(v not in UPGRADES for v in range(version, SCHEMA_VERSION))):
                     raise SchemaVersionError(
                         f"catalog {self.where} has schema version {found}, this cachecraft needs "
                         f"{SCHEMA_VERSION}; use the cachecraft version that wrote it, or move the "
                         "cache directory aside")
-                missing = set(Base.metadata.tables) - tables
+                for step in range(version, SCHEMA_VERSION):  # all or nothing: one transaction
+                    UPGRADES[step](conn)
+                    self.upgraded_from = self.upgraded_from or step
+                row.value = str(SCHEMA_VERSION)
+                missing = set(Base.metadata.tables) - set(inspect(conn).get_table_names())
                 if missing:
                     raise SchemaVersionError(f"catalog {self.where} lacks tables {sorted(missing)}; "
                                              "move the cache directory aside")
@@ -576,6 +620,16 @@ class Catalog:
         """A stored request (for ``cachecraft explain``), or None."""
         with self.read() as tx:
             return tx.request(request_id)
+
+    def profile(self, fingerprint: str, device: str, kind: str) -> dict | None:
+        """A stored model profile (see :meth:`CatalogTx.profile`), or None."""
+        with self.read() as tx:
+            return tx.profile(fingerprint, device, kind)
+
+    def save_profile(self, fingerprint: str, device: str, kind: str, value: dict) -> None:
+        """Store (or replace) a model profile."""
+        with self.write() as tx:
+            tx.set_profile(fingerprint, device, kind, value)
 
     def upsert_chunk(self, rec: ChunkRecord) -> None:
         """Insert a chunk or fill in its source/preview."""

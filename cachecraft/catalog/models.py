@@ -2,7 +2,9 @@
 or PostgreSQL from ``catalog_url``: the same tables).
 
 Schema changes live here and only here, with :data:`SCHEMA_VERSION`: the catalog
-creates these tables in an empty database and refuses one of another version.
+creates these tables in an empty database, brings an older one up to date with the
+steps of :data:`UPGRADES` (one per version, run in one transaction) and refuses one of
+a newer or unknown version.
 
 These classes are internal to :mod:`cachecraft.catalog`; what crosses the package
 boundary are the frozen records in :mod:`cachecraft.catalog.records`.
@@ -19,18 +21,22 @@ Tables:
   (``owner`` = that store's id) and vanish with it;
 - ``requests`` and ``request_chunks``: what each request did, chunk by chunk;
 - ``tier_events``: puts, promotions, demotions, evictions, deletions, damaged or
-  lost entries.
+  lost entries;
+- ``model_profiles``: what was measured or fitted for one model (fingerprint) on one
+  device, by kind: the prefill cost model, the calibrated policy parameters.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from typing import Callable
+
+from sqlalchemy import BigInteger, Connection, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-# Byte counts may pass 2**31 in PostgreSQL; SQLite's INTEGER is already 64-bit (and the
-# SQLite DDL stays exactly as before, so existing catalogs keep schema version 1).
+# Byte counts may pass 2**31 in PostgreSQL; SQLite's INTEGER is already 64-bit (and its
+# DDL for these columns stays plain INTEGER).
 Bytes = BigInteger().with_variant(Integer(), "sqlite")
 
 
@@ -115,6 +121,7 @@ class Request(Base):
     recompute_fraction: Mapped[float | None] = mapped_column(Float, nullable=True)
     ttft_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     full_prefill_s: Mapped[float | None] = mapped_column(Float, nullable=True)
+    num_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)  # prompt tokens (schema 2)
 
 
 class RequestChunkRow(Base):
@@ -147,3 +154,26 @@ class TierEvent(Base):
     to_tier: Mapped[str | None] = mapped_column(String(8), nullable=True)
     nbytes: Mapped[int] = mapped_column(Bytes)
     owner: Mapped[str] = mapped_column(String(64))
+
+
+class ModelProfile(Base):
+    """What was measured or fitted for one model on one device: a JSON document per kind
+    (``cost_model``: the prefill cost; ``policy``: parameters fitted by ``calibrate``)."""
+
+    __tablename__ = "model_profiles"
+
+    fingerprint: Mapped[str] = mapped_column(String(64), primary_key=True)
+    device: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)  # JSON object
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+def _upgrade_1_to_2(conn: Connection) -> None:
+    """Schema 2: ``model_profiles`` and the prompt's token count on ``requests``."""
+    ModelProfile.__table__.create(conn)
+    conn.exec_driver_sql("ALTER TABLE requests ADD COLUMN num_tokens INTEGER")
+
+
+# version -> the step that brings a catalog of that version to the next one
+UPGRADES: dict[int, Callable[[Connection], None]] = {1: _upgrade_1_to_2}

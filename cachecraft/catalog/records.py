@@ -112,6 +112,7 @@ class RequestRecord:
     full_prefill_s: float | None = None
     created_at: float = field(default_factory=time.time)
     id: int | None = None
+    num_tokens: int | None = None  # the prompt's tokens
 
     @property
     def hits_by_tier(self) -> dict[str, int]:
