@@ -86,62 +86,87 @@ def check_model_cmd(
 def calibrate_cmd(
     ctx: typer.Context,
     dataset: Path = typer.Option(..., help="MuSiQue-format JSON file (list of {ctxs, question, answers})."),
-    limit: int = typer.Option(20, help="Use the first N items."),
-    target: float = typer.Option(0.95, help="Answer agreement with full prefill to keep (token F1, within (0, 1])."),
+    limit: int = typer.Option(20, help="Use N items (after --skip)."),
+    skip: int = typer.Option(0, min=0, help="Leave out the first N items: fit on items kept apart from the ones "
+                                            "you report results on."),
+    budget: Optional[float] = typer.Option(None, help="Recompute budget (share of chunk tokens, within (0, 1]): "
+                                                      "the candidate with the lowest answer KL within it. "
+                                                      "Default 0.05 unless --target-kl is given."),
+    target_kl: Optional[float] = typer.Option(None, "--target-kl", help="Answer-KL target: the candidate with the "
+                                                                        "least recompute that reaches it."),
     alphas: str = typer.Option("0.05,0.1,0.15,0.2,0.3,0.5", help="Comma-separated candidate alphas within [0, 1]."),
-    out: Optional[Path] = typer.Option(None, help="TOML config file to write policy_alpha into (default: the "
-                                                  "--config/$CACHECRAFT_CONFIG file, else <cache_dir>/config.toml)."),
-    max_new_tokens: int = typer.Option(32, min=1, help="Answer length for agreement."),
+    check_layers: Optional[str] = typer.Option(None, "--check-layers",
+                                               help="Comma-separated candidate check layers: whole numbers are "
+                                                    "layers, fractions below 1 depths (e.g. 0.2,0.27,0.4); "
+                                                    "default: the config's policy_check_layer only."),
+    max_new_tokens: int = typer.Option(32, min=1, help="Answer length the divergence is measured along."),
     warm_context: Optional[str] = typer.Option(None, help="What the chunk-caches are made after, following the "
                                                         "system prompt: builtin, none or a text file (default: "
                                                         "config warm_context, as `warm` makes them)."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
-    """Fit policy_alpha: the smallest recompute whose answers agree with full prefill at
-    TARGET or better, on a MuSiQue-format file; writes it to the config file, keeping
-    the other keys there. The chunk-caches are made the way `warm` makes them, so the
-    fitted alpha matches the caches your questions will use."""
+    """Fit the policy to a model: run `full` and `cachecraft` with every candidate alpha
+    (and check layer) on a MuSiQue-format file, measure the answer-level divergence from
+    full prefill along full's answer, and keep the candidate with the lowest divergence
+    within the recompute budget (or the least recompute that reaches --target-kl). The
+    result is stored in the catalog against the model's fingerprint: `query` and the
+    LlamaIndex engine use it wherever the config leaves policy_alpha / policy_check_layer
+    at their defaults; `config show` and `explain` say so. The chunk-caches are made the
+    way `warm` makes them.
+
+    Example: cachecraft calibrate --dataset musique_dev.json --skip 30 --limit 20 --budget 0.05
+    """
     from rich.progress import Progress
 
-    from cachecraft.calibration import calibrate
-    from cachecraft.config import CONFIG_ENV, default_config_file, write_config_value
+    from cachecraft.calibration import calibrate, store_fitted
+    from cachecraft.catalog import Catalog
     from cachecraft.dataset import load_items
-    from cachecraft.policy.calibrate import CalibrationError, check_target, parse_alphas
+    from cachecraft.policy.calibrate import CalibrationError, Goal, parse_alphas, parse_check_layers
 
     try:
-        candidates, target = parse_alphas(alphas), check_target(target)
+        candidates = parse_alphas(alphas)
+        layers = parse_check_layers(check_layers) if check_layers is not None else None
+        goal = Goal(budget=0.05 if budget is None and target_kl is None else budget, target_kl=target_kl)
     except CalibrationError as exc:
         raise UserError(str(exc)) from None
     if limit < 1:
         raise UserError(f"limit must be >= 1, got {limit}")
-    obj = ctx.obj or {}
-    config_file = out or obj.get("config_path") or os.environ.get(CONFIG_ENV) or \
-        default_config_file(obj.get("overrides"))
     config = load_config(ctx, model=model, **({} if warm_context is None else {"warm_context": warm_context}))
-    items = load_items(dataset, limit)
+    items = load_items(dataset, skip + limit)[skip:]
+    if not items:
+        raise UserError(f"{dataset} has no items after the first {skip}")
     lm = load_model_quietly(config)
     with Progress(console=err_console, transient=True) as progress:
-        task = progress.add_task("requests", total=len(items))
-        result = calibrate(lm, config, items, candidates, target, max_new_tokens=max_new_tokens,
+        task = progress.add_task("items", total=len(items))
+        result = calibrate(lm, config, items, candidates, goal, layers, max_new_tokens=max_new_tokens,
                            on_item=lambda done, total: progress.update(task, completed=done))
-    table = Table(title=f"calibrate policy_alpha on {len(items)} item(s) (target agreement {target:g}; "
+    with Catalog(config.cache_dir, url=config.catalog_url or None) as catalog:
+        stored = store_fitted(catalog, lm.fingerprint, result, model=config.model, dataset=str(dataset),
+                              skip=skip, items=len(items), warm_context=config.warm_context)
+    if as_json:
+        print(json.dumps({**result.to_dict(), "stored": stored, "fingerprint": lm.fingerprint}, indent=2))
+        return
+    table = Table(title=f"calibrate {config.model} on {len(items)} item(s) from #{skip} ({result.goal.describe()}; "
                         f"full TTFT median {seconds(result.full_ttft_s)})")
-    for column in ("alpha", "recompute", "agreement F1", "KL", "TTFT median (s)"):
+    for column in ("alpha", "check layer", "recompute", "answer KL", "token agreement", "agreement F1",
+                   "first-token KL", "TTFT median (s)"):
         table.add_column(column, justify="right")
     for r in result.rows:
         mark = " *" if r is result.chosen else ""
-        table.add_row(f"{r.alpha:g}{mark}", f"{r.recompute:.3f}", f"{r.agreement:.3f}", f"{r.kl:.4f}",
-                      f"{r.ttft_s:.2f}")
+        table.add_row(f"{r.alpha:g}{mark}", f"{r.check_layer:g}", f"{r.recompute:.3f}", f"{r.answer_kl:.4f}",
+                      f"{r.token_agreement:.3f}", f"{r.agreement:.3f}", f"{r.kl:.4f}", f"{r.ttft_s:.2f}")
     console.print(table)
     chosen = result.chosen
     if result.reached:
-        console.print(f"chosen policy_alpha = {chosen.alpha:g}: the smallest recompute ({chosen.recompute:.3f}) "
-                      f"with agreement {chosen.agreement:.3f} >= {target:g}")
+        console.print(f"chosen: policy_alpha {chosen.alpha:g}, policy_check_layer {chosen.check_layer:g} "
+                      f"(recompute {chosen.recompute:.3f}, answer KL {chosen.answer_kl:.4f})", highlight=False)
     else:
-        console.print(f"[yellow]no alpha reached agreement {target:g}[/yellow]; chosen policy_alpha = "
-                      f"{chosen.alpha:g}, the best agreement ({chosen.agreement:.3f})")
-    written = write_config_value(config_file, "policy_alpha", chosen.alpha)
-    console.print(f"wrote policy_alpha = {chosen.alpha:g} to {written}")
+        console.print(f"[yellow]no candidate met the {result.goal.describe()}[/yellow]; chosen: policy_alpha "
+                      f"{chosen.alpha:g}, policy_check_layer {chosen.check_layer:g} (recompute "
+                      f"{chosen.recompute:.3f}, answer KL {chosen.answer_kl:.4f})", highlight=False)
+    console.print(f"stored for {config.model} (fingerprint {lm.fingerprint}) in the catalog at {catalog.where}; "
+                  "used where the config leaves these settings at their defaults", highlight=False)
 
 
 @app.command("demo")
@@ -431,6 +456,12 @@ def explain_cmd(ctx: typer.Context,
                       fmt(c.beta_prime), fmt(c.cfo), fmt(c.fraction, "{:.1%}"),
                       "-" if c.stop_layer is None else str(c.stop_layer))
     console.print(table)
+    if record.policy:
+        policy, origin = record.policy, record.policy.get("sources", {})
+        console.print(f"policy: alpha {policy.get('alpha')} ({origin.get('policy_alpha', '?')}), check layer "
+                      f"{policy.get('check_layer')} of {policy.get('num_layers')} "
+                      f"({origin.get('policy_check_layer', '?')}), early stop at "
+                      f"{policy.get('early_stop_layers') or 'none'}", highlight=False)
 
 
 @app.command("stats")
@@ -534,12 +565,21 @@ def config_show_cmd(ctx: typer.Context,
     """Print the effective configuration and where each value comes from: default, the
     config file, the environment (CACHECRAFT_<KEY>) or a flag."""
     from cachecraft.config import Config
+    from cachecraft.policy.planner import policy_settings
     config = load_config(ctx)
     values = config.to_dict()
     obj = ctx.obj or {}
     sources = dict.fromkeys(values, "default")
     for source, layer in Config.layers(obj.get("config_path"), overrides=obj.get("overrides")):
         sources.update(dict.fromkeys(layer, source))
+    fitted = _fitted_policy(config)
+    if fitted is not None:  # what `calibrate` fitted for this model, where the config keeps the default
+        fitted_values, fitted_sources = policy_settings(config, fitted)
+        when = (fitted.get("fitted") or {}).get("date", "")
+        for key, origin in fitted_sources.items():
+            if origin == "calibrated":
+                values[key] = fitted_values[key]
+                sources[key] = f"calibrated for {config.model}" + (f" on {when[:10]}" if when else "")
     if as_json:
         print(json.dumps({"values": values, "sources": sources}, indent=2))
         return
@@ -550,6 +590,23 @@ def config_show_cmd(ctx: typer.Context,
     for key, value in values.items():
         table.add_row(key, str(value), sources[key])
     console.print(table)
+
+
+def _fitted_policy(config) -> dict | None:
+    """The newest policy profile `calibrate` stored for ``config.model`` (by name: showing
+    the configuration loads no model), or None; an unreadable catalog is skipped."""
+    from cachecraft.catalog import Catalog, CatalogError, catalog_path
+    from cachecraft.policy.calibrate import POLICY_PROFILE
+
+    if not config.catalog_url and not catalog_path(config.cache_dir).is_file():
+        return None  # nothing calibrated, and showing the configuration creates no catalog
+    try:
+        with Catalog(config.cache_dir, url=config.catalog_url or None) as catalog, catalog.read() as tx:
+            found = [value for _, _, kind, value in tx.profiles() if kind == POLICY_PROFILE
+                     and (value.get("fitted") or {}).get("model") == config.model]
+    except CatalogError:
+        return None
+    return max(found, key=lambda v: str((v.get("fitted") or {}).get("date", "")), default=None)
 
 
 summarize_commands(app, config_app, bench_app)

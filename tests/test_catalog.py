@@ -303,6 +303,7 @@ def test_a_schema_1_catalog_is_upgraded_in_place(tmp_path):
     con = sqlite3.connect(catalog_path(tmp_path))  # back to what schema 1 looked like
     con.execute("DROP TABLE model_profiles")
     con.execute("ALTER TABLE requests DROP COLUMN num_tokens")
+    con.execute("ALTER TABLE requests DROP COLUMN policy")
     con.execute("UPDATE schema_info SET value='1' WHERE key='schema_version'")
     con.commit()
     con.close()

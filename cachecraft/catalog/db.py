@@ -347,7 +347,8 @@ class CatalogTx:
                       num_chunks=len(rec.chunks), hits_gpu=hits["gpu"], hits_cpu=hits["cpu"],
                       hits_disk=hits["disk"], misses=rec.misses,
                       recompute_fraction=rec.recompute_fraction, ttft_s=rec.ttft_s,
-                      full_prefill_s=rec.full_prefill_s, num_tokens=rec.num_tokens)
+                      full_prefill_s=rec.full_prefill_s, num_tokens=rec.num_tokens,
+                      policy=None if rec.policy is None else json.dumps(rec.policy, sort_keys=True))
         self.session.add(row)
         self.session.flush()
         for c in rec.chunks:
@@ -371,7 +372,7 @@ class CatalogTx:
                                       c.beta_prime, c.cfo, c.fraction, c.stop_layer) for c in chunks),
             recompute_fraction=row.recompute_fraction, ttft_s=row.ttft_s,
             full_prefill_s=row.full_prefill_s, created_at=row.created_at, id=row.id,
-            num_tokens=row.num_tokens)
+            num_tokens=row.num_tokens, policy=_json_object(row.policy))
 
     # what was measured or fitted per model ----------------------------------------------
 
@@ -415,6 +416,15 @@ class CatalogTx:
         if limit is not None:
             query = query.limit(limit)
         return list(self.session.scalars(query))
+
+
+def _json_object(text: str | None) -> dict | None:
+    """A JSON object column's value (None when empty or unreadable)."""
+    try:
+        value = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _chunk_record(row: Chunk) -> ChunkRecord:

@@ -122,6 +122,7 @@ class Request(Base):
     ttft_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     full_prefill_s: Mapped[float | None] = mapped_column(Float, nullable=True)
     num_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)  # prompt tokens (schema 2)
+    policy: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON: the policy's settings (schema 2)
 
 
 class RequestChunkRow(Base):
@@ -170,9 +171,10 @@ class ModelProfile(Base):
 
 
 def _upgrade_1_to_2(conn: Connection) -> None:
-    """Schema 2: ``model_profiles`` and the prompt's token count on ``requests``."""
+    """Schema 2: ``model_profiles``; the prompt's token count and the policy's settings on ``requests``."""
     ModelProfile.__table__.create(conn)
     conn.exec_driver_sql("ALTER TABLE requests ADD COLUMN num_tokens INTEGER")
+    conn.exec_driver_sql("ALTER TABLE requests ADD COLUMN policy TEXT")
 
 
 # version -> the step that brings a catalog of that version to the next one

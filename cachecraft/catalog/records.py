@@ -113,6 +113,7 @@ class RequestRecord:
     created_at: float = field(default_factory=time.time)
     id: int | None = None
     num_tokens: int | None = None  # the prompt's tokens
+    policy: dict | None = None  # the policy's settings and where each came from
 
     @property
     def hits_by_tier(self) -> dict[str, int]:

@@ -33,7 +33,9 @@ from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.pipeline.cost import COST_PROFILE, cost_model_from_profile, cost_profile, device_label, measure_cost_model
 from cachecraft.pipeline.reports import Answer, ChunkReport, PrefillTrace, Source, WarmReport
 from cachecraft.policy.loading import DEFAULT_BANDWIDTHS, CostModel
-from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, expected_reuse, params_from_config
+from cachecraft.policy.calibrate import ANY_DEVICE, POLICY_PROFILE
+from cachecraft.policy.planner import (FITTED_KEYS, PolicyParams, RecomputePlan, VariantInfo, expected_reuse,
+                                       params_from_config, policy_settings)
 from cachecraft.prefix_cache import PrefixCache
 from cachecraft.prompt import PromptInputError, PromptPieces, builder_for
 from cachecraft.retrieval.chunking import Chunker
@@ -77,7 +79,11 @@ class Pipeline:
         self.store = store or TieredStore(config)
         self.catalog = self.store.catalog
         self.builder = builder_for(self.lm.tokenizer, config)
-        self.policy = policy or params_from_config(config)
+        self.fitted_policy = self._fitted_policy()  # what `calibrate` stored for this model, if anything
+        self.policy = policy or params_from_config(config, self.lm.adapter.num_layers, self.fitted_policy)
+        # where each fitted setting came from: config, calibrated or default (given params: "given")
+        self.policy_sources = (dict.fromkeys(FITTED_KEYS, "given") if policy is not None
+                               else policy_settings(config, self.fitted_policy)[1])
         self.keep_new_variants = keep_new_variants
         self.prefix_cache = PrefixCache(self.lm.fingerprint, budget_bytes=config.cpu_budget_bytes)
         self.cost_model: CostModel | None = None  # from the catalog, else measured, on first use
@@ -382,6 +388,22 @@ class Pipeline:
                 self.startup_s["cost model"] = time.perf_counter() - start
         return self.cost_model
 
+    def policy_report(self) -> dict:
+        """The policy's settings in use (layers resolved for this model) and where each came
+        from (config, calibrated, default), for ``explain`` and ``config show``."""
+        return {"alpha": self.policy.alpha, "check_layer": self.policy.check_layer,
+                "early_stop_layers": list(self.policy.early_stop_layers), "num_layers": self.lm.adapter.num_layers,
+                "sources": dict(self.policy_sources)}
+
+    def _fitted_policy(self) -> dict | None:
+        """The policy parameters ``calibrate`` stored for this model (None: none, or the
+        catalog cannot be read, which is only worth a warning)."""
+        try:
+            return self.catalog.profile(self.lm.fingerprint, ANY_DEVICE, POLICY_PROFILE)
+        except CatalogError as exc:
+            log.warning("cannot read the calibrated policy (%s); using the config's", exc)
+            return None
+
     def _cost_profile(self) -> dict | None:
         try:
             return self.catalog.profile(self.lm.fingerprint, device_label(self.lm.device), COST_PROFILE)
@@ -528,7 +550,8 @@ class Pipeline:
         return self.catalog.record_request(RequestRecord(question_hash(question), answer.method, chunks,
                                                          answer.recompute_fraction, answer.ttft_s,
                                                          answer.full_prefill_estimate_s,
-                                                         num_tokens=answer.prompt_tokens))
+                                                         num_tokens=answer.prompt_tokens,
+                                                         policy=self.policy_report()))
 
     def _estimate_full(self, tokens: int) -> float:
         """A full prefill's seconds for ``tokens`` tokens, from the cost model."""
