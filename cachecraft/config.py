@@ -43,6 +43,8 @@ _EVICTION = ("cachecraft", "lru", "lfu", "pgdsf")
 _CATALOG_SCHEMES = ("postgresql://", "postgresql+psycopg://")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _URL_KEYS = ("catalog_url", "redis_url")
+TIER_ORDERS = ("gpu,cpu,disk,redis", "gpu,cpu,redis,disk")
+"""The lookup orders ``tier_order`` may name: the memory tiers always come first."""
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -129,6 +131,7 @@ class Config:
     catalog_url: str = ""  # postgresql+psycopg://user:password@host:port/database
     redis_url: str = ""  # redis://[:password@]host:port/db (rediss:// for TLS): a shared tier after disk
     redis_budget_bytes: int = 4 * 2**30  # what cachecraft keeps in Redis, enforced by cachecraft
+    tier_order: str = "gpu,cpu,disk,redis"  # lookup order; redis may come before disk
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -171,6 +174,9 @@ class Config:
         check(not self.redis_url or self.redis_url.startswith(_REDIS_SCHEMES),
               f"redis_url must be empty (no shared tier) or start with one of {_REDIS_SCHEMES}, "
               f"got {hide_password(self.redis_url)!r}")
+        check(self.tier_order.replace(" ", "") in TIER_ORDERS,
+              f"tier_order must be one of {', '.join(TIER_ORDERS)} (memory tiers first; redis before or "
+              f"after disk), got {self.tier_order!r}")
         for name in ("gpu_budget_bytes", "cpu_budget_bytes", "disk_budget_bytes", "redis_budget_bytes"):
             check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
 

@@ -392,14 +392,14 @@ def verify_cmd(ctx: typer.Context,
                repair: bool = typer.Option(False, "--repair", help="Fix what is found: drop rows without bytes, "
                                            "delete bytes without rows, remove damaged entries."),
                as_json: bool = typer.Option(False, "--json", help="Print one JSON document.")) -> None:
-    """Walk the whole cache (catalog and disk tier) and report every inconsistency.
-    Exit code 0 when the cache is consistent (or was repaired), 1 otherwise."""
+    """Walk the whole cache and report every inconsistency: the catalog (the SQLite file, or
+    this node's rows of a PostgreSQL catalog_url), the disk tier and, with redis_url set,
+    every entry of the shared tier. Exit code 0 when the cache is consistent (or was
+    repaired), 1 otherwise."""
     from cachecraft.store import verify
     config = load_config(ctx)
-    if config.catalog_url:
-        raise UserError("verify checks the SQLite catalog in the cache directory; with catalog_url "
-                        "set it is not supported yet (unset catalog_url to verify a local cache)")
-    report = verify(config.cache_dir, repair=repair)
+    report = verify(config.cache_dir, repair=repair, catalog_url=config.catalog_url or None,
+                    redis_url=config.redis_url or None, redis_budget_bytes=config.redis_budget_bytes)
     if as_json:
         print(report.to_json(indent=2))
     else:
@@ -481,10 +481,32 @@ def stats_cmd(ctx: typer.Context, top: int = typer.Option(10, min=1, help="How m
     budgets = {"gpu": config.gpu_budget_bytes, "cpu": config.cpu_budget_bytes, "disk": config.disk_budget_bytes}
     for tier, usage in data["tiers"].items():
         usage["budget_bytes"] = budgets.get(tier)
+    if config.redis_url or data["hit_rates"]["hits_by_tier"].get("redis"):
+        data["tiers"]["redis"] = _shared_usage(config)
     if as_json:
         print(json.dumps(data, indent=2, default=str))
         return
     _print_stats(data)
+
+
+def _shared_usage(config) -> dict:
+    """Entries and bytes the shared tier holds now, read from Redis (None where it cannot be
+    read: no ``redis_url``, or the server is down)."""
+    usage = {"tier": "redis", "entries": None, "bytes": None, "budget_bytes": config.redis_budget_bytes}
+    if not config.redis_url:
+        return usage
+    try:
+        from cachecraft.store.shared import RedisTier
+        tier = RedisTier(config.redis_url, config.redis_budget_bytes)
+    except (ImportError, ValueError):
+        return usage
+    try:
+        entries, held = tier.count(), tier.used()
+        if tier.available:  # an unreachable server reads as 0: say unknown instead
+            usage.update(entries=entries, bytes=held)
+    finally:
+        tier.close()
+    return usage
 
 
 def _source_or_preview(chunk: dict) -> str:
@@ -501,12 +523,21 @@ def _print_stats(data: dict) -> None:
                   f"{counts['requests']} requests")
     tiers = _table("bytes per tier", "tier", "entries", "bytes", "budget", "used", "hits", "hit share")
     for tier, usage in data["tiers"].items():
-        budget = usage["budget_bytes"]
-        used = f"{usage['bytes'] / budget:.0%}" if budget else "-"
-        tiers.add_row(tier, str(usage["entries"]), _size(usage["bytes"]), _size(budget), used,
+        budget, held = usage["budget_bytes"], usage["bytes"]
+        used = f"{held / budget:.0%}" if budget and held is not None else "-"
+        tiers.add_row(tier, "?" if usage["entries"] is None else str(usage["entries"]),
+                      "?" if held is None else _size(held), _size(budget), used,
                       str(rates["hits_by_tier"].get(tier, 0)), f"{rates['hit_rate_by_tier'].get(tier, 0):.0%}")
     tiers.add_row("miss", "", "", "", "", str(rates["misses"]), f"{1 - rates['hit_rate']:.0%}" if rates["chunks"] else "-")
     console.print(tiers)
+    if data["by_node"]:
+        nodes = _table("requests by node (one catalog, several cache directories)", "node", "cache directory",
+                       "requests", "chunk hit rate", "from redis")
+        for row in data["by_node"]:
+            nodes.add_row(row["node"], f"{row['host']}:{row['cache_dir']}", str(row["requests"]),
+                          _fraction(row["hit_rate"] if row["chunks"] else None),
+                          _fraction(row["hit_rate_by_tier"]["redis"] if row["chunks"] else None))
+        console.print(nodes)
     methods = _table("requests by method", "method", "requests", "chunk hit rate", "recompute (mean)",
                      "TTFT (mean)", "prefill time saved")
     for row in data["by_method"]:

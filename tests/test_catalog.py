@@ -130,7 +130,7 @@ def test_request_round_trip_for_explain(catalog):
     assert catalog.last_request_id() == rid
     got = catalog.get_request(rid)
     assert got == RequestRecord(**{**rec.__dict__, "id": rid})
-    assert got.hits_by_tier == {"gpu": 0, "cpu": 1, "disk": 1} and got.misses == 1
+    assert got.hits_by_tier == {"gpu": 0, "cpu": 1, "disk": 1, "redis": 0} and got.misses == 1
     assert catalog.get_request(rid + 1) is None
     with pytest.raises(AssertionError):
         RequestChunk(0, "c1", None, "cpu")  # a hit must name its variant
@@ -183,7 +183,7 @@ def test_statistics_match_hand_computed_values(catalog):
 
     rates = stats.hit_rates(catalog)
     assert (rates.requests, rates.chunks, rates.hits, rates.misses) == (4, 6, 3, 3)
-    assert rates.hits_by_tier == {"gpu": 0, "cpu": 1, "disk": 2}
+    assert rates.hits_by_tier == {"gpu": 0, "cpu": 1, "disk": 2, "redis": 0}
     assert rates.overall == pytest.approx(0.5)
     assert rates.per_tier["disk"] == pytest.approx(2 / 6)
     assert stats.hit_rates(catalog, method="full").overall == 0.0
@@ -304,6 +304,9 @@ def test_a_schema_1_catalog_is_upgraded_in_place(tmp_path):
     con.execute("DROP TABLE model_profiles")
     con.execute("ALTER TABLE requests DROP COLUMN num_tokens")
     con.execute("ALTER TABLE requests DROP COLUMN policy")
+    con.execute("ALTER TABLE requests DROP COLUMN hits_redis")
+    con.execute("ALTER TABLE requests DROP COLUMN node")
+    con.execute("ALTER TABLE entries DROP COLUMN node")
     con.execute("UPDATE schema_info SET value='1' WHERE key='schema_version'")
     con.commit()
     con.close()

@@ -31,9 +31,9 @@ from sqlalchemy.orm import Session
 from cachecraft.catalog.errors import (CatalogBusyError, CatalogCorruptError, CatalogError,
                                        CatalogUnavailableError, CatalogWriteError,
                                        SchemaVersionError)
-from cachecraft.catalog.models import (SCHEMA_VERSION, UPGRADES, Base, Chunk, Entry, ModelProfile, Request,
+from cachecraft.catalog.models import (NODE_PREFIX, SCHEMA_VERSION, UPGRADES, Base, Chunk, Entry, ModelProfile, Request,
                                        RequestChunkRow, SchemaInfo, TierEvent, Variant)
-from cachecraft.catalog.records import (TIERS, ChunkRecord, EntryRecord, RequestChunk,
+from cachecraft.catalog.records import (SHARED_TIER, TIERS, ChunkRecord, EntryRecord, RequestChunk,
                                         RequestRecord, TierEventRecord, VariantRecord,
                                         fastest_tier)
 
@@ -187,15 +187,16 @@ class CatalogTx:
         rows = self.session.scalars(select(Variant).where(Variant.key.in_(placed)).order_by(Variant.key))
         return [_variant_record(r) for r in rows]
 
-    def available_variants(self, chunk_key: str, owner: str) -> list[VariantRecord]:
-        """Variants of a chunk that ``owner`` can read: on disk, or in its own memory tiers.
+    def available_variants(self, chunk_key: str, owner: str, node: str = "") -> list[VariantRecord]:
+        """Variants of a chunk that ``owner`` (a store on ``node``) can read: in its node's disk
+        tier, or in its own memory tiers.
 
         ``tier`` in each record is the fastest such tier.
         """
         rows = self.session.execute(
             select(Variant, Entry.tier).join(Entry, Entry.variant_key == Variant.key)
             .where(Variant.chunk_key == chunk_key)
-            .where((Entry.tier == "disk") | (Entry.owner == owner))).all()
+            .where(((Entry.tier == "disk") & (Entry.owner == node)) | (Entry.owner == owner))).all()
         tiers: dict[str, set[str]] = {}
         found: dict[str, Variant] = {}
         for variant, tier in rows:
@@ -235,7 +236,7 @@ class CatalogTx:
         if row is None:
             self.session.add(Entry(variant_key=rec.variant_key, tier=rec.tier, owner=rec.owner,
                                    nbytes=rec.nbytes, blob=rec.blob, checksum=rec.checksum,
-                                   stored_at=rec.stored_at or time.time()))
+                                   stored_at=rec.stored_at or time.time(), node=rec.node))
             self.session.flush()
         else:
             row.nbytes, row.blob, row.checksum = rec.nbytes, rec.blob, rec.checksum
@@ -255,17 +256,21 @@ class CatalogTx:
         self.refresh_tier(variant_key)
         return old
 
-    def entries(self, tier: str | None = None, owner: str | None = None) -> list[EntryRecord]:
-        """Placements, optionally of one tier and/or one owner."""
+    def entries(self, tier: str | None = None, owner: str | None = None,
+                node: str | None = None) -> list[EntryRecord]:
+        """Placements, optionally of one tier, one owner and/or one node."""
         query = select(Entry)
         if tier is not None:
             query = query.where(Entry.tier == tier)
         if owner is not None:
             query = query.where(Entry.owner == owner)
+        if node is not None:
+            query = query.where(Entry.node == node)
         return [_entry_record(r) for r in self.session.scalars(query.order_by(Entry.id))]
 
     def tier_bytes(self, tier: str, owner: str = "") -> int:
-        """Bytes recorded in one tier for one owner (the shared disk tier: owner "")."""
+        """Bytes recorded in one tier for one owner (a disk tier: its node's id, "" in the
+        embedded catalog)."""
         total = self.session.scalar(select(func.coalesce(func.sum(Entry.nbytes), 0))
                                     .where(Entry.tier == tier, Entry.owner == owner))
         return int(total or 0)
@@ -276,9 +281,22 @@ class CatalogTx:
                                     .where(Entry.tier == tier, Entry.owner == owner)).all()
         return [(_entry_record(e), _variant_record(v)) for e, v in rows]
 
-    def memory_owners(self) -> set[str]:
-        """Owners that hold GPU/CPU placements."""
-        return set(self.session.scalars(select(Entry.owner).where(Entry.tier != "disk").distinct()))
+    def memory_owners(self, node: str = "") -> set[str]:
+        """Owners on ``node`` that hold GPU/CPU placements."""
+        return set(self.session.scalars(select(Entry.owner).where(Entry.tier != "disk", Entry.node == node)
+                                        .distinct()))
+
+    def nodes(self) -> dict[str, dict]:
+        """The nodes that joined this catalog (id -> what they recorded about themselves)."""
+        rows = self.session.execute(select(SchemaInfo.key, SchemaInfo.value)
+                                    .where(SchemaInfo.key.startswith(NODE_PREFIX))).all()
+        return {key.removeprefix(NODE_PREFIX): _json_object(value) or {} for key, value in rows}
+
+    def join_node(self, node: str, about: dict) -> bool:
+        """Record that ``node`` uses this catalog; True when it had not joined before."""
+        new = self.info_value(NODE_PREFIX + node) is None
+        self.set_info_value(NODE_PREFIX + node, json.dumps(about, sort_keys=True))
+        return new
 
     def remove_owner(self, owner: str, kind: str = "lost") -> list[EntryRecord]:
         """Drop every memory placement of ``owner`` (it is gone), logging ``kind`` events."""
@@ -345,7 +363,7 @@ class CatalogTx:
         hits = rec.hits_by_tier
         row = Request(created_at=rec.created_at, question_hash=rec.question_hash, method=rec.method,
                       num_chunks=len(rec.chunks), hits_gpu=hits["gpu"], hits_cpu=hits["cpu"],
-                      hits_disk=hits["disk"], misses=rec.misses,
+                      hits_disk=hits["disk"], hits_redis=hits[SHARED_TIER], misses=rec.misses, node=rec.node,
                       recompute_fraction=rec.recompute_fraction, ttft_s=rec.ttft_s,
                       full_prefill_s=rec.full_prefill_s, num_tokens=rec.num_tokens,
                       policy=None if rec.policy is None else json.dumps(rec.policy, sort_keys=True))
@@ -372,7 +390,7 @@ class CatalogTx:
                                       c.beta_prime, c.cfo, c.fraction, c.stop_layer) for c in chunks),
             recompute_fraction=row.recompute_fraction, ttft_s=row.ttft_s,
             full_prefill_s=row.full_prefill_s, created_at=row.created_at, id=row.id,
-            num_tokens=row.num_tokens, policy=_json_object(row.policy))
+            num_tokens=row.num_tokens, policy=_json_object(row.policy), node=row.node)
 
     # what was measured or fitted per model ----------------------------------------------
 
@@ -442,7 +460,7 @@ def _variant_record(row: Variant, tier: str | None = ...) -> VariantRecord:  # t
 
 def _entry_record(row: Entry) -> EntryRecord:
     return EntryRecord(row.variant_key, row.tier, row.owner, row.nbytes, row.blob, row.checksum,
-                       row.stored_at)
+                       row.stored_at, row.node)
 
 
 class Catalog:

@@ -11,7 +11,7 @@ from sqlalchemy import JSON, case, cast, func, or_, select, type_coerce
 
 from cachecraft.catalog.db import Catalog
 from cachecraft.catalog.models import Chunk, Entry, Request, Variant
-from cachecraft.catalog.records import TIERS
+from cachecraft.catalog.records import HIT_TIERS, SHARED_TIER, TIERS
 from cachecraft.warm_context import SOURCE as WARM_CONTEXT_SOURCE
 
 
@@ -155,19 +155,33 @@ def _method_filter(query, method: str | None):
     return query if method is None else query.where(Request.method == method)
 
 
-def hit_rates(catalog: Catalog, *, method: str | None = None, cached_only: bool = False) -> HitRates:
-    """Hit rate overall and per tier over recorded requests (optionally of one method, or
-    with ``cached_only`` of the methods that look up chunk-caches)."""
+def hit_rates(catalog: Catalog, *, method: str | None = None, cached_only: bool = False,
+              node: str | None = None) -> HitRates:
+    """Hit rate overall and per tier (the shared tier included) over recorded requests
+    (optionally of one method, of one ``node``, or with ``cached_only`` of the methods that
+    look up chunk-caches)."""
     query = _method_filter(select(func.count(Request.id), func.coalesce(func.sum(Request.num_chunks), 0),
                                   func.coalesce(func.sum(Request.hits_gpu), 0),
                                   func.coalesce(func.sum(Request.hits_cpu), 0),
                                   func.coalesce(func.sum(Request.hits_disk), 0),
+                                  func.coalesce(func.sum(Request.hits_redis), 0),
                                   func.coalesce(func.sum(Request.misses), 0)), method)
     if cached_only:
         query = query.where(Request.method.not_in(CACHE_FREE_METHODS))
+    if node is not None:
+        query = query.where(Request.node == node)
     with catalog.read() as tx:
-        n, chunks, gpu, cpu, disk, misses = tx.session.execute(query).one()
-    return HitRates(int(n), int(chunks), {"gpu": int(gpu), "cpu": int(cpu), "disk": int(disk)}, int(misses))
+        n, chunks, *hits, misses = tx.session.execute(query).one()
+    return HitRates(int(n), int(chunks), {t: int(h) for t, h in zip(HIT_TIERS, hits)}, int(misses))
+
+
+def by_node(catalog: Catalog) -> list[dict[str, Any]]:
+    """Per node of a shared catalog (empty with the embedded one): its cache directory,
+    requests and hit rates (as :func:`hit_rates` with ``cached_only``)."""
+    with catalog.read() as tx:
+        nodes = tx.nodes()
+    return [{"node": node, "cache_dir": about.get("cache_dir"), "host": about.get("host"),
+             **hit_rates(catalog, cached_only=True, node=node).to_dict()} for node, about in sorted(nodes.items())]
 
 
 def tier_usage(catalog: Catalog) -> dict[str, TierUsage]:
@@ -270,6 +284,7 @@ def summary(catalog: Catalog, *, top: int = 10) -> dict[str, Any]:
         "counts": counts,
         "hit_rates": hit_rates(catalog, cached_only=True).to_dict(),
         "by_method": by_method(catalog),
+        "by_node": by_node(catalog),
         "tiers": {t: dataclasses.asdict(u) for t, u in tier_usage(catalog).items()},
         "top_chunks": [dataclasses.asdict(c) for c in top_chunks(catalog, top)],
         "variants_per_chunk": {str(k): v for k, v in variants_per_chunk(catalog).items()},

@@ -551,7 +551,7 @@ class Pipeline:
                                                          answer.recompute_fraction, answer.ttft_s,
                                                          answer.full_prefill_estimate_s,
                                                          num_tokens=answer.prompt_tokens,
-                                                         policy=self.policy_report()))
+                                                         policy=self.policy_report(), node=self.store.node))
 
     def _estimate_full(self, tokens: int) -> float:
         """A full prefill's seconds for ``tokens`` tokens, from the cost model."""
