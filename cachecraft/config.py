@@ -43,6 +43,7 @@ _EVICTION = ("cachecraft", "lru", "lfu", "pgdsf")
 _CATALOG_SCHEMES = ("postgresql://", "postgresql+psycopg://")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _URL_KEYS = ("catalog_url", "redis_url")
+_SECRET_KEYS = ("api_key",)
 TIER_ORDERS = ("gpu,cpu,disk,redis", "gpu,cpu,redis,disk")
 """The lookup orders ``tier_order`` may name: the memory tiers always come first."""
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -132,6 +133,12 @@ class Config:
     redis_url: str = ""  # redis://[:password@]host:port/db (rediss:// for TLS): a shared tier after disk
     redis_budget_bytes: int = 4 * 2**30  # what cachecraft keeps in Redis, enforced by cachecraft
     tier_order: str = "gpu,cpu,disk,redis"  # lookup order; redis may come before disk
+    # `cachecraft serve`, and the commands that talk to a running one
+    server: str = ""  # http://host:port of a running server: `query` and `stats` ask it
+    server_queue: int = 8  # requests that may wait for the model; one more is refused (429)
+    server_timeout_s: float = 300.0  # a request not answered within this is refused (503)
+    chunk_separator: str = "<|chunk|>"  # marks chunk boundaries in a prompt sent to the server
+    api_key: str = ""  # when set, the server requires it (Authorization: Bearer <key>)
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -179,6 +186,11 @@ class Config:
               f"after disk), got {self.tier_order!r}")
         for name in ("gpu_budget_bytes", "cpu_budget_bytes", "disk_budget_bytes", "redis_budget_bytes"):
             check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        check(not self.server or self.server.startswith(("http://", "https://")),
+              f"server must be empty or an http(s):// URL of a running `cachecraft serve`, got {self.server!r}")
+        check(self.server_queue >= 0, f"server_queue must be >= 0, got {self.server_queue}")
+        check(self.server_timeout_s > 0, f"server_timeout_s must be positive, got {self.server_timeout_s}")
+        check(bool(self.chunk_separator.strip()), "chunk_separator must not be empty or blank")
 
     @property
     def early_stop_layer_list(self) -> tuple[float, ...]:
@@ -197,15 +209,21 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """The effective values, JSON-friendly (passwords in URLs hidden)."""
-        return {f.name: str(v) if isinstance(v, Path) else (hide_password(v) if f.name in _URL_KEYS else v)
-                for f in fields(self) for v in [getattr(self, f.name)]}
+        def shown(name: str, value: Any) -> Any:
+            if isinstance(value, Path):
+                return str(value)
+            if name in _URL_KEYS:
+                return hide_password(value)
+            return "***" if name in _SECRET_KEYS and value else value
+
+        return {f.name: shown(f.name, getattr(self, f.name)) for f in fields(self)}
 
     def settings_changed(self) -> dict[str, Any]:
         """Settings that differ from the defaults; ``cache_dir`` and the server URLs are left
         out (they move bytes, they do not change results; URLs may hold passwords)."""
         defaults = Config(cache_dir=self.cache_dir)
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("cache_dir",) + _URL_KEYS
+                if f.name not in ("cache_dir", "server") + _URL_KEYS + _SECRET_KEYS
                 and getattr(self, f.name) != getattr(defaults, f.name)}
 
     @classmethod

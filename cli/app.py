@@ -22,6 +22,7 @@ from cachecraft.display import saved as saved_text, seconds
 from . import STARTED
 
 from .bench import bench_app
+from .serve import register as register_serve
 from .common import (CONTEXT, METHODS_HELP, UserError, console, err_console, friendly, load_config, summarize_commands,
                      load_model_quietly, quiet_libraries)
 
@@ -285,6 +286,9 @@ def query_cmd(
     max_new_tokens: Optional[int] = typer.Option(None, min=1, help="Answer length limit (default: config)."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (no streaming, no table)."),
+    server: Optional[str] = typer.Option(None, help="Ask a running `cachecraft serve` at this URL instead of "
+                                                    "loading everything here (default: config server, "
+                                                    "CACHECRAFT_SERVER)."),
 ) -> None:
     """Answer QUESTION from the ingested corpus: retrieve the top-k chunks, reuse their
     chunk-caches (recomputing only what the method decides), stream the answer as it is
@@ -300,7 +304,18 @@ def query_cmd(
     if not question.strip():
         raise UserError("the question is empty")
     parse_method(method)  # an unknown method fails here, before the model loads
-    config = load_config(ctx, model=model)
+    config = load_config(ctx, model=model, **({"server": server} if server is not None else {}))
+    if config.server:  # the server has the model, corpus and tiers loaded already
+        from .serve import remote_answer, remote_query
+        result = remote_query(config, question, method=method, top_k=top_k, max_new_tokens=max_new_tokens,
+                              as_json=as_json)
+        command_s = time.perf_counter() - STARTED
+        if as_json:
+            print(json.dumps({**result, "command_s": command_s, "server": config.server}, indent=2))
+            return
+        print_report(remote_answer(result), LOW_RELEVANCE if config.embedder == "minilm" else None,
+                     command_s=command_s)
+        return
     check_question_length(config, question)
     _require_corpus(config)
     with open_pipeline(config) as pipe:
@@ -323,6 +338,9 @@ def _require_corpus(config) -> None:
     from cachecraft.retrieval.corpus import Corpus
     if not len(Corpus(config.corpus_dir, config.embedder)):
         raise UserError(f"nothing ingested in {config.cache_dir}: run `cachecraft ingest PATH` first")
+
+
+register_serve(app)  # listed after query in --help
 
 
 @app.command("evict")
@@ -467,12 +485,22 @@ def explain_cmd(ctx: typer.Context,
 @app.command("stats")
 @friendly
 def stats_cmd(ctx: typer.Context, top: int = typer.Option(10, min=1, help="How many top chunks to list."),
-              as_json: bool = typer.Option(False, "--json", help="Print one JSON document.")) -> None:
+              as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+              server: Optional[str] = typer.Option(None, help="Ask a running `cachecraft serve` at this URL "
+                                                              "(default: config server, CACHECRAFT_SERVER).")) -> None:
     """What the cache is doing: hit rates per tier, bytes per tier against budgets, top
     chunks, variants per chunk, recompute fractions and prefill time saved."""
     from cachecraft.catalog import Catalog
     from cachecraft.catalog.stats import summary
-    config = load_config(ctx)
+    config = load_config(ctx, **({"server": server} if server is not None else {}))
+    if config.server:
+        from .serve import remote_stats
+        data = remote_stats(config)
+        if as_json:
+            print(json.dumps(data, indent=2, default=str))
+        else:
+            _print_stats(data)
+        return
     catalog = Catalog(config.cache_dir, url=config.catalog_url or None)
     try:
         data = summary(catalog, top=top)

@@ -26,7 +26,8 @@ from typing import Callable, Iterable, Sequence
 
 from cachecraft.catalog import MISS, CatalogError, RequestChunk, RequestRecord, question_hash
 from cachecraft.config import Config
-from cachecraft.engine import BlendResult, LayerSource, Segment, blended_prefill, generate_from, sampled_layers
+from cachecraft.engine import (BlendResult, GenerationOptions, LayerSource, Segment, blended_prefill, generate_from,
+                               sampled_layers)
 from cachecraft.kv import ChunkKV, chunk_key, kv_bytes_per_token, variant_key
 from cachecraft.methods import Method, PrefillHooks, RequestContext, parse_method, variant_info
 from cachecraft.model.loader import LoadedModel, load_model
@@ -113,11 +114,12 @@ class Pipeline:
     def answer(self, chunk_texts: Sequence[str], question: str, *, method: str | Method = "cachecraft",
                ratio: float | None = None, max_new_tokens: int | None = None, streamer=None,
                record: bool = True, sources: Sequence[str] | None = None,
-               observer: Observer | None = None) -> Answer:
+               observer: Observer | None = None, generation: GenerationOptions | None = None) -> Answer:
         """Answer ``question`` over ``chunk_texts`` (formatted chunk texts, in order) with
         ``method``: plan, load, blend, generate, record. ``sources`` (one per chunk) names
         where each chunk came from in the catalog; ``observer`` receives the prefill's
-        :class:`PrefillTrace` before generation (benchmarks read logits and work there)."""
+        :class:`PrefillTrace` before generation (benchmarks read logits and work there);
+        ``generation``: sampling, stop strings, cancellation (default: greedy)."""
         chosen = self.method(method, ratio)
         start = time.perf_counter()
         request = self._request(chunk_texts, question, sources)
@@ -133,12 +135,14 @@ class Pipeline:
         to_save = [kv for i, kv in result.saved.items() if prepared.segments[i].role == "chunk"]
         recomputed, recompute = result.recomputed, result.recompute_fraction
         new_ids = generate_from(self.lm.model, self.lm.tokenizer, result,
-                                max_new_tokens=max_new_tokens or self.config.max_new_tokens, streamer=streamer)
+                                max_new_tokens=max_new_tokens or self.config.max_new_tokens, streamer=streamer,
+                                options=generation)
         if trace is not None:
             trace.answer_ids = new_ids
         if self.keep_new_variants:
             self._save(to_save)
-        answer = Answer(self.lm.tokenizer.decode(new_ids, skip_special_tokens=True), chosen.label, ttft,
+        text = self.lm.tokenizer.decode(new_ids, skip_special_tokens=True)
+        answer = Answer(generation.cut(text) if generation is not None else text, chosen.label, ttft,
                         request.pieces.num_tokens, len(new_ids), recompute,
                         self._report(request, prepared, recomputed),
                         full_prefill_estimate_s=self._estimate_full(request.pieces.num_tokens))
