@@ -303,9 +303,8 @@ def query_cmd(
                           streamer_for, warn_low_relevance)
     if not question.strip():
         raise UserError("the question is empty")
-    parse_method(method)  # an unknown method fails here, before the model loads
     config = load_config(ctx, model=model, **({"server": server} if server is not None else {}))
-    if config.server:  # the server has the model, corpus and tiers loaded already
+    if config.server:  # the server has the model, corpus and tiers loaded (and checks the method)
         from .serve import remote_answer, remote_query
         result = remote_query(config, question, method=method, top_k=top_k, max_new_tokens=max_new_tokens,
                               as_json=as_json)
@@ -314,8 +313,9 @@ def query_cmd(
             print(json.dumps({**result, "command_s": command_s, "server": config.server}, indent=2))
             return
         print_report(remote_answer(result), LOW_RELEVANCE if config.embedder == "minilm" else None,
-                     command_s=command_s)
+                     command_s=command_s, server=config.server)
         return
+    parse_method(method)  # an unknown method fails here, before the model loads
     check_question_length(config, question)
     _require_corpus(config)
     with open_pipeline(config) as pipe:

@@ -219,7 +219,7 @@ LOW_RELEVANCE = 0.35
 
 
 def print_report(answer, low_relevance: float | None = LOW_RELEVANCE, *, command_s: float | None = None,
-                 startup_s: dict[str, float] | None = None) -> None:
+                 startup_s: dict[str, float] | None = None, server: str | None = None) -> None:
     """Sources with scores and what the cache did for each chunk, then the timings (with the
     whole command's time and its start-up work when given); a warning when the best source
     scores below ``low_relevance`` (None: no check)."""
@@ -238,7 +238,9 @@ def print_report(answer, low_relevance: float | None = LOW_RELEVANCE, *, command
                   f"{answer.recompute_fraction:.0%} of the context; prefill time {saved(answer.saved_s)} "
                   f"(against this machine's measured full-prefill rate); request {answer.request_id}",
                   highlight=False)
-    if command_s is not None:
+    if command_s is not None and server is not None:
+        console.print(f"whole command {seconds(command_s)}; answered by the server at {server}", highlight=False)
+    elif command_s is not None:
         console.print(f"whole command {seconds(command_s)}; start-up {seconds(sum((startup_s or {}).values()))} "
                       f"of it ({startup(startup_s or {})})", highlight=False)
     warn_low_relevance(answer, low_relevance)

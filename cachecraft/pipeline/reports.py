@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from cachecraft.catalog.stats import saved_seconds
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
