@@ -382,6 +382,73 @@ def bench_cluster_cmd(
     console.print(f"wrote {out}")
 
 
+@bench_app.command("serve")
+@friendly
+def bench_serve_cmd(
+    ctx: typer.Context,
+    dataset: Path = typer.Option(..., help="MuSiQue-format JSON file; all its passages form the corpus."),
+    out: Path = typer.Option(Path("benchmarks/results/serve.json"), help="Where to write the JSON result."),
+    clients: str = typer.Option("1,2,4,8", help="Concurrent client counts to run."),
+    methods: str = typer.Option("cachecraft,full", help="Methods the clients ask for (full: the baseline)."),
+    requests: int = typer.Option(32, min=1, help="Requests in the trace."),
+    limit: int = typer.Option(20, min=1, help="Items of the dataset to pool (10 passages each)."),
+    top_k: int = typer.Option(3, help="Chunks retrieved per request (sent as documents)."),
+    zipf: float = typer.Option(1.2, min=0.0, help="Zipf exponent of item popularity."),
+    seed: int = typer.Option(0, help="Trace seed."),
+    max_tokens: int = typer.Option(16, min=1, help="Answer length."),
+    model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
+) -> None:
+    """Concurrent clients against `cachecraft serve` on this machine (a fresh server per
+    method and client count): throughput, client-side TTFT percentiles (queueing
+    included) and hit rate per tier, with `full` on the same trace as the baseline.
+
+    Example: cachecraft bench serve --dataset musique_dev.json --clients 1,2,4,8"""
+    import tempfile
+
+    from cachecraft.bench.common import write_result
+    from cachecraft.bench.serving import run_serving
+    from cachecraft.bench.workload import build_trace
+    from cachecraft.dataset import load_items
+    from cachecraft.methods import parse_methods
+    from cachecraft.retrieval.embed import Embedder
+
+    config = load_config(ctx, model=model)
+    parse_methods(methods)
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    try:
+        counts = [int(c) for c in clients.split(",") if c.strip()]
+    except ValueError:
+        raise UserError(f"clients must be comma-separated whole numbers, got {clients!r}") from None
+    if not counts or min(counts) < 1:
+        raise UserError(f"clients must be whole numbers >= 1, got {clients!r}")
+    items = load_items(dataset, limit)
+    ensure_dir(config.cache_dir)
+    load_model_quietly(config)  # converts a bundled model once, before the servers start
+    with console.status("embedding the corpus ..."):
+        try:
+            trace, corpus = build_trace(items, requests, top_k, zipf_s=zipf, seed=seed, embed=Embedder().embed)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    env = {"CACHECRAFT_MODEL": config.model}
+    with tempfile.TemporaryDirectory(prefix="cachecraft-serve-") as workdir, console.status("running ...") as status:
+        runs = run_serving(trace, clients=counts, methods=names, max_tokens=max_tokens, workdir=Path(workdir),
+                           models_dir=config.models_dir, env=env, on_step=lambda text: status.update(text))
+    write_result(out, {"benchmark": "serve", "command": _invocation(ctx, "serve"), "model": config.model,
+                       "dataset": str(dataset), "items": len(items), "corpus_chunks": corpus,
+                       "unique_requests": len(set(trace)), "top_k": top_k, "runs": runs})
+    table = Table(title=f"serve: {requests} requests ({len(set(trace))} distinct), top-{top_k}")
+    for column in ("method", "clients", "req/s", "TTFT p50 (s)", "p90", "p99", "server TTFT (s)", "hit rate",
+                   "errors"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for r in runs:
+        t = r["client_ttft_s"]
+        table.add_row(r["method"], str(r["clients"]), _num(r["throughput_rps"], 2), _num(t["p50"], 2),
+                      _num(t["p90"], 2), _num(t["p99"], 2), _num(r["server_ttft_s_median"], 3),
+                      f"{r['hit_rate']:.0%}", str(len(r["errors"])))
+    console.print(table)
+    console.print(f"wrote {out}")
+
+
 def _num(value: float | None, digits: int, suffix: str = "") -> str:
     return "-" if value is None else f"{value:.{digits}f}{suffix}"
 

@@ -176,3 +176,23 @@ def test_kill_9_during_a_warm_leaves_the_cache_consistent(tiny_dir, tmp_path):
     finally:
         again.stop()
     assert verify(tmp_path / "cache").ok
+
+
+def test_bench_serve_runs_clients_against_fresh_servers(tiny_dir, tmp_path):
+    from cachecraft.bench.serving import percentile, run_serving
+    from cachecraft.bench.workload import build_trace
+    from tests.test_workload import ITEMS, fake_embed
+
+    assert percentile([1, 2, 3, 4], 50) == 2.5 and percentile([5], 99) == 5 and percentile([], 50) is None
+    trace, _ = build_trace(ITEMS, 6, 3, embed=fake_embed, seed=1)
+    models = tmp_path / "models"
+    models.mkdir()
+    env = {"CACHECRAFT_MODEL": str(tiny_dir), "CACHECRAFT_KV_DTYPE": "float32", "OMP_NUM_THREADS": "1"}
+    runs = run_serving(trace, clients=[1, 2], methods=["cachecraft", "full"], max_tokens=3, workdir=tmp_path / "w",
+                       models_dir=models, env=env)
+    assert [(r["method"], r["clients"]) for r in runs] == [("cachecraft", 1), ("cachecraft", 2), ("full", 1),
+                                                            ("full", 2)]
+    for run in runs:
+        assert run["requests"] == 6 and run["errors"] == [] and run["throughput_rps"] > 0
+        assert run["client_ttft_s"]["p50"] <= run["client_ttft_s"]["p99"]
+    assert runs[0]["hit_rate"] > 0 and runs[2]["hit_rate"] == 0  # full never looks up chunk-caches
