@@ -43,6 +43,10 @@ def test_nodes_share_their_chunk_caches_and_save_prefill_work(tiny_dir, tmp_path
     for row in timing["rows"]:
         assert {t: s["tiers"] for t, s in row["sources"].items()} == {"redis": ["redis"], "cpu": ["cpu"],
                                                                        "disk": ["disk"]}
+    from cachecraft.bench.readme import cluster_table
+    table = cluster_table({**result, "command": "cachecraft bench cluster", "model": "tiny", "unique_requests": 3,
+                           "top_k": 3, "date": "2026-11-24", "machine": {"cpu": "cpu", "cores": 2}})
+    assert "| shared | " in table and "| isolated | " in table and "| redis | " in table
 
 
 def test_the_servers_must_start_empty(tmp_path, redis_server, pg_url):  # noqa: F811

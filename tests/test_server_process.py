@@ -196,3 +196,7 @@ def test_bench_serve_runs_clients_against_fresh_servers(tiny_dir, tmp_path):
         assert run["requests"] == 6 and run["errors"] == [] and run["throughput_rps"] > 0
         assert run["client_ttft_s"]["p50"] <= run["client_ttft_s"]["p99"]
     assert runs[0]["hit_rate"] > 0 and runs[2]["hit_rate"] == 0  # full never looks up chunk-caches
+    from cachecraft.bench.readme import serve_table
+    table = serve_table({"runs": runs, "command": "cachecraft bench serve", "model": "tiny", "unique_requests": 3,
+                         "top_k": 3, "date": "2026-11-24", "machine": {"cpu": "cpu", "cores": 2}})
+    assert table.count("| cachecraft | ") == 2 and table.count("| full | ") == 2
