@@ -1,41 +1,63 @@
-"""``cachecraft calibrate``: measure candidate alphas through the pipeline and pick one.
+"""``cachecraft calibrate``: measure candidate policy settings through the pipeline and
+pick the one the goal asks for.
 
-Each candidate runs as ``cachecraft@alpha`` next to ``full`` on the same items, through
-the one request path (:mod:`cachecraft.evaluation`) with the user's config, so the
-policy's check layer, early termination and loading rules are the ones ``query`` uses;
-:func:`cachecraft.policy.calibrate.choose_alpha` picks from the measured rows.
+Each candidate (an alpha and a check layer) runs as a ``cachecraft`` method next to
+``full`` on the same items, through the one request path (:mod:`cachecraft.evaluation`)
+with the user's config, so early termination and the loading rules are the ones
+``query`` uses; the yardstick's answer-level divergence is what is compared, and
+:func:`cachecraft.policy.calibrate.choose` picks from the measured rows. The result is
+kept in the catalog against the model's fingerprint (:func:`store_fitted`), where
+``query``, the LlamaIndex engine, ``config show`` and ``explain`` find it.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable, Sequence
 
 from cachecraft.config import Config
 from cachecraft.dataset import QAItem
 from cachecraft.evaluation import OnAnswer, evaluate_items, scratch_pipeline
 from cachecraft.methods import CacheCraft, Full
-from cachecraft.policy.calibrate import AlphaRow, CalibrationResult, check_alphas, check_target, choose_alpha
+from cachecraft.policy.calibrate import (ANY_DEVICE, POLICY_PROFILE, CalibrationResult, CandidateRow, Goal,
+                                         choose)
+from cachecraft.policy.planner import layer_at
 
 
-def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[float], target: float = 0.95, *,
-              max_new_tokens: int = 32, on_item: Callable[[int, int], None] | None = None,
+def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[float], goal: Goal,
+              check_layers: Sequence[float] | None = None, *, max_new_tokens: int = 32,
+              on_item: Callable[[int, int], None] | None = None,
               on_answer: OnAnswer | None = None) -> CalibrationResult:
-    """Run ``full`` and ``cachecraft@alpha`` for every candidate on ``items`` and choose alpha
-    (``on_answer`` sees every answer, with its per-chunk plan in ``answer.chunks``)."""
-    alphas, target = check_alphas(alphas), check_target(target)
-    candidates = [CacheCraft(a) for a in alphas]
+    """Run ``full`` and ``cachecraft`` for every alpha x check layer (layers or depths;
+    default: the config's) on ``items`` and choose by ``goal`` (``on_answer`` sees every
+    answer, with its per-chunk plan in ``answer.chunks``)."""
+    specs = list(check_layers) if check_layers else [config.policy_check_layer]
+    layers = {spec: layer_at(spec, lm.adapter.num_layers) for spec in specs}
+    candidates = {(a, spec): CacheCraft(a, check_layer=layers[spec] if check_layers else None)
+                  for spec in specs for a in alphas}
+    unique = list({m.label: m for m in candidates.values()}.values())  # two depths may name one layer
     with scratch_pipeline(lm, config) as pipeline:
-        rows = evaluate_items(pipeline, items, [Full(), *candidates], max_new_tokens=max_new_tokens,
+        rows = evaluate_items(pipeline, items, [Full(), *unique], max_new_tokens=max_new_tokens,
                               on_item=on_item, on_answer=on_answer)
 
     def mean(label: str, key: str) -> float:
         return statistics.fmean(r[key] for r in rows if r["method"] == label)
 
-    measured = tuple(AlphaRow(c.ratio, mean(c.label, "recompute_fraction"), mean(c.label, "agreement_f1"),
-                              mean(c.label, "kl"), statistics.median(r["ttft_s"] for r in rows
-                                                                     if r["method"] == c.label))
-                     for c in candidates)
-    chosen, reached = choose_alpha(measured, target)
+    measured = []
+    for (alpha, spec), method in candidates.items():
+        label = method.label
+        measured.append(CandidateRow(alpha, spec, mean(label, "recompute_fraction"), mean(label, "answer_kl"),
+                                     mean(label, "token_agreement"), mean(label, "agreement_f1"), mean(label, "kl"),
+                                     statistics.median(r["ttft_s"] for r in rows if r["method"] == label)))
+    chosen, reached = choose(measured, goal)
     full_ttft = statistics.median(r["ttft_s"] for r in rows if r["method"] == Full().label)
-    return CalibrationResult(measured, chosen, target, reached, full_ttft)
+    return CalibrationResult(tuple(measured), chosen, goal, reached, full_ttft)
+
+
+def store_fitted(catalog, fingerprint: str, result: CalibrationResult, **about) -> dict:
+    """Keep ``result``'s parameters in ``catalog`` for the model ``fingerprint`` (``about``:
+    model name, dataset, items... recorded beside them); returns what was stored."""
+    profile = result.profile(**about, date=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    catalog.save_profile(fingerprint, ANY_DEVICE, POLICY_PROFILE, profile)
+    return profile

@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import re
-import tempfile
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -44,6 +43,9 @@ _EVICTION = ("cachecraft", "lru", "lfu", "pgdsf")
 _CATALOG_SCHEMES = ("postgresql://", "postgresql+psycopg://")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _URL_KEYS = ("catalog_url", "redis_url")
+_SECRET_KEYS = ("api_key",)
+TIER_ORDERS = ("gpu,cpu,disk,redis", "gpu,cpu,redis,disk")
+"""The lookup orders ``tier_order`` may name: the memory tiers always come first."""
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
                "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -110,8 +112,9 @@ class Config:
     cacheblend_ratio: float = 0.15
     check_layer: int = 1
     policy_alpha: float = 0.08
-    policy_check_layer: int = 8
-    early_stop_layers: str = ""  # comma-separated layers, e.g. "12,20"; empty: off
+    # Layers: a whole number names a layer, a fraction below 1 a depth (0.27: layer 8 of 30)
+    policy_check_layer: float = 8
+    early_stop_layers: str = ""  # comma-separated layers or depths, e.g. "12,20" or "0.4,0.67"; empty: off
     early_stop_share: float = 0.25
     stats_layer_step: int = 4  # attention statistics at every 4th layer (1: every layer)
     stream_kv: bool = True  # read chunk-caches layer by layer while the prefill runs (false: whole, first)
@@ -129,6 +132,13 @@ class Config:
     catalog_url: str = ""  # postgresql+psycopg://user:password@host:port/database
     redis_url: str = ""  # redis://[:password@]host:port/db (rediss:// for TLS): a shared tier after disk
     redis_budget_bytes: int = 4 * 2**30  # what cachecraft keeps in Redis, enforced by cachecraft
+    tier_order: str = "gpu,cpu,disk,redis"  # lookup order; redis may come before disk
+    # `cachecraft serve`, and the commands that talk to a running one
+    server: str = ""  # http://host:port of a running server: `query` and `stats` ask it
+    server_queue: int = 8  # requests that may wait for the model; one more is refused (429)
+    server_timeout_s: float = 300.0  # a request not answered within this is refused (503)
+    chunk_separator: str = "<|chunk|>"  # marks chunk boundaries in a prompt sent to the server
+    api_key: str = ""  # when set, the server requires it (Authorization: Bearer <key>)
 
     def __post_init__(self) -> None:
         def check(ok: bool, message: str) -> None:
@@ -147,12 +157,15 @@ class Config:
               f"cacheblend_ratio must be within [0, 1], got {self.cacheblend_ratio}")
         check(self.check_layer >= 1, f"check_layer must be >= 1, got {self.check_layer}")
         check(0.0 <= self.policy_alpha <= 10.0, f"policy_alpha must be within [0, 10], got {self.policy_alpha}")
-        check(self.policy_check_layer >= 0, f"policy_check_layer must be >= 0, got {self.policy_check_layer}")
+        check(_is_layer(self.policy_check_layer), "policy_check_layer must be a layer number or a depth below 1 "
+              f"(e.g. 8 or 0.27), got {self.policy_check_layer}")
         check(0.0 <= self.early_stop_share <= 1.0, f"early_stop_share must be within [0, 1], got {self.early_stop_share}")
         try:
-            self.early_stop_layer_list
+            ok = all(_is_layer(x) for x in self.early_stop_layer_list)
         except ValueError:
-            raise ConfigError(f"early_stop_layers must be comma-separated layer numbers, got {self.early_stop_layers!r}") from None
+            ok = False
+        check(ok, "early_stop_layers must be comma-separated layer numbers or depths below 1 (e.g. 12,20 or "
+                  f"0.4,0.67), got {self.early_stop_layers!r}")
         check(self.stats_layer_step >= 1, f"stats_layer_step must be >= 1, got {self.stats_layer_step}")
         check(bool(str(self.embedder).strip()), "embedder must not be empty")
         check(self.chunk_tokens >= 16, f"chunk_tokens must be >= 16, got {self.chunk_tokens}")
@@ -168,13 +181,21 @@ class Config:
         check(not self.redis_url or self.redis_url.startswith(_REDIS_SCHEMES),
               f"redis_url must be empty (no shared tier) or start with one of {_REDIS_SCHEMES}, "
               f"got {hide_password(self.redis_url)!r}")
+        check(self.tier_order.replace(" ", "") in TIER_ORDERS,
+              f"tier_order must be one of {', '.join(TIER_ORDERS)} (memory tiers first; redis before or "
+              f"after disk), got {self.tier_order!r}")
         for name in ("gpu_budget_bytes", "cpu_budget_bytes", "disk_budget_bytes", "redis_budget_bytes"):
             check(getattr(self, name) > 0, f"{name} must be positive, got {getattr(self, name)}")
+        check(not self.server or self.server.startswith(("http://", "https://")),
+              f"server must be empty or an http(s):// URL of a running `cachecraft serve`, got {self.server!r}")
+        check(self.server_queue >= 0, f"server_queue must be >= 0, got {self.server_queue}")
+        check(self.server_timeout_s > 0, f"server_timeout_s must be positive, got {self.server_timeout_s}")
+        check(bool(self.chunk_separator.strip()), "chunk_separator must not be empty or blank")
 
     @property
-    def early_stop_layer_list(self) -> tuple[int, ...]:
-        """``early_stop_layers`` as a tuple of ints."""
-        return tuple(int(x) for x in str(self.early_stop_layers).replace(" ", "").split(",") if x)
+    def early_stop_layer_list(self) -> tuple[float, ...]:
+        """``early_stop_layers`` as numbers: whole ones are layers, fractions below 1 depths."""
+        return tuple(float(x) for x in str(self.early_stop_layers).replace(" ", "").split(",") if x)
 
     @property
     def models_dir(self) -> Path:
@@ -188,15 +209,21 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         """The effective values, JSON-friendly (passwords in URLs hidden)."""
-        return {f.name: str(v) if isinstance(v, Path) else (hide_password(v) if f.name in _URL_KEYS else v)
-                for f in fields(self) for v in [getattr(self, f.name)]}
+        def shown(name: str, value: Any) -> Any:
+            if isinstance(value, Path):
+                return str(value)
+            if name in _URL_KEYS:
+                return hide_password(value)
+            return "***" if name in _SECRET_KEYS and value else value
+
+        return {f.name: shown(f.name, getattr(self, f.name)) for f in fields(self)}
 
     def settings_changed(self) -> dict[str, Any]:
         """Settings that differ from the defaults; ``cache_dir`` and the server URLs are left
         out (they move bytes, they do not change results; URLs may hold passwords)."""
         defaults = Config(cache_dir=self.cache_dir)
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in ("cache_dir",) + _URL_KEYS
+                if f.name not in ("cache_dir", "server") + _URL_KEYS + _SECRET_KEYS
                 and getattr(self, f.name) != getattr(defaults, f.name)}
 
     @classmethod
@@ -211,8 +238,7 @@ class Config:
 
         The TOML file is ``path``, else ``$CACHECRAFT_CONFIG``, else
         ``<cache_dir>/config.toml`` when that file exists (``cache_dir`` from the
-        overrides, ``$CACHECRAFT_CACHE_DIR`` or the user cache directory; this is where
-        ``cachecraft calibrate`` writes by default)."""
+        overrides, ``$CACHECRAFT_CACHE_DIR`` or the user cache directory)."""
         values: dict[str, Any] = {}
         for _, layer in cls.layers(path, overrides, environ):
             values.update(layer)
@@ -262,6 +288,11 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
+def _is_layer(value: float) -> bool:
+    """A layer setting: a whole number >= 0, or a depth within [0, 1)."""
+    return math.isfinite(value) and value >= 0 and (value < 1 or value == int(value))
+
+
 def _warn_unknown_env(name: str, known: list[str]) -> None:
     """One warning per process naming an unknown ``CACHECRAFT_*`` variable and the nearest known one."""
     if name in _warned_env:
@@ -302,73 +333,3 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
         return str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{f.name}: cannot read {value!r} as {kind}") from None
-
-
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def _toml_string(text: str) -> str:
-    out = []
-    for ch in text:
-        if ch == '"' or ch == "\\":
-            out.append("\\" + ch)
-        elif ch in "\b\t\n\f\r":
-            out.append({"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}[ch])
-        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
-            out.append(f"\\u{ord(ch):04X}")
-        else:
-            out.append(ch)
-    return '"' + "".join(out) + '"'
-
-
-def _toml_value(key: str, value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        return repr(value) if math.isfinite(value) else ("nan" if math.isnan(value) else
-                                                         ("inf" if value > 0 else "-inf"))
-    if isinstance(value, (str, Path)):
-        return _toml_string(str(value))
-    raise ConfigError(f"cannot write {key} = {value!r} to a flat config file (only str, int, float, bool)")
-
-
-def _toml_key(key: str) -> str:
-    return key if _BARE_KEY.fullmatch(key) else _toml_string(key)
-
-
-def write_config_value(path: str | Path, key: str, value: Any) -> Path:
-    """Set ``key = value`` in the TOML config at ``path`` (created if missing), keeping
-    its other keys; a ``[cachecraft]`` table stays a table. Written atomically."""
-    path = Path(path).expanduser()
-    data: dict[str, Any] = {}
-    if path.exists():
-        try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
-    table = data.get("cachecraft") if isinstance(data.get("cachecraft"), dict) else None
-    (table if table is not None else data)[key] = value
-    top = {k: v for k, v in data.items() if table is None or k != "cachecraft"}
-    lines = [f"{_toml_key(k)} = {_toml_value(k, v)}" for k, v in top.items()]
-    if table is not None:
-        lines += ["[cachecraft]"] + [f"{_toml_key(k)} = {_toml_value(k, v)}" for k, v in table.items()]
-    text = "\n".join(lines) + "\n"
-    try:
-        mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".config-", suffix=".toml", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-            os.chmod(tmp, mode)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-    except OSError as exc:
-        raise ConfigError(f"cannot write config file {path}: {exc.strerror or exc}") from None
-    return path

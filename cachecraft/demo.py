@@ -16,7 +16,7 @@ from rich.table import Table
 
 from cachecraft.config import Config
 from cachecraft.dataset import load_items
-from cachecraft.display import seconds
+from cachecraft.display import saved
 from cachecraft.metrics import first_line
 from cachecraft.model.loader import LoadedModel
 
@@ -92,8 +92,7 @@ def _print_report(answer, console: Console) -> None:
         table.add_row(source.title, f"{source.score:.3f}", chunk.tier, (chunk.variant or "-")[:12],
                       "-" if chunk.cfo is None else f"{chunk.cfo:.3f}", f"{chunk.fraction:.0%}")
     console.print(table)
-    saved = seconds(answer.saved_s)
-    console.print(f"estimated prefill time saved on this request: {saved}. "
+    console.print(f"prefill time on this request: {saved(answer.saved_s)} (against the measured full-prefill rate). "
                   "Try `cachecraft query \"...\"` and `cachecraft stats` next.", highlight=False)
 
 

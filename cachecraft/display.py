@@ -10,3 +10,18 @@ def seconds(value: float | None, digits: int = 2) -> str:
         return "-"
     rounded = round(value, digits)
     return f"{(rounded if rounded != 0 else 0.0):.{digits}f} s"
+
+
+def saved(value: float | None, digits: int = 2) -> str:
+    """Prefill time saved as ``"saved 1.23 s"``, or ``"0.40 s slower than a full prefill"``
+    when negative (``"-"`` for None)."""
+    if value is None:
+        return "-"
+    if round(value, digits) >= 0:
+        return f"saved {seconds(value, digits)}"
+    return f"{seconds(-value, digits)} slower than a full prefill"
+
+
+def startup(parts: dict[str, float]) -> str:
+    """Start-up work as ``"model 3.10 s, embedder 0.80 s"`` (``"none"`` when empty)."""
+    return ", ".join(f"{name} {seconds(s)}" for name, s in parts.items()) or "none"

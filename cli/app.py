@@ -10,15 +10,19 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.table import Table
 
-from cachecraft.display import seconds
+from cachecraft.display import saved as saved_text, seconds
+
+from . import STARTED
 
 from .bench import bench_app
+from .serve import register as register_serve
 from .common import (CONTEXT, METHODS_HELP, UserError, console, err_console, friendly, load_config, summarize_commands,
                      load_model_quietly, quiet_libraries)
 
@@ -83,62 +87,87 @@ def check_model_cmd(
 def calibrate_cmd(
     ctx: typer.Context,
     dataset: Path = typer.Option(..., help="MuSiQue-format JSON file (list of {ctxs, question, answers})."),
-    limit: int = typer.Option(20, help="Use the first N items."),
-    target: float = typer.Option(0.95, help="Answer agreement with full prefill to keep (token F1, within (0, 1])."),
+    limit: int = typer.Option(20, help="Use N items (after --skip)."),
+    skip: int = typer.Option(0, min=0, help="Leave out the first N items: fit on items kept apart from the ones "
+                                            "you report results on."),
+    budget: Optional[float] = typer.Option(None, help="Recompute budget (share of chunk tokens, within (0, 1]): "
+                                                      "the candidate with the lowest answer KL within it. "
+                                                      "Default 0.05 unless --target-kl is given."),
+    target_kl: Optional[float] = typer.Option(None, "--target-kl", help="Answer-KL target: the candidate with the "
+                                                                        "least recompute that reaches it."),
     alphas: str = typer.Option("0.05,0.1,0.15,0.2,0.3,0.5", help="Comma-separated candidate alphas within [0, 1]."),
-    out: Optional[Path] = typer.Option(None, help="TOML config file to write policy_alpha into (default: the "
-                                                  "--config/$CACHECRAFT_CONFIG file, else <cache_dir>/config.toml)."),
-    max_new_tokens: int = typer.Option(32, min=1, help="Answer length for agreement."),
+    check_layers: Optional[str] = typer.Option(None, "--check-layers",
+                                               help="Comma-separated candidate check layers: whole numbers are "
+                                                    "layers, fractions below 1 depths (e.g. 0.2,0.27,0.4); "
+                                                    "default: the config's policy_check_layer only."),
+    max_new_tokens: int = typer.Option(32, min=1, help="Answer length the divergence is measured along."),
     warm_context: Optional[str] = typer.Option(None, help="What the chunk-caches are made after, following the "
                                                         "system prompt: builtin, none or a text file (default: "
                                                         "config warm_context, as `warm` makes them)."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
-    """Fit policy_alpha: the smallest recompute whose answers agree with full prefill at
-    TARGET or better, on a MuSiQue-format file; writes it to the config file, keeping
-    the other keys there. The chunk-caches are made the way `warm` makes them, so the
-    fitted alpha matches the caches your questions will use."""
+    """Fit the policy to a model: run `full` and `cachecraft` with every candidate alpha
+    (and check layer) on a MuSiQue-format file, measure the answer-level divergence from
+    full prefill along full's answer, and keep the candidate with the lowest divergence
+    within the recompute budget (or the least recompute that reaches --target-kl). The
+    result is stored in the catalog against the model's fingerprint: `query` and the
+    LlamaIndex engine use it wherever the config leaves policy_alpha / policy_check_layer
+    at their defaults; `config show` and `explain` say so. The chunk-caches are made the
+    way `warm` makes them.
+
+    Example: cachecraft calibrate --dataset musique_dev.json --skip 30 --limit 20 --budget 0.05
+    """
     from rich.progress import Progress
 
-    from cachecraft.calibration import calibrate
-    from cachecraft.config import CONFIG_ENV, default_config_file, write_config_value
+    from cachecraft.calibration import calibrate, store_fitted
+    from cachecraft.catalog import Catalog
     from cachecraft.dataset import load_items
-    from cachecraft.policy.calibrate import CalibrationError, check_target, parse_alphas
+    from cachecraft.policy.calibrate import CalibrationError, Goal, parse_alphas, parse_check_layers
 
     try:
-        candidates, target = parse_alphas(alphas), check_target(target)
+        candidates = parse_alphas(alphas)
+        layers = parse_check_layers(check_layers) if check_layers is not None else None
+        goal = Goal(budget=0.05 if budget is None and target_kl is None else budget, target_kl=target_kl)
     except CalibrationError as exc:
         raise UserError(str(exc)) from None
     if limit < 1:
         raise UserError(f"limit must be >= 1, got {limit}")
-    obj = ctx.obj or {}
-    config_file = out or obj.get("config_path") or os.environ.get(CONFIG_ENV) or \
-        default_config_file(obj.get("overrides"))
     config = load_config(ctx, model=model, **({} if warm_context is None else {"warm_context": warm_context}))
-    items = load_items(dataset, limit)
+    items = load_items(dataset, skip + limit)[skip:]
+    if not items:
+        raise UserError(f"{dataset} has no items after the first {skip}")
     lm = load_model_quietly(config)
     with Progress(console=err_console, transient=True) as progress:
-        task = progress.add_task("requests", total=len(items))
-        result = calibrate(lm, config, items, candidates, target, max_new_tokens=max_new_tokens,
+        task = progress.add_task("items", total=len(items))
+        result = calibrate(lm, config, items, candidates, goal, layers, max_new_tokens=max_new_tokens,
                            on_item=lambda done, total: progress.update(task, completed=done))
-    table = Table(title=f"calibrate policy_alpha on {len(items)} item(s) (target agreement {target:g}; "
+    with Catalog(config.cache_dir, url=config.catalog_url or None) as catalog:
+        stored = store_fitted(catalog, lm.fingerprint, result, model=config.model, dataset=str(dataset),
+                              skip=skip, items=len(items), warm_context=config.warm_context)
+    if as_json:
+        print(json.dumps({**result.to_dict(), "stored": stored, "fingerprint": lm.fingerprint}, indent=2))
+        return
+    table = Table(title=f"calibrate {config.model} on {len(items)} item(s) from #{skip} ({result.goal.describe()}; "
                         f"full TTFT median {seconds(result.full_ttft_s)})")
-    for column in ("alpha", "recompute", "agreement F1", "KL", "TTFT median (s)"):
+    for column in ("alpha", "check layer", "recompute", "answer KL", "token agreement", "agreement F1",
+                   "first-token KL", "TTFT median (s)"):
         table.add_column(column, justify="right")
     for r in result.rows:
         mark = " *" if r is result.chosen else ""
-        table.add_row(f"{r.alpha:g}{mark}", f"{r.recompute:.3f}", f"{r.agreement:.3f}", f"{r.kl:.4f}",
-                      f"{r.ttft_s:.2f}")
+        table.add_row(f"{r.alpha:g}{mark}", f"{r.check_layer:g}", f"{r.recompute:.3f}", f"{r.answer_kl:.4f}",
+                      f"{r.token_agreement:.3f}", f"{r.agreement:.3f}", f"{r.kl:.4f}", f"{r.ttft_s:.2f}")
     console.print(table)
     chosen = result.chosen
     if result.reached:
-        console.print(f"chosen policy_alpha = {chosen.alpha:g}: the smallest recompute ({chosen.recompute:.3f}) "
-                      f"with agreement {chosen.agreement:.3f} >= {target:g}")
+        console.print(f"chosen: policy_alpha {chosen.alpha:g}, policy_check_layer {chosen.check_layer:g} "
+                      f"(recompute {chosen.recompute:.3f}, answer KL {chosen.answer_kl:.4f})", highlight=False)
     else:
-        console.print(f"[yellow]no alpha reached agreement {target:g}[/yellow]; chosen policy_alpha = "
-                      f"{chosen.alpha:g}, the best agreement ({chosen.agreement:.3f})")
-    written = write_config_value(config_file, "policy_alpha", chosen.alpha)
-    console.print(f"wrote policy_alpha = {chosen.alpha:g} to {written}")
+        console.print(f"[yellow]no candidate met the {result.goal.describe()}[/yellow]; chosen: policy_alpha "
+                      f"{chosen.alpha:g}, policy_check_layer {chosen.check_layer:g} (recompute "
+                      f"{chosen.recompute:.3f}, answer KL {chosen.answer_kl:.4f})", highlight=False)
+    console.print(f"stored for {config.model} (fingerprint {lm.fingerprint}) in the catalog at {catalog.where}; "
+                  "used where the config leaves these settings at their defaults", highlight=False)
 
 
 @app.command("demo")
@@ -257,6 +286,9 @@ def query_cmd(
     max_new_tokens: Optional[int] = typer.Option(None, min=1, help="Answer length limit (default: config)."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (no streaming, no table)."),
+    server: Optional[str] = typer.Option(None, help="Ask a running `cachecraft serve` at this URL instead of "
+                                                    "loading everything here (default: config server, "
+                                                    "CACHECRAFT_SERVER)."),
 ) -> None:
     """Answer QUESTION from the ingested corpus: retrieve the top-k chunks, reuse their
     chunk-caches (recomputing only what the method decides), stream the answer as it is
@@ -271,8 +303,19 @@ def query_cmd(
                           streamer_for, warn_low_relevance)
     if not question.strip():
         raise UserError("the question is empty")
+    config = load_config(ctx, model=model, **({"server": server} if server is not None else {}))
+    if config.server:  # the server has the model, corpus and tiers loaded (and checks the method)
+        from .serve import remote_answer, remote_query
+        result = remote_query(config, question, method=method, top_k=top_k, max_new_tokens=max_new_tokens,
+                              as_json=as_json)
+        command_s = time.perf_counter() - STARTED
+        if as_json:
+            print(json.dumps({**result, "command_s": command_s, "server": config.server}, indent=2))
+            return
+        print_report(remote_answer(result), LOW_RELEVANCE if config.embedder == "minilm" else None,
+                     command_s=command_s, server=config.server)
+        return
     parse_method(method)  # an unknown method fails here, before the model loads
-    config = load_config(ctx, model=model)
     check_question_length(config, question)
     _require_corpus(config)
     with open_pipeline(config) as pipe:
@@ -280,12 +323,14 @@ def query_cmd(
         max_new_tokens = cap_new_tokens(pipe, question, top_k, max_new_tokens or config.max_new_tokens)
         streamer = None if as_json else streamer_for(pipe.lm.tokenizer)
         answer = pipe.query(question, top_k=top_k, method=method, streamer=streamer, max_new_tokens=max_new_tokens)
+        startup_s = dict(pipe.startup_s)
+    command_s = time.perf_counter() - STARTED  # the store is closed too: what the user waited for
     threshold = LOW_RELEVANCE if config.embedder == "minilm" else None  # chosen for MiniLM's scores
     if as_json:
-        print(json.dumps(answer.to_dict(), indent=2))
+        print(json.dumps({**answer.to_dict(), "command_s": command_s, "startup_s": startup_s}, indent=2))
         warn_low_relevance(answer, threshold)
         return
-    print_report(answer, threshold)
+    print_report(answer, threshold, command_s=command_s, startup_s=startup_s)
 
 
 def _require_corpus(config) -> None:
@@ -293,6 +338,9 @@ def _require_corpus(config) -> None:
     from cachecraft.retrieval.corpus import Corpus
     if not len(Corpus(config.corpus_dir, config.embedder)):
         raise UserError(f"nothing ingested in {config.cache_dir}: run `cachecraft ingest PATH` first")
+
+
+register_serve(app)  # listed after query in --help
 
 
 @app.command("evict")
@@ -362,14 +410,14 @@ def verify_cmd(ctx: typer.Context,
                repair: bool = typer.Option(False, "--repair", help="Fix what is found: drop rows without bytes, "
                                            "delete bytes without rows, remove damaged entries."),
                as_json: bool = typer.Option(False, "--json", help="Print one JSON document.")) -> None:
-    """Walk the whole cache (catalog and disk tier) and report every inconsistency.
-    Exit code 0 when the cache is consistent (or was repaired), 1 otherwise."""
+    """Walk the whole cache and report every inconsistency: the catalog (the SQLite file, or
+    this node's rows of a PostgreSQL catalog_url), the disk tier and, with redis_url set,
+    every entry of the shared tier. Exit code 0 when the cache is consistent (or was
+    repaired), 1 otherwise."""
     from cachecraft.store import verify
     config = load_config(ctx)
-    if config.catalog_url:
-        raise UserError("verify checks the SQLite catalog in the cache directory; with catalog_url "
-                        "set it is not supported yet (unset catalog_url to verify a local cache)")
-    report = verify(config.cache_dir, repair=repair)
+    report = verify(config.cache_dir, repair=repair, catalog_url=config.catalog_url or None,
+                    redis_url=config.redis_url or None, redis_budget_bytes=config.redis_budget_bytes)
     if as_json:
         print(report.to_json(indent=2))
     else:
@@ -407,15 +455,17 @@ def explain_cmd(ctx: typer.Context,
         record = catalog.get_request(request_id)
     if record is None:
         raise UserError(f"no request with id {request_id} in {config.cache_dir}")
+    from cachecraft.catalog.stats import saved_seconds
+    saved_s = saved_seconds(record.full_prefill_s, record.ttft_s, record.recompute_fraction)
     if as_json:
-        print(json.dumps(dataclasses.asdict(record), indent=2, default=str))
+        print(json.dumps({**dataclasses.asdict(record), "saved_s": saved_s}, indent=2, default=str))
         return
 
     def fmt(value: float | None, pattern: str = "{:.3f}") -> str:
         return "-" if value is None else pattern.format(value)
 
     table = Table(title=f"request {record.id}: {record.method}, recompute {fmt(record.recompute_fraction, '{:.1%}')}, "
-                        f"TTFT {fmt(record.ttft_s, '{:.2f}')} s")
+                        f"TTFT {fmt(record.ttft_s, '{:.2f}')} s, prefill time {saved_text(saved_s)}")
     for column in ("#", "chunk", "variant", "tier", "CCI", "beta'", "CFO", "fraction", "stop layer"):
         table.add_column(column, justify="right" if column not in ("chunk", "variant", "tier") else "left",
                          no_wrap=column in ("chunk", "variant", "tier"))
@@ -424,17 +474,33 @@ def explain_cmd(ctx: typer.Context,
                       fmt(c.beta_prime), fmt(c.cfo), fmt(c.fraction, "{:.1%}"),
                       "-" if c.stop_layer is None else str(c.stop_layer))
     console.print(table)
+    if record.policy:
+        policy, origin = record.policy, record.policy.get("sources", {})
+        console.print(f"policy: alpha {policy.get('alpha')} ({origin.get('policy_alpha', '?')}), check layer "
+                      f"{policy.get('check_layer')} of {policy.get('num_layers')} "
+                      f"({origin.get('policy_check_layer', '?')}), early stop at "
+                      f"{policy.get('early_stop_layers') or 'none'}", highlight=False)
 
 
 @app.command("stats")
 @friendly
 def stats_cmd(ctx: typer.Context, top: int = typer.Option(10, min=1, help="How many top chunks to list."),
-              as_json: bool = typer.Option(False, "--json", help="Print one JSON document.")) -> None:
+              as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+              server: Optional[str] = typer.Option(None, help="Ask a running `cachecraft serve` at this URL "
+                                                              "(default: config server, CACHECRAFT_SERVER).")) -> None:
     """What the cache is doing: hit rates per tier, bytes per tier against budgets, top
     chunks, variants per chunk, recompute fractions and prefill time saved."""
     from cachecraft.catalog import Catalog
     from cachecraft.catalog.stats import summary
-    config = load_config(ctx)
+    config = load_config(ctx, **({"server": server} if server is not None else {}))
+    if config.server:
+        from .serve import remote_stats
+        data = remote_stats(config)
+        if as_json:
+            print(json.dumps(data, indent=2, default=str))
+        else:
+            _print_stats(data)
+        return
     catalog = Catalog(config.cache_dir, url=config.catalog_url or None)
     try:
         data = summary(catalog, top=top)
@@ -443,10 +509,32 @@ def stats_cmd(ctx: typer.Context, top: int = typer.Option(10, min=1, help="How m
     budgets = {"gpu": config.gpu_budget_bytes, "cpu": config.cpu_budget_bytes, "disk": config.disk_budget_bytes}
     for tier, usage in data["tiers"].items():
         usage["budget_bytes"] = budgets.get(tier)
+    if config.redis_url or data["hit_rates"]["hits_by_tier"].get("redis"):
+        data["tiers"]["redis"] = _shared_usage(config)
     if as_json:
         print(json.dumps(data, indent=2, default=str))
         return
     _print_stats(data)
+
+
+def _shared_usage(config) -> dict:
+    """Entries and bytes the shared tier holds now, read from Redis (None where it cannot be
+    read: no ``redis_url``, or the server is down)."""
+    usage = {"tier": "redis", "entries": None, "bytes": None, "budget_bytes": config.redis_budget_bytes}
+    if not config.redis_url:
+        return usage
+    try:
+        from cachecraft.store.shared import RedisTier
+        tier = RedisTier(config.redis_url, config.redis_budget_bytes)
+    except (ImportError, ValueError):
+        return usage
+    try:
+        entries, held = tier.count(), tier.used()
+        if tier.available:  # an unreachable server reads as 0: say unknown instead
+            usage.update(entries=entries, bytes=held)
+    finally:
+        tier.close()
+    return usage
 
 
 def _source_or_preview(chunk: dict) -> str:
@@ -463,18 +551,27 @@ def _print_stats(data: dict) -> None:
                   f"{counts['requests']} requests")
     tiers = _table("bytes per tier", "tier", "entries", "bytes", "budget", "used", "hits", "hit share")
     for tier, usage in data["tiers"].items():
-        budget = usage["budget_bytes"]
-        used = f"{usage['bytes'] / budget:.0%}" if budget else "-"
-        tiers.add_row(tier, str(usage["entries"]), _size(usage["bytes"]), _size(budget), used,
+        budget, held = usage["budget_bytes"], usage["bytes"]
+        used = f"{held / budget:.0%}" if budget and held is not None else "-"
+        tiers.add_row(tier, "?" if usage["entries"] is None else str(usage["entries"]),
+                      "?" if held is None else _size(held), _size(budget), used,
                       str(rates["hits_by_tier"].get(tier, 0)), f"{rates['hit_rate_by_tier'].get(tier, 0):.0%}")
     tiers.add_row("miss", "", "", "", "", str(rates["misses"]), f"{1 - rates['hit_rate']:.0%}" if rates["chunks"] else "-")
     console.print(tiers)
+    if data["by_node"]:
+        nodes = _table("requests by node (one catalog, several cache directories)", "node", "cache directory",
+                       "requests", "chunk hit rate", "from redis")
+        for row in data["by_node"]:
+            nodes.add_row(row["node"], f"{row['host']}:{row['cache_dir']}", str(row["requests"]),
+                          _fraction(row["hit_rate"] if row["chunks"] else None),
+                          _fraction(row["hit_rate_by_tier"]["redis"] if row["chunks"] else None))
+        console.print(nodes)
     methods = _table("requests by method", "method", "requests", "chunk hit rate", "recompute (mean)",
                      "TTFT (mean)", "prefill time saved")
     for row in data["by_method"]:
         methods.add_row(row["method"], str(row["requests"]), _fraction(row["hit_rate"]),
                         _fraction(row["recompute_mean"]),
-                        seconds(row["ttft_s_mean"]), seconds(row["saved_s"], 1))
+                        seconds(row["ttft_s_mean"]), saved_text(row["saved_s"], 1))
     console.print(methods)
     top = _table("top chunks", "chunk", "hits", "variants (stored)", "tokens", "source / preview")
     for chunk in data["top_chunks"]:
@@ -488,10 +585,12 @@ def _print_stats(data: dict) -> None:
         histogram.add_row(f"{low:.1f}-{high:.1f}", str(n), "#" * round(30 * n / widest))
     console.print(histogram)
     saved = data["prefill_time_saved"]
-    console.print(f"estimated prefill time saved: {seconds(saved['saved_s'], 1)} over {saved['requests']} requests "
-                  f"({seconds(saved['full_prefill_s'], 1)} of full prefill estimated, {seconds(saved['ttft_s'], 1)} "
-                  "spent)",
-                  highlight=False)
+    basis = (f"full prefill timed at {saved['full_s_per_1k_tokens']:.2f} s per 1k prompt tokens by the recorded "
+             "`full` requests" if saved["basis"] == "measured" else "full prefill estimated by the cost model; "
+             "no `full` request recorded to time it")
+    console.print(f"prefill time {saved_text(saved['saved_s'], 1)} over {saved['requests']} requests "
+                  f"({seconds(saved['full_prefill_s'], 1)} of full prefill against {seconds(saved['ttft_s'], 1)} "
+                  f"spent; {basis})", highlight=False)
 
 
 def _table(title: str, *columns: str) -> Table:
@@ -525,12 +624,21 @@ def config_show_cmd(ctx: typer.Context,
     """Print the effective configuration and where each value comes from: default, the
     config file, the environment (CACHECRAFT_<KEY>) or a flag."""
     from cachecraft.config import Config
+    from cachecraft.policy.planner import policy_settings
     config = load_config(ctx)
     values = config.to_dict()
     obj = ctx.obj or {}
     sources = dict.fromkeys(values, "default")
     for source, layer in Config.layers(obj.get("config_path"), overrides=obj.get("overrides")):
         sources.update(dict.fromkeys(layer, source))
+    fitted = _fitted_policy(config)
+    if fitted is not None:  # what `calibrate` fitted for this model, where the config keeps the default
+        fitted_values, fitted_sources = policy_settings(config, fitted)
+        when = (fitted.get("fitted") or {}).get("date", "")
+        for key, origin in fitted_sources.items():
+            if origin == "calibrated":
+                values[key] = fitted_values[key]
+                sources[key] = f"calibrated for {config.model}" + (f" on {when[:10]}" if when else "")
     if as_json:
         print(json.dumps({"values": values, "sources": sources}, indent=2))
         return
@@ -541,6 +649,23 @@ def config_show_cmd(ctx: typer.Context,
     for key, value in values.items():
         table.add_row(key, str(value), sources[key])
     console.print(table)
+
+
+def _fitted_policy(config) -> dict | None:
+    """The newest policy profile `calibrate` stored for ``config.model`` (by name: showing
+    the configuration loads no model), or None; an unreadable catalog is skipped."""
+    from cachecraft.catalog import Catalog, CatalogError, catalog_path
+    from cachecraft.policy.calibrate import POLICY_PROFILE
+
+    if not config.catalog_url and not catalog_path(config.cache_dir).is_file():
+        return None  # nothing calibrated, and showing the configuration creates no catalog
+    try:
+        with Catalog(config.cache_dir, url=config.catalog_url or None) as catalog, catalog.read() as tx:
+            found = [value for _, _, kind, value in tx.profiles() if kind == POLICY_PROFILE
+                     and (value.get("fitted") or {}).get("model") == config.model]
+    except CatalogError:
+        return None
+    return max(found, key=lambda v: str((v.get("fitted") or {}).get("date", "")), default=None)
 
 
 summarize_commands(app, config_app, bench_app)

@@ -287,6 +287,192 @@ def bench_store_cmd(ctx: typer.Context,
     console.print(f"wrote {out}")
 
 
+@bench_app.command("cluster")
+@friendly
+def bench_cluster_cmd(
+    ctx: typer.Context,
+    dataset: Path = typer.Option(..., help="MuSiQue-format JSON file; all its passages form the corpus."),
+    out: Path = typer.Option(Path("benchmarks/results/cluster.json"), help="Where to write the JSON result."),
+    nodes: int = typer.Option(3, min=1, help="Node processes (each its own cache directory)."),
+    requests: int = typer.Option(36, min=1, help="Requests in the trace, dealt round-robin to the nodes."),
+    limit: int = typer.Option(20, min=1, help="Items of the dataset to pool (10 passages each)."),
+    top_k: int = typer.Option(3, help="Chunks retrieved per request."),
+    zipf: float = typer.Option(1.2, min=0.0, help="Zipf exponent of item popularity."),
+    seed: int = typer.Option(0, help="Trace seed."),
+    method: str = typer.Option("cachecraft", help="Method every node answers with."),
+    max_new_tokens: int = typer.Option(16, min=1, help="Answer length."),
+    timed_prompts: int = typer.Option(6, min=1, help="Prompts the tier timing reads from Redis, CPU and disk."),
+    redis_url: str = typer.Option("", help="An empty Redis database to share (default: a throw-away "
+                                           "redis-server started for the run)."),
+    catalog_url: str = typer.Option("", help="An empty PostgreSQL database to share (default: a throw-away "
+                                             "PostgreSQL cluster started for the run)."),
+    model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
+) -> None:
+    """Several node processes on this machine sharing one Redis and one PostgreSQL catalog,
+    against the same nodes each on its own: hit rate per tier, prefill work saved by
+    sharing, and TTFT with chunk-caches read from Redis, the CPU tier and the disk tier.
+    Without --redis-url / --catalog-url it starts throw-away servers (Debian packages
+    redis-server and postgresql).
+
+    Example: cachecraft bench cluster --dataset musique_dev.json --nodes 3 --requests 36"""
+    import contextlib
+    import tempfile
+
+    from cachecraft.bench import servers
+    from cachecraft.bench.cluster import run_cluster
+    from cachecraft.bench.common import write_result
+    from cachecraft.bench.workload import build_trace
+    from cachecraft.dataset import load_items
+    from cachecraft.methods import parse_methods
+    from cachecraft.retrieval.embed import Embedder
+
+    config = load_config(ctx, model=model)
+    parse_methods(method)
+    items = load_items(dataset, limit)
+    ensure_dir(config.cache_dir)
+    load_model_quietly(config)  # converts a bundled model once, before the nodes start
+    with console.status("embedding the corpus ..."):
+        try:
+            trace, corpus = build_trace(items, requests, top_k, zipf_s=zipf, seed=seed, embed=Embedder().embed)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cachecraft-cluster-")))
+        try:
+            if not redis_url:
+                server = servers.RedisServer(workdir / "redis").start()
+                stack.callback(server.stop)
+                redis_url = server.url
+            if not catalog_url:
+                cluster = servers.PostgresCluster().start()
+                stack.callback(cluster.stop)
+                catalog_url = cluster.create_database()
+        except servers.ServerUnavailable as exc:
+            raise UserError(f"{exc}; or pass --redis-url and --catalog-url of empty databases") from None
+        _require_empty(redis_url, catalog_url, workdir)
+        with console.status("running ...") as status:
+            result = run_cluster(config, trace, nodes=nodes, method=method, max_new_tokens=max_new_tokens,
+                                 workdir=workdir, redis_url=redis_url, catalog_url=catalog_url,
+                                 timed_prompts=timed_prompts, on_step=lambda text: status.update(text))
+    write_result(out, {"benchmark": "cluster", "command": _invocation(ctx, "cluster"), "model": config.model,
+                       "dataset": str(dataset), "items": len(items), "corpus_chunks": corpus,
+                       "unique_requests": len(set(trace)), "top_k": top_k, **result})
+    table = Table(title=f"cluster: {nodes} nodes, {requests} requests ({len(set(trace))} distinct), top-{top_k}")
+    for column in ("phase", "hit rate", "from redis", "from cpu", "from disk", "recompute", "TTFT median (s)",
+                   "prefill work (token-layers)"):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    for phase, m in result["phases"].items():
+        by_tier = m["hit_rate_by_tier"]
+        table.add_row(phase, f"{m['hit_rate']:.0%}", *(f"{by_tier.get(t, 0):.0%}" for t in ("redis", "cpu", "disk")),
+                      f"{m['recompute_fraction_mean']:.3f}", f"{m['ttft_s_median']:.3f}", f"{m['token_layers']:,}")
+    console.print(table)
+    saved = result["prefill_work_saved_vs_isolated"]
+    console.print(f"prefill work saved by sharing: {saved:.0%}" if saved is not None else "no prefill work recorded")
+    timing = result["tier_timing"]["summary"]
+    tiers = Table(title=f"TTFT of reuse by where the chunk-caches come from "
+                        f"({result['tier_timing']['prompts_from_one_tier']} prompts)")
+    for column in ("source", "TTFT median (s)", "vs CPU tier", "speed-up vs full"):
+        tiers.add_column(column, justify="left" if column == "source" else "right")
+    for source in ("redis", "cpu", "disk"):
+        t = timing[source]
+        tiers.add_row(source, _num(t["ttft_s_median"], 3), _num(t["vs_cpu_median"], 2, "x"),
+                      _num(t["speedup_vs_full_median"], 1, "x"))
+    tiers.add_row("full prefill", _num(timing["full"]["ttft_s_median"], 3), "", "")
+    console.print(tiers)
+    console.print(f"wrote {out}")
+
+
+@bench_app.command("serve")
+@friendly
+def bench_serve_cmd(
+    ctx: typer.Context,
+    dataset: Path = typer.Option(..., help="MuSiQue-format JSON file; all its passages form the corpus."),
+    out: Path = typer.Option(Path("benchmarks/results/serve.json"), help="Where to write the JSON result."),
+    clients: str = typer.Option("1,2,4,8", help="Concurrent client counts to run."),
+    methods: str = typer.Option("cachecraft,full", help="Methods the clients ask for (full: the baseline)."),
+    requests: int = typer.Option(32, min=1, help="Requests in the trace."),
+    limit: int = typer.Option(20, min=1, help="Items of the dataset to pool (10 passages each)."),
+    top_k: int = typer.Option(3, help="Chunks retrieved per request (sent as documents)."),
+    zipf: float = typer.Option(1.2, min=0.0, help="Zipf exponent of item popularity."),
+    seed: int = typer.Option(0, help="Trace seed."),
+    max_tokens: int = typer.Option(16, min=1, help="Answer length."),
+    model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
+) -> None:
+    """Concurrent clients against `cachecraft serve` on this machine (a fresh server per
+    method and client count): throughput, client-side TTFT percentiles (queueing
+    included) and hit rate per tier, with `full` on the same trace as the baseline.
+
+    Example: cachecraft bench serve --dataset musique_dev.json --clients 1,2,4,8"""
+    import tempfile
+
+    from cachecraft.bench.common import write_result
+    from cachecraft.bench.serving import run_serving
+    from cachecraft.bench.workload import build_trace
+    from cachecraft.dataset import load_items
+    from cachecraft.methods import parse_methods
+    from cachecraft.retrieval.embed import Embedder
+
+    config = load_config(ctx, model=model)
+    parse_methods(methods)
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    try:
+        counts = [int(c) for c in clients.split(",") if c.strip()]
+    except ValueError:
+        raise UserError(f"clients must be comma-separated whole numbers, got {clients!r}") from None
+    if not counts or min(counts) < 1:
+        raise UserError(f"clients must be whole numbers >= 1, got {clients!r}")
+    items = load_items(dataset, limit)
+    ensure_dir(config.cache_dir)
+    load_model_quietly(config)  # converts a bundled model once, before the servers start
+    with console.status("embedding the corpus ..."):
+        try:
+            trace, corpus = build_trace(items, requests, top_k, zipf_s=zipf, seed=seed, embed=Embedder().embed)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    env = {"CACHECRAFT_MODEL": config.model}
+    with tempfile.TemporaryDirectory(prefix="cachecraft-serve-") as workdir, console.status("running ...") as status:
+        runs = run_serving(trace, clients=counts, methods=names, max_tokens=max_tokens, workdir=Path(workdir),
+                           models_dir=config.models_dir, env=env, on_step=lambda text: status.update(text))
+    write_result(out, {"benchmark": "serve", "command": _invocation(ctx, "serve"), "model": config.model,
+                       "dataset": str(dataset), "items": len(items), "corpus_chunks": corpus,
+                       "unique_requests": len(set(trace)), "top_k": top_k, "runs": runs})
+    table = Table(title=f"serve: {requests} requests ({len(set(trace))} distinct), top-{top_k}")
+    for column in ("method", "clients", "req/s", "TTFT p50 (s)", "p90", "p99", "server TTFT (s)", "hit rate",
+                   "errors"):
+        table.add_column(column, justify="left" if column == "method" else "right")
+    for r in runs:
+        t = r["client_ttft_s"]
+        table.add_row(r["method"], str(r["clients"]), _num(r["throughput_rps"], 2), _num(t["p50"], 2),
+                      _num(t["p90"], 2), _num(t["p99"], 2), _num(r["server_ttft_s_median"], 3),
+                      f"{r['hit_rate']:.0%}", str(len(r["errors"])))
+    console.print(table)
+    console.print(f"wrote {out}")
+
+
+def _num(value: float | None, digits: int, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _require_empty(redis_url: str, catalog_url: str, workdir: Path) -> None:
+    """The shared phase must start from nothing: refuse databases that hold cachecraft data."""
+    from cachecraft.catalog import Catalog
+    from cachecraft.store.shared import RedisTier
+
+    tier = RedisTier(redis_url, 1)
+    try:
+        held = tier.count()
+        reachable = tier.available
+    finally:
+        tier.close()
+    if not reachable:
+        raise UserError(f"--redis-url {tier.where} cannot be reached")
+    if held:
+        raise UserError(f"--redis-url {tier.where} already holds {held} chunk-caches; give an empty database")
+    with Catalog(workdir, url=catalog_url) as catalog:
+        if not catalog.created:
+            raise UserError(f"--catalog-url {catalog.where} already holds a catalog; give an empty database")
+
+
 def _invocation(ctx: typer.Context, name: str) -> str:
     """The command line that ran ``cachecraft bench NAME``, for the result file: its
     arguments, preceded by the settings (config file, environment, global options)

@@ -218,10 +218,12 @@ def streamer_for(tokenizer):
 LOW_RELEVANCE = 0.35
 
 
-def print_report(answer, low_relevance: float | None = LOW_RELEVANCE) -> None:
-    """Sources with scores and what the cache did for each chunk, then the timings; a
-    warning when the best source scores below ``low_relevance`` (None: no check)."""
-    from cachecraft.display import seconds
+def print_report(answer, low_relevance: float | None = LOW_RELEVANCE, *, command_s: float | None = None,
+                 startup_s: dict[str, float] | None = None, server: str | None = None) -> None:
+    """Sources with scores and what the cache did for each chunk, then the timings (with the
+    whole command's time and its start-up work when given); a warning when the best source
+    scores below ``low_relevance`` (None: no check)."""
+    from cachecraft.display import saved, seconds, startup
 
     table = Table(title=f"{answer.method}: {len(answer.sources)} source(s)")
     for column in ("#", "score", "title", "file", "cache key", "tier", "variant", "recompute"):
@@ -233,8 +235,14 @@ def print_report(answer, low_relevance: float | None = LOW_RELEVANCE) -> None:
     console.print(table)
     console.print(f"TTFT {seconds(answer.ttft_s)} (retrieval {seconds(answer.retrieval_s)} apart); "
                   f"{answer.prompt_tokens} prompt tokens, {answer.new_tokens} new; recomputed "
-                  f"{answer.recompute_fraction:.0%} of the context; estimated prefill time saved "
-                  f"{seconds(answer.saved_s)}; request {answer.request_id}", highlight=False)
+                  f"{answer.recompute_fraction:.0%} of the context; prefill time {saved(answer.saved_s)} "
+                  f"(against this machine's measured full-prefill rate); request {answer.request_id}",
+                  highlight=False)
+    if command_s is not None and server is not None:
+        console.print(f"whole command {seconds(command_s)}; answered by the server at {server}", highlight=False)
+    elif command_s is not None:
+        console.print(f"whole command {seconds(command_s)}; start-up {seconds(sum((startup_s or {}).values()))} "
+                      f"of it ({startup(startup_s or {})})", highlight=False)
     warn_low_relevance(answer, low_relevance)
 
 

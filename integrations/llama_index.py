@@ -32,6 +32,7 @@ try:
     from llama_index.core.callbacks import CallbackManager, CBEventType, EventPayload
     from llama_index.core.instrumentation.events.synthesis import SynthesizeEndEvent, SynthesizeStartEvent
     from llama_index.core.postprocessor.types import BaseNodePostprocessor
+    from llama_index.core.prompts import BasePromptTemplate, PromptTemplate
     from llama_index.core.prompts.mixin import PromptMixinType
     from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -46,7 +47,7 @@ from cachecraft.methods import parse_method
 from cachecraft.pipeline import Answer, Pipeline
 from cachecraft.prompt import PromptBuilder
 
-__all__ = ["CacheCraftQueryEngine", "CacheCraftEmbedding", "content_hash", "node_chunk_text"]
+__all__ = ["CacheCraftQueryEngine", "CacheCraftEmbedding", "CacheCraftLLM", "content_hash", "node_chunk_text"]
 
 log = logging.getLogger(__name__)
 dispatcher = instrument.get_dispatcher(__name__)
@@ -104,12 +105,18 @@ class CacheCraftQueryEngine(BaseQueryEngine):
                  config: Config | Mapping[str, Any] | None = None, method: str = "cachecraft",
                  ratio: float | None = None, max_new_tokens: int | None = None, streaming: bool = False,
                  node_postprocessors: Sequence[BaseNodePostprocessor] | None = None,
-                 callback_manager: CallbackManager | None = None) -> None:
+                 callback_manager: CallbackManager | None = None, response_mode: str = "compact",
+                 text_qa_template=None, refine_template=None, summary_template=None) -> None:
         if not isinstance(retriever, BaseRetriever):
             raise TypeError(f"retriever must be a LlamaIndex BaseRetriever, got {type(retriever).__name__}")
         if pipeline is not None and (model is not None or cache_dir is not None or config is not None):
             raise ValueError("give either an existing pipeline or model/cache_dir/config to build one, not both")
         parse_method(method, ratio=ratio)  # an unknown name or ratio fails here, with the list of methods
+        self.response_mode = _check_response_mode(response_mode)
+        for name, template in (("text_qa_template", text_qa_template), ("refine_template", refine_template),
+                               ("summary_template", summary_template)):
+            if template is not None:
+                raise ValueError(_TEMPLATE_HELP.format(name=name))
         self._retriever = retriever
         self._owns_pipeline = pipeline is None
         self.pipeline = pipeline if pipeline is not None else Pipeline(_make_config(model, cache_dir, config))
@@ -125,7 +132,8 @@ class CacheCraftQueryEngine(BaseQueryEngine):
         super().__init__(callback_manager=callback_manager)
 
     _ENGINE_OPTIONS = frozenset({"pipeline", "model", "cache_dir", "config", "method", "ratio", "max_new_tokens",
-                                 "streaming", "node_postprocessors", "callback_manager"})
+                                 "streaming", "node_postprocessors", "callback_manager", "response_mode",
+                                 "text_qa_template", "refine_template", "summary_template"})
 
     @classmethod
     def from_index(cls, index, model: str | None = None, similarity_top_k: int = 2,
@@ -158,6 +166,18 @@ class CacheCraftQueryEngine(BaseQueryEngine):
 
     def _get_prompt_modules(self) -> PromptMixinType:
         return {}
+
+    def _get_prompts(self) -> dict[str, BasePromptTemplate]:
+        """The prompt the pipeline builds, as LlamaIndex templates show it: the system
+        prompt, then ``{context_str}`` (the chunks, each with its own cache), then the
+        question template (``{query_str}``)."""
+        config = self.pipeline.config
+        question = config.question_template.replace("{question}", "{query_str}")
+        return {"text_qa_template": PromptTemplate(f"{config.system_prompt}\n\n{{context_str}}\n\n{question}")}
+
+    def _update_prompts(self, prompts_dict: dict[str, BasePromptTemplate]) -> None:
+        for name in prompts_dict:
+            raise ValueError(_TEMPLATE_HELP.format(name=name))
 
     # -- retrieval ---------------------------------------------------------------------
     def retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
@@ -223,6 +243,8 @@ class CacheCraftQueryEngine(BaseQueryEngine):
         metadata: dict[str, Any] = {n.node.node_id: n.node.metadata for n in source_nodes}
         metadata[REPORT_KEY] = None
         texts, sources = _chunks_of(nodes)
+        if self.response_mode == "no_text":  # retrieval only, as LlamaIndex's no_text mode
+            return Response(None, source_nodes, metadata)
         if not texts:
             if self.streaming:
                 return StreamingResponse(iter([EMPTY_RESPONSE]), source_nodes, metadata)
@@ -266,6 +288,27 @@ class CacheCraftQueryEngine(BaseQueryEngine):
                 raise failure[0]
 
         return pieces()
+
+
+ONE_PREFILL_MODES = ("compact", "simple_summarize", "no_text")
+"""Response modes the engine serves: the retrieved chunks in one prompt (LlamaIndex's
+compact and simple_summarize when the chunks fit, which is what chunk-cache reuse is
+for), or retrieval only."""
+
+_TEMPLATE_HELP = ("{name}: this engine builds its prompt from the config (system_prompt, question_template) "
+                  "so that every chunk keeps its cache; to use your own LlamaIndex templates, keep LlamaIndex's "
+                  "synthesizer with cachecraft as its LLM: RetrieverQueryEngine.from_args(retriever, "
+                  "llm=CacheCraftLLM(...), {name}=...)")
+
+
+def _check_response_mode(mode) -> str:
+    name = getattr(mode, "value", mode)
+    if name not in ONE_PREFILL_MODES:
+        raise ValueError(f"response_mode {name!r} is not served by this engine, which answers in one prefill over "
+                         f"the retrieved chunks ({', '.join(ONE_PREFILL_MODES)}); for {name!r} use "
+                         "RetrieverQueryEngine.from_args(retriever, llm=CacheCraftLLM(...), "
+                         f"response_mode={name!r}): each of its LLM calls still reuses the nodes' chunk-caches")
+    return name
 
 
 def _chunks_of(nodes: Sequence[NodeWithScore]) -> tuple[list[str], list[dict]]:
@@ -364,3 +407,6 @@ class CacheCraftEmbedding(BaseEmbedding):
 
     async def _aget_text_embeddings(self, texts: list[str]) -> list[Embedding]:
         return await asyncio.to_thread(self._get_text_embeddings, texts)
+
+
+from cachecraft.integrations.llama_index_llm import CacheCraftLLM  # noqa: E402  (it uses the helpers above)

@@ -6,6 +6,7 @@ import torch
 
 from cachecraft.bench.quality import run_quality
 from cachecraft.calibration import calibrate
+from cachecraft.policy.calibrate import Goal
 from cachecraft.config import Config
 from cachecraft.dataset import load_items
 from cachecraft.evaluation import answer_traced, item_chunks, scratch_pipeline
@@ -48,7 +49,7 @@ def test_calibrate_plans_requests_exactly_as_query_does(tiny_llama, dataset, tmp
     item = load_items(dataset, limit=1)[0]
     config = _config(tmp_path / "calibrate", policy_check_layer=1, early_stop_layers="1,2", early_stop_share=1.0)
     plans = {}
-    calibrate(tiny_llama, config, [item], [0.3, 0.6], max_new_tokens=3,
+    calibrate(tiny_llama, config, [item], [0.3, 0.6], Goal(budget=1.0), max_new_tokens=3,
               on_answer=lambda item, answer, trace: plans.setdefault(answer.method, answer.chunks))
     chunks = item_chunks(item)
     query_config = config.replace(cache_dir=tmp_path / "query")

@@ -1,131 +1,183 @@
-"""Fitting policy_alpha: the selection rule, the config writer and the CLI on a tiny model."""
+"""Fitting the policy to a model: the selection rule, layers named by depth, the catalog
+profile that query and config show use, and the CLI on a tiny model."""
 
 from __future__ import annotations
 
-import tomllib
+import json
 
 import pytest
 from typer.testing import CliRunner
 
 import cachecraft.calibration as calibrate_module
 import cli.app as cli_app
-from cachecraft.config import Config, ConfigError, write_config_value
-from cachecraft.policy.calibrate import (AlphaRow, CalibrationError, CalibrationResult, check_target, choose_alpha,
-                                         parse_alphas)
+from cachecraft.catalog import Catalog
+from cachecraft.config import Config, ConfigError
+from cachecraft.pipeline import Pipeline
+from cachecraft.policy.calibrate import (ANY_DEVICE, POLICY_PROFILE, CalibrationError, CalibrationResult,
+                                         CandidateRow, Goal, choose, parse_alphas, parse_check_layers)
+from cachecraft.policy.planner import layer_at, params_from_config, policy_settings
+from cachecraft.store import TieredStore
 from cli.app import app
+from tests.conftest import tiny_model
 
 runner = CliRunner()
 
 
-def row(alpha, recompute, agreement):
-    return AlphaRow(alpha, recompute, agreement, kl=0.1, ttft_s=1.0)
+def row(alpha, recompute, answer_kl, check_layer=0.27):
+    return CandidateRow(alpha, check_layer, recompute, answer_kl, token_agreement=0.9, agreement=0.9, kl=0.1,
+                        ttft_s=1.0)
 
 
-def test_choose_alpha_takes_the_lowest_recompute_that_reaches_the_target():
-    rows = [row(0.05, 0.04, 0.90), row(0.1, 0.08, 0.96), row(0.2, 0.15, 0.95), row(0.3, 0.22, 0.99)]
-    chosen, reached = choose_alpha(rows, 0.95)
-    assert (chosen.alpha, reached) == (0.1, True)
-    chosen, reached = choose_alpha(rows, 0.99)
-    assert (chosen.alpha, reached) == (0.3, True)
-    chosen, reached = choose_alpha(rows, 0.90)
-    assert (chosen.alpha, reached) == (0.05, True)
+ROWS = [row(0.05, 0.02, 0.30), row(0.1, 0.04, 0.20), row(0.2, 0.05, 0.25), row(0.3, 0.09, 0.10)]
 
 
-def test_choose_alpha_falls_back_to_the_best_agreement():
-    rows = [row(0.05, 0.04, 0.80), row(0.1, 0.08, 0.91), row(0.2, 0.15, 0.91), row(0.3, 0.22, 0.85)]
-    chosen, reached = choose_alpha(rows, 0.95)
-    assert (chosen.alpha, reached) == (0.1, False)  # tie on agreement: the cheaper one
+def test_a_budget_takes_the_lowest_divergence_within_it():
+    assert choose(ROWS, Goal(budget=0.05)) == (ROWS[1], True)  # 0.20 beats 0.30 and 0.25 within 5%
+    assert choose(ROWS, Goal(budget=0.1)) == (ROWS[3], True)
+    assert choose(ROWS, Goal(budget=0.01)) == (ROWS[0], False)  # none within: the cheapest, and it says so
 
 
-def test_parse_alphas_and_target():
+def test_a_target_takes_the_least_recompute_that_reaches_it():
+    assert choose(ROWS, Goal(target_kl=0.25)) == (ROWS[1], True)
+    assert choose(ROWS, Goal(target_kl=0.1)) == (ROWS[3], True)
+    assert choose(ROWS, Goal(target_kl=0.05)) == (ROWS[3], False)  # none reaches: the lowest divergence
+
+
+def test_ties_go_to_the_cheaper_candidate():
+    tied = [row(0.2, 0.04, 0.2, check_layer=12), row(0.1, 0.04, 0.2, check_layer=0.4), row(0.1, 0.03, 0.2)]
+    assert choose(tied, Goal(budget=0.05))[0] is tied[2]
+    assert choose(tied[:2], Goal(budget=0.05))[0] is tied[1]
+
+
+def test_goals_and_candidates_are_checked():
     assert parse_alphas("0.2, 0.05,,0.2") == [0.05, 0.2]
+    assert parse_check_layers("8, 0.27,0.5") == [0.27, 0.5, 8.0]
     for text in ("", "0.1,x", "-0.1", "1.5", "nan"):
         with pytest.raises(CalibrationError):
             parse_alphas(text)
-    assert check_target(1.0) == 1.0
-    for target in (0.0, -0.5, 1.01):
-        with pytest.raises(CalibrationError, match="target"):
-            check_target(target)
+    with pytest.raises(CalibrationError, match="neither a whole layer"):
+        parse_check_layers("2.5")
+    for goal in ({}, {"budget": 0.1, "target_kl": 0.1}):
+        with pytest.raises(CalibrationError, match="either"):
+            Goal(**goal)
+    for bad in ({"budget": 0.0}, {"budget": 1.5}, {"target_kl": -1.0}, {"target_kl": float("nan")}):
+        with pytest.raises(CalibrationError):
+            Goal(**bad)
 
 
-def test_write_config_value_keeps_other_keys_and_round_trips(tmp_path):
-    path = tmp_path / "c.toml"
-    path.write_text('model = "smollm2"\nmax_new_tokens = 5\ncpu_budget_bytes = "1MiB"\npolicy_alpha = 0.3\n')
-    write_config_value(path, "policy_alpha", 0.1)
-    write_config_value(path, "system_prompt", 'Say "hi"\\ then\n\tanswer; é \x7f')
-    data = tomllib.loads(path.read_text())
-    assert data == {"model": "smollm2", "max_new_tokens": 5, "cpu_budget_bytes": "1MiB", "policy_alpha": 0.1,
-                    "system_prompt": 'Say "hi"\\ then\n\tanswer; é \x7f'}
-    assert Config.load(path, environ={}).policy_alpha == 0.1
-    write_config_value(tmp_path / "new" / "fresh.toml", "policy_alpha", 1e-05)
-    assert tomllib.loads((tmp_path / "new" / "fresh.toml").read_text()) == {"policy_alpha": 1e-05}
+def test_layers_are_named_by_number_or_by_depth():
+    assert layer_at(8, 30) == 8 and layer_at(40, 30) == 29  # a layer, cut to the model's last
+    assert layer_at(0.27, 30) == 8 and layer_at(0.27, 24) == 6  # 8.1 and 6.48 rounded
+    assert layer_at(0.0, 24) == 0 and layer_at(0.99, 24) == 23
+    config = Config.load(overrides={"policy_check_layer": "0.5", "early_stop_layers": "0.5, 20"}, environ={})
+    params = params_from_config(config, 24)
+    assert params.check_layer == 12 and params.early_stop_layers == (12, 20)
+    for bad in ({"policy_check_layer": 2.5}, {"policy_check_layer": -1}, {"early_stop_layers": "3,x"},
+                {"early_stop_layers": "1.5"}):
+        with pytest.raises(ConfigError):
+            Config.load(overrides=bad, environ={})
 
 
-def test_write_config_value_keeps_a_cachecraft_table(tmp_path):
-    path = tmp_path / "c.toml"
-    path.write_text('note = true\n[cachecraft]\nmodel = "m"\n')
-    write_config_value(path, "policy_alpha", 0.2)
-    assert tomllib.loads(path.read_text()) == {"note": True, "cachecraft": {"model": "m", "policy_alpha": 0.2}}
-    bad = tmp_path / "bad.toml"
-    bad.write_text("model = [")
-    with pytest.raises(ConfigError, match="not valid TOML"):
-        write_config_value(bad, "policy_alpha", 0.2)
+def test_fitted_settings_apply_where_the_config_keeps_the_default():
+    fitted = {"policy_alpha": 0.3, "policy_check_layer": 0.5}
+    default = Config.load(environ={})
+    values, sources = policy_settings(default, fitted)
+    assert values == {"policy_alpha": 0.3, "policy_check_layer": 0.5}
+    assert sources == {"policy_alpha": "calibrated", "policy_check_layer": "calibrated"}
+    own = Config.load(overrides={"policy_alpha": 0.2}, environ={})
+    values, sources = policy_settings(own, fitted)
+    assert values == {"policy_alpha": 0.2, "policy_check_layer": 0.5}
+    assert sources == {"policy_alpha": "config", "policy_check_layer": "calibrated"}
+    assert policy_settings(default, None)[1] == {"policy_alpha": "default", "policy_check_layer": "default"}
 
 
-def test_calibrate_cli_writes_the_chosen_alpha(tiny_dir, dataset, tmp_path, cache_dir):
-    config = tmp_path / "cfg.toml"
-    config.write_text('max_new_tokens = 4\ncheck_layer = 2\n')
-    result = runner.invoke(app, ["--config", str(config), "calibrate", "--dataset", str(dataset), "--limit", "2",
-                                 "--alphas", "0.5,0.1", "--model", str(tiny_dir), "--max-new-tokens", "4"])
-    assert result.exit_code == 0, result.output
-    data = tomllib.loads(config.read_text())
-    assert data["policy_alpha"] in (0.1, 0.5)
-    assert data["max_new_tokens"] == 4 and data["check_layer"] == 2
-    assert "policy_alpha" in result.output and "agreement" in result.output
+def fake_result(alphas, goal, layers=None):
+    rows = tuple(row(a, a / 4, 0.5 - a / 2, check_layer=spec) for spec in (layers or [0.27]) for a in alphas)
+    chosen, reached = choose(rows, goal)
+    return CalibrationResult(rows, chosen, goal, reached, full_ttft_s=2.0)
 
 
-def test_calibrate_cli_defaults_to_the_cache_dir_config(dataset, cache_dir, monkeypatch):
-    def fake_calibrate(lm, config, items, alphas, target, **kwargs):
-        rows = tuple(row(a, a, 0.5 + a / 2) for a in alphas)
-        chosen, reached = choose_alpha(rows, target)
-        return CalibrationResult(rows, chosen, target, reached, full_ttft_s=2.0)
-
-    monkeypatch.setattr(calibrate_module, "calibrate", fake_calibrate)
-    monkeypatch.setattr(cli_app, "load_model_quietly", lambda config: None)
-    result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.2,0.5,0.7",
-                                 "--target", "0.99"])
-    assert result.exit_code == 0, result.output
-    assert "no alpha reached" in result.output
-    assert tomllib.loads((cache_dir / "config.toml").read_text()) == {"policy_alpha": 0.7}  # best agreement
-    assert Config.load().policy_alpha == 0.7  # picked up without --config
-
-
-def test_calibrate_makes_caches_the_way_warm_does(dataset, cache_dir, monkeypatch, tmp_path):
+@pytest.fixture
+def fake_calibration(monkeypatch):
     seen = []
 
-    def fake_calibrate(lm, config, items, alphas, target, **kwargs):
-        seen.append((config.warm_context, config.warm_context_tokens))
-        rows = tuple(row(a, a, 0.99) for a in alphas)
-        return CalibrationResult(rows, rows[0], target, True, full_ttft_s=2.0)
+    def fake(lm, config, items, alphas, goal, check_layers=None, **kwargs):
+        seen.append({"config": config, "items": items, "alphas": alphas, "goal": goal, "layers": check_layers})
+        return fake_result(alphas, goal, check_layers)
 
-    monkeypatch.setattr(calibrate_module, "calibrate", fake_calibrate)
-    monkeypatch.setattr(cli_app, "load_model_quietly", lambda config: None)
+    monkeypatch.setattr(calibrate_module, "calibrate", fake)
+    monkeypatch.setattr(cli_app, "load_model_quietly", lambda config: tiny_model("llama"))
+    return seen
+
+
+def test_calibrate_stores_the_fit_for_the_model_and_query_uses_it(fake_calibration, dataset, cache_dir):
+    result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.1,0.2,0.3",
+                                 "--check-layers", "0.5,2"])
+    assert result.exit_code == 0, result.output
+    assert fake_calibration[0]["goal"] == Goal(budget=0.05) and fake_calibration[0]["layers"] == [0.5, 2.0]
+    # recompute a/4: 0.025, 0.05, 0.075; within 5% the lowest divergence is alpha 0.2 (0.4)
+    lm = tiny_model("llama")
+    with Catalog(cache_dir) as catalog:
+        stored = catalog.profile(lm.fingerprint, ANY_DEVICE, POLICY_PROFILE)
+    assert stored["policy_alpha"] == 0.2 and stored["policy_check_layer"] == 0.5
+    assert stored["fitted"]["model"] == "smollm2" and stored["fitted"]["items"] == 2
+
+    config = Config.load(environ={"CACHECRAFT_CACHE_DIR": str(cache_dir)})
+    with TieredStore(config, tiers=("cpu",)) as store:
+        pipe = Pipeline(config, lm=lm, store=store)
+        assert pipe.policy.alpha == 0.2 and pipe.policy.check_layer == layer_at(0.5, lm.adapter.num_layers)
+        assert pipe.policy_sources == {"policy_alpha": "calibrated", "policy_check_layer": "calibrated"}
+    own = config.replace(policy_alpha=0.4)
+    with TieredStore(own, tiers=("cpu",)) as store:
+        assert Pipeline(own, lm=lm, store=store).policy.alpha == 0.4  # the config's own value wins
+
+    shown = runner.invoke(app, ["config", "show", "--json"])
+    data = json.loads(shown.output)
+    assert data["values"]["policy_alpha"] == 0.2 and data["sources"]["policy_alpha"].startswith("calibrated for smollm2")
+
+
+def test_calibrate_takes_items_apart_and_a_divergence_target(fake_calibration, dataset, cache_dir):
+    result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--skip", "1", "--limit", "5",
+                                 "--target-kl", "0.42", "--alphas", "0.1,0.2", "--json"])
+    assert result.exit_code == 0, result.output
+    seen = fake_calibration[0]
+    assert len(seen["items"]) == 1 and seen["goal"] == Goal(target_kl=0.42) and seen["layers"] is None
+    data = json.loads(result.output)
+    assert data["policy_alpha"] == 0.2 and data["reached"] is True  # 0.4 <= 0.42; 0.45 is not
+    assert data["stored"]["fitted"]["skip"] == 1
+
+
+def test_calibrate_makes_caches_the_way_warm_does(fake_calibration, dataset, cache_dir, tmp_path):
     context = tmp_path / "context.txt"
     context.write_text("Some neutral prose the caches are made after.")
     for extra in ([], ["--warm-context", "none"], ["--warm-context", str(context)]):
         result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.1", *extra])
         assert result.exit_code == 0, result.output
-    assert seen[0] == ("builtin", Config.load().warm_context_tokens)  # the config default
-    assert seen[1][0] == "none" and seen[2][0] == str(context)
+    assert [s["config"].warm_context for s in fake_calibration] == ["builtin", "none", str(context)]
+
+
+def test_calibrate_on_a_tiny_model_measures_every_candidate(tiny_llama, dataset, tmp_path):
+    from cachecraft.calibration import calibrate
+    from cachecraft.dataset import load_items
+
+    config = Config.load(overrides={"cache_dir": tmp_path, "max_new_tokens": 3, "warm_context": "none"},
+                         environ={})
+    result = calibrate(tiny_llama, config, load_items(dataset), [0.1, 0.6], Goal(budget=1.0), [1, 0.99],
+                       max_new_tokens=3)
+    assert [(r.alpha, r.check_layer) for r in result.rows] == [(0.1, 1), (0.6, 1), (0.1, 0.99), (0.6, 0.99)]
+    assert all(r.answer_kl >= 0 and 0 <= r.token_agreement <= 1 for r in result.rows)
+    assert result.reached and result.chosen.answer_kl == min(r.answer_kl for r in result.rows)
 
 
 @pytest.mark.parametrize("args,needle", [
     (["--dataset", "missing.json"], "dataset file not found"),
     (["--dataset", "{good}", "--alphas", "0.1,1.5"], "alphas must be within [0, 1]"),
     (["--dataset", "{good}", "--alphas", "a,b"], "not a number"),
-    (["--dataset", "{good}", "--target", "0"], "target must be within (0, 1]"),
-    (["--dataset", "{good}", "--target", "1.2"], "target must be within (0, 1]"),
+    (["--dataset", "{good}", "--budget", "0"], "budget must be within (0, 1]"),
+    (["--dataset", "{good}", "--budget", "0.1", "--target-kl", "0.1"], "either"),
+    (["--dataset", "{good}", "--check-layers", "1.5"], "neither a whole layer"),
     (["--dataset", "{good}", "--limit", "0"], "limit must be >= 1"),
+    (["--dataset", "{good}", "--skip", "5"], "no items after the first 5"),
 ])
 def test_bad_input_is_one_line_and_exit_1(args, needle, dataset, cache_dir):
     args = ["calibrate"] + [a.replace("{good}", str(dataset)) for a in args]
@@ -133,4 +185,3 @@ def test_bad_input_is_one_line_and_exit_1(args, needle, dataset, cache_dir):
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.output
     assert needle in result.output and result.output.strip().count("\n") == 0
-    assert not (cache_dir / "config.toml").exists()

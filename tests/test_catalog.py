@@ -40,7 +40,7 @@ def test_creates_wal_database_with_schema_version(tmp_path, catalog):
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     finally:
         con.close()
-    assert version == "1"
+    assert version == "2"
     assert {"chunks", "variants", "entries", "requests", "request_chunks", "tier_events"} <= tables
     Catalog(tmp_path).close()  # reopening an existing catalog is fine
 
@@ -130,7 +130,7 @@ def test_request_round_trip_for_explain(catalog):
     assert catalog.last_request_id() == rid
     got = catalog.get_request(rid)
     assert got == RequestRecord(**{**rec.__dict__, "id": rid})
-    assert got.hits_by_tier == {"gpu": 0, "cpu": 1, "disk": 1} and got.misses == 1
+    assert got.hits_by_tier == {"gpu": 0, "cpu": 1, "disk": 1, "redis": 0} and got.misses == 1
     assert catalog.get_request(rid + 1) is None
     with pytest.raises(AssertionError):
         RequestChunk(0, "c1", None, "cpu")  # a hit must name its variant
@@ -142,7 +142,7 @@ def test_incompatible_schema_version_is_a_clear_error(tmp_path):
     con.execute("UPDATE schema_info SET value='999' WHERE key='schema_version'")
     con.commit()
     con.close()
-    with pytest.raises(SchemaVersionError, match="schema version 999.*needs 1"):
+    with pytest.raises(SchemaVersionError, match="schema version 999.*needs 2"):
         Catalog(tmp_path)
 
 
@@ -183,7 +183,7 @@ def test_statistics_match_hand_computed_values(catalog):
 
     rates = stats.hit_rates(catalog)
     assert (rates.requests, rates.chunks, rates.hits, rates.misses) == (4, 6, 3, 3)
-    assert rates.hits_by_tier == {"gpu": 0, "cpu": 1, "disk": 2}
+    assert rates.hits_by_tier == {"gpu": 0, "cpu": 1, "disk": 2, "redis": 0}
     assert rates.overall == pytest.approx(0.5)
     assert rates.per_tier["disk"] == pytest.approx(2 / 6)
     assert stats.hit_rates(catalog, method="full").overall == 0.0
@@ -254,3 +254,70 @@ def test_top_chunks_leave_out_the_system_prompt_and_the_warm_context(catalog):
             tx.touch("s1")
             tx.touch("w1")
     assert [c.chunk_key for c in stats.top_chunks(catalog)] == ["A"]
+
+
+def test_saved_seconds_is_never_positive_for_a_full_recompute():
+    assert stats.saved_seconds(4.0, 1.0, 0.2) == 3.0
+    assert stats.saved_seconds(1.0, 1.5, 0.2) == -0.5  # slower than a full prefill: a loss, shown as one
+    assert stats.saved_seconds(48.0, 1.0, 1.0) == 0.0  # recomputed everything: saved nothing
+    assert stats.saved_seconds(1.0, 3.0, 1.0) == -2.0
+    assert stats.saved_seconds(None, 1.0, 0.5) is None and stats.saved_seconds(2.0, None, 0.5) is None
+
+
+def test_saved_time_is_timed_by_the_recorded_full_prefills(catalog):
+    # two full prefills: 3 s for 1000 tokens and 1 s for 1000 tokens -> 2 ms per token
+    for ttft in (3.0, 1.0):
+        catalog.record_request(RequestRecord("q", "full", (), 1.0, ttft, 50.0, num_tokens=1000))
+    requests = ((0.1, 0.5, 2000, 99.0),  # 4 s of full prefill measured, 0.5 s spent: 3.5 s saved
+                (1.0, 0.2, 1000, 99.0),  # recomputed everything: nothing saved, however fast
+                (0.2, 3.0, 1000, 99.0))  # slower than full (2 s): 1 s lost
+    for frac, ttft, tokens, estimate in requests:
+        catalog.record_request(RequestRecord("q", "cachecraft", (), frac, ttft, estimate, num_tokens=tokens))
+    saved = stats.prefill_time_saved(catalog)
+    assert saved.basis == "measured" and saved.full_s_per_1k_tokens == pytest.approx(2.0)
+    assert saved.requests == 3
+    assert saved.full_prefill_s == pytest.approx(4.0 + 2.0 + 2.0)
+    assert saved.saved_s == pytest.approx(3.5 + 0.0 - 1.0)
+    rows = {r["method"]: r for r in stats.by_method(catalog)}
+    assert rows["cachecraft"]["saved_s"] == pytest.approx(2.5) and rows["full"]["saved_s"] == 0.0
+
+
+def test_model_profiles_are_kept_per_model_device_and_kind(tmp_path, catalog):
+    assert catalog.profile("fp", "cpu:2t:x", "cost_model") is None
+    catalog.save_profile("fp", "cpu:2t:x", "cost_model", {"rate": 1.5})
+    catalog.save_profile("fp", "cpu:2t:x", "cost_model", {"rate": 2.5})  # replaced, not added
+    catalog.save_profile("fp", "cuda:H100", "cost_model", {"rate": 0.1})
+    catalog.save_profile("fp", "cpu:2t:x", "policy", {"alpha": 0.1})
+    catalog.close()
+    with Catalog(tmp_path) as again:  # kept across processes
+        assert again.profile("fp", "cpu:2t:x", "cost_model") == {"rate": 2.5}
+        assert again.profile("fp", "cuda:H100", "cost_model") == {"rate": 0.1}
+        assert again.profile("other", "cpu:2t:x", "cost_model") is None
+        with again.read() as tx:
+            assert len(tx.profiles("fp")) == 3
+
+
+def test_a_schema_1_catalog_is_upgraded_in_place(tmp_path):
+    with Catalog(tmp_path) as catalog:
+        catalog.record_request(RequestRecord("q", "full", (), 1.0, 2.0, 2.0))
+    con = sqlite3.connect(catalog_path(tmp_path))  # back to what schema 1 looked like
+    con.execute("DROP TABLE model_profiles")
+    con.execute("ALTER TABLE requests DROP COLUMN num_tokens")
+    con.execute("ALTER TABLE requests DROP COLUMN policy")
+    con.execute("ALTER TABLE requests DROP COLUMN hits_redis")
+    con.execute("ALTER TABLE requests DROP COLUMN node")
+    con.execute("ALTER TABLE entries DROP COLUMN node")
+    con.execute("UPDATE schema_info SET value='1' WHERE key='schema_version'")
+    con.commit()
+    con.close()
+    with Catalog(tmp_path) as catalog:
+        assert catalog.upgraded_from == 1
+        assert catalog.get_request(1).ttft_s == 2.0  # what was recorded is kept
+        catalog.save_profile("fp", "cpu", "cost_model", {"rate": 1.0})
+        request_id = catalog.record_request(RequestRecord("q", "full", (), 1.0, 1.0, 1.0, num_tokens=7))
+        assert catalog.get_request(request_id).num_tokens == 7
+    con = sqlite3.connect(catalog_path(tmp_path))
+    assert con.execute("SELECT value FROM schema_info WHERE key='schema_version'").fetchone()[0] == "2"
+    con.close()
+    with Catalog(tmp_path) as catalog:
+        assert catalog.upgraded_from is None

@@ -14,7 +14,7 @@ psycopg = pytest.importorskip("psycopg", reason="psycopg not installed (pip inst
 from cachecraft.catalog import (Catalog, CatalogError, CatalogUnavailableError, ChunkRecord,
                                 SchemaVersionError, VariantRecord, catalog_path)
 from cachecraft.config import Config, ConfigError
-from cachecraft.store import StoreConfigError, TieredStore
+from cachecraft.store import TieredStore
 from tests.servers import free_port, pg_url, postgres  # noqa: F401  (fixtures)
 from tests.store_helpers import make_kv, same_kv
 # the SQLite catalog's behavioural tests, run again against PostgreSQL (the `catalog`
@@ -48,7 +48,7 @@ def test_creates_the_tables_and_schema_version_in_postgres(tmp_path, catalog, pg
             "SELECT tablename FROM pg_tables WHERE schemaname='public'")}
         nbytes_type = conn.execute("SELECT data_type FROM information_schema.columns WHERE "
                                    "table_name='variants' AND column_name='nbytes'").fetchone()[0]
-    assert version == "1" and nbytes_type == "bigint"
+    assert version == "2" and nbytes_type == "bigint"
     assert {"chunks", "variants", "entries", "requests", "request_chunks", "tier_events"} <= tables
     again = Catalog(tmp_path, url=_plain(pg_url))  # reopening is fine and creates nothing; plain
     assert not again.created                       # postgresql:// also means psycopg 3
@@ -65,7 +65,7 @@ def test_incompatible_schema_version_is_refused(tmp_path, pg_url):  # noqa: F811
     Catalog(tmp_path, url=pg_url).close()
     with psycopg.connect(_plain(pg_url)) as conn:
         conn.execute("UPDATE schema_info SET value='999' WHERE key='schema_version'")
-    with pytest.raises(SchemaVersionError, match="schema version 999.*needs 1"):
+    with pytest.raises(SchemaVersionError, match="schema version 999.*needs 2"):
         Catalog(tmp_path, url=pg_url)
 
 
@@ -164,7 +164,7 @@ def test_catalog_url_is_validated_and_its_password_hidden(tmp_path):
     assert "catalog_url" not in cfg.settings_changed()
 
 
-def test_cli_stats_reads_the_postgres_catalog_and_verify_says_it_cannot(cache_dir, pg_url, monkeypatch):  # noqa: F811
+def test_cli_stats_and_verify_read_the_postgres_catalog(cache_dir, pg_url, monkeypatch):  # noqa: F811
     from typer.testing import CliRunner
 
     from cli.app import app
@@ -175,8 +175,9 @@ def test_cli_stats_reads_the_postgres_catalog_and_verify_says_it_cannot(cache_di
     result = runner.invoke(app, ["stats", "--json"])
     assert result.exit_code == 0, result.output
     assert '"variants": 1' in result.output
-    result = runner.invoke(app, ["verify"])
-    assert result.exit_code == 1 and "catalog_url" in result.output
+    result = runner.invoke(app, ["verify", "--json"])
+    assert result.exit_code == 0, result.output
+    assert '"variants": 1' in result.output and '"consistent": true' in result.output
     assert not catalog_path(cache_dir).exists()
 
 
@@ -190,13 +191,74 @@ def test_cli_with_an_unreachable_catalog_is_one_line(cache_dir, monkeypatch):
     assert "Traceback" not in result.output and "pw@" not in result.output
 
 
-def test_a_second_cache_directory_on_the_same_database_is_refused(tmp_path, pg_url):  # noqa: F811
-    """Its store would take the first directory's disk rows for lost bytes and drop them."""
-    kv = make_kv(1)
-    first = Config(cache_dir=tmp_path / "a", catalog_url=pg_url)
-    with TieredStore(first, tiers=("disk",)) as store:
+def test_several_cache_directories_share_one_database_each_owning_its_disk_rows(tmp_path, pg_url):  # noqa: F811
+    """Two nodes (cache directories) on one catalog: each keeps its own disk rows (never
+    taken for the other's lost bytes), and each sees the other's variants and requests."""
+    first, second = make_kv(1), make_kv(2)
+    a = Config(cache_dir=tmp_path / "a", catalog_url=pg_url)
+    b = Config(cache_dir=tmp_path / "b", catalog_url=pg_url)
+    with TieredStore(a, tiers=("disk",)) as store:
+        store.put(first)
+        node_a = store.node
+    with TieredStore(b, tiers=("disk",)) as store:  # opening reconciles: a's rows must survive
+        node_b = store.node
+        assert node_b != node_a and node_b
+        assert store.locate(first.variant) is None  # a's disk is not b's to read ...
+        assert [v.key for v in store.catalog.variants(first.chunk)] == [first.variant]  # ... but b sees it
+        store.put(second)
+        with store.catalog.read() as tx:
+            assert set(tx.nodes()) == {node_a, node_b}
+            assert {(e.variant_key, e.owner, e.node) for e in tx.entries(tier="disk")} == {
+                (first.variant, node_a, node_a), (second.variant, node_b, node_b)}
+    with TieredStore(a, tiers=("disk",)) as store:  # a is intact and still does not hold b's
+        assert store.node == node_a
+        assert same_kv(store.get(first.variant), first, store.stored_dtype)
+        assert store.locate(second.variant) is None
+        assert store.keys("disk") == [first.variant]
+    assert (tmp_path / "a" / "store" / "node-id").read_text().strip() == node_a
+
+
+def test_a_node_joining_with_a_filled_disk_tier_records_its_blobs(tmp_path, pg_url):  # noqa: F811
+    """A cache directory used with its own SQLite catalog, then pointed at a shared one:
+    its disk tier's blobs are recorded under its node, not deleted as orphans."""
+    kv = make_kv(3)
+    local = Config(cache_dir=tmp_path / "c")
+    with TieredStore(local, tiers=("disk",)) as store:
         store.put(kv)
-    with pytest.raises(StoreConfigError, match="catalog_url .* already serves another cache directory"):
-        TieredStore(Config(cache_dir=tmp_path / "b", catalog_url=pg_url), tiers=("disk",))
-    with TieredStore(first, tiers=("disk",)) as store:  # the first one is intact
+    with TieredStore(Config(cache_dir=tmp_path / "c", catalog_url=pg_url), tiers=("disk",)) as store:
+        assert store.locate(kv.variant) == "disk"
         assert same_kv(store.get(kv.variant), kv, store.stored_dtype)
+        with store.catalog.read() as tx:
+            assert [(e.owner, e.node) for e in tx.entries(tier="disk")] == [(store.node, store.node)]
+
+
+def test_a_schema_1_server_catalog_hands_its_disk_rows_to_its_node(tmp_path, pg_url):  # noqa: F811
+    """Schema 1 let one cache directory use a server catalog (``disk_tier_id``, disk rows
+    owned by ""); the upgrade makes them that node's, and the directory keeps its id."""
+    kv = make_kv(4)
+    cfg = Config(cache_dir=tmp_path / "d", catalog_url=pg_url)
+    with TieredStore(cfg, tiers=("disk",)) as store:
+        store.put(kv)
+        node = store.node
+    root = tmp_path / "d" / "store"
+    (root / "node-id").rename(root / "catalog-id")  # as schema 1 left it
+    engine = create_engine(pg_url)
+    with engine.begin() as conn:
+        conn.execute(text("ALTER TABLE entries DROP COLUMN node"))
+        conn.execute(text("ALTER TABLE requests DROP COLUMN hits_redis"))
+        conn.execute(text("ALTER TABLE requests DROP COLUMN node"))
+        conn.execute(text("ALTER TABLE requests DROP COLUMN num_tokens"))
+        conn.execute(text("ALTER TABLE requests DROP COLUMN policy"))
+        conn.execute(text("DROP TABLE model_profiles"))
+        conn.execute(text("UPDATE entries SET owner = ''"))
+        conn.execute(text("DELETE FROM schema_info WHERE key LIKE 'node:%'"))
+        conn.execute(text("INSERT INTO schema_info (key, value) VALUES ('disk_tier_id', :n)"), {"n": node})
+        conn.execute(text("UPDATE schema_info SET value = '1' WHERE key = 'schema_version'"))
+    engine.dispose()
+    with TieredStore(cfg, tiers=("disk",)) as store:
+        assert store.catalog.upgraded_from == 1 and store.node == node
+        assert same_kv(store.get(kv.variant), kv, store.stored_dtype)
+        with store.catalog.read() as tx:
+            assert [(e.owner, e.node) for e in tx.entries(tier="disk")] == [(node, node)]
+            assert tx.info_value("disk_tier_id") is None and node in tx.nodes()
+    assert (root / "node-id").read_text().strip() == node and not (root / "catalog-id").exists()

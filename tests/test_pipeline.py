@@ -38,6 +38,8 @@ def pipeline(cache_dir):
 def test_miss_then_exact_variant_reuse(pipeline):
     first = traced(pipeline, CHUNKS, QUESTION)
     assert first.recompute_fraction == 1.0
+    assert first.saved_s <= 0  # everything computed: no time saved, whatever the estimate says
+    assert pipeline.catalog.get_request(first.request_id).num_tokens == first.prompt_tokens
     assert all(c.tier == "miss" and c.variant is None for c in first.chunks)
     again = traced(pipeline, CHUNKS, QUESTION)
     assert again.recompute_fraction == 0.0  # every chunk has a variant made under this exact prefix
@@ -143,6 +145,35 @@ def test_loading_controller_raises_recompute_on_a_slow_tier(pipeline):
     before = sum(planned.chunks[i].fraction * planned.chunks[i].tokens for i in fixed)
     after = sum(raised.chunks[i].fraction * raised.chunks[i].tokens for i in fixed)
     assert before < 0.5 * tokens <= after + 1e-6
+
+
+def test_the_cost_model_is_measured_once_and_kept_per_model_and_device(cache_dir, monkeypatch):
+    from cachecraft.pipeline import core
+    from cachecraft.pipeline.cost import COST_PROFILE, device_label
+
+    measured = []
+    real = core.measure_cost_model
+    monkeypatch.setattr(core, "measure_cost_model", lambda *a, **k: measured.append(1) or real(*a, **k))
+    config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 2}, environ={})
+    lm = tiny_model("llama")
+    pipe = Pipeline(config, lm=lm, store=TieredStore(config, tiers=("cpu", "disk")))
+    start = pipe.ensure_cost_model()
+    assert measured == [1] and set(pipe.startup_s) == {"cost model"}  # lm given: no model loading
+    pipe.answer(CHUNKS, QUESTION, method="full")  # a plain full prefill moves the rate
+    learned = pipe.cost_model
+    assert learned.prefill_s_per_token_layer != start.prefill_s_per_token_layer
+    pipe.close()  # what it learned is kept
+    stored = pipe.catalog.profile(lm.fingerprint, device_label(lm.device), COST_PROFILE)
+    assert stored["prefill_s_per_token_layer"] == learned.prefill_s_per_token_layer
+
+    again = Pipeline(config, lm=lm, store=TieredStore(config, tiers=("cpu", "disk")))
+    assert again.ensure_cost_model().prefill_s_per_token_layer == learned.prefill_s_per_token_layer
+    assert measured == [1] and set(again.startup_s) == {"cost model (stored)"}
+    again.close()
+    other = Pipeline(config, lm=tiny_model("qwen2"), store=TieredStore(config, tiers=("cpu", "disk")))
+    other.ensure_cost_model()  # another model: measured for itself
+    assert measured == [1, 1]
+    other.close()
 
 
 @pytest.mark.parametrize("stream_kv", [True, False])

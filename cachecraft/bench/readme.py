@@ -144,10 +144,54 @@ def eviction_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def cluster_table(data: dict) -> str:
+    """Markdown tables of a ``bench cluster`` result: phases side by side, then the tier timing."""
+    lines = [f"`{data['command']}` ({data['model']}, {data['nodes']} node processes, {data['requests']} requests, "
+             f"{data['unique_requests']} distinct, top-{data['top_k']}, {data['date'][:10]}{_commit(data)}, "
+             f"{data['machine']['cpu']}, {data['machine']['cores']} cores)", "",
+             "| phase | hit rate | from redis | from cpu | from disk | recompute | TTFT median (s) | "
+             "prefill work (token-layers) |", "|---" * 8 + "|"]
+    for phase, m in data["phases"].items():
+        tiers = m["hit_rate_by_tier"]
+        lines.append(f"| {phase} | {m['hit_rate']:.0%} | " + " | ".join(f"{tiers.get(t, 0):.0%}"
+                                                                   for t in ("redis", "cpu", "disk"))
+                     + f" | {m['recompute_fraction_mean']:.3f} | {m['ttft_s_median']:.3f} | {m['token_layers']:,} |")
+    saved = data["prefill_work_saved_vs_isolated"]
+    timing = data["tier_timing"]
+    lines += ["", f"Prefill work saved by sharing: {saved:.0%}." if saved is not None else "", "",
+              f"TTFT of `reuse` by where every chunk-cache came from ({timing['prompts_from_one_tier']} prompts, "
+              "medians):", "", "| source | TTFT (s) | against the CPU tier | speed-up vs full |", "|---" * 4 + "|"]
+    for source in ("redis", "cpu", "disk"):
+        t = timing["summary"][source]
+        if t["ttft_s_median"] is None:
+            continue
+        lines.append(f"| {source} | {t['ttft_s_median']:.3f} | {t['vs_cpu_median']:.2f}x | "
+                     f"{t['speedup_vs_full_median']:.1f}x |")
+    full = timing["summary"]["full"]["ttft_s_median"]
+    if full is not None:
+        lines.append(f"| full prefill | {full:.3f} | | 1.0x |")
+    return "\n".join(lines)
+
+
+def serve_table(data: dict) -> str:
+    """Markdown table of a ``bench serve`` result: one row per method and client count."""
+    lines = [f"`{data['command']}` ({data['model']}, {len(data['runs'][0]['rows']) if data['runs'] else 0} "
+             f"requests, {data['unique_requests']} distinct, top-{data['top_k']}, {data['date'][:10]}"
+             f"{_commit(data)}, {data['machine']['cpu']}, {data['machine']['cores']} cores)", "",
+             "| method | clients | requests/s | client TTFT p50 (s) | p90 | p99 | server TTFT median (s) | hit rate | "
+             "errors |", "|---" * 9 + "|"]
+    for r in data["runs"]:
+        t = r["client_ttft_s"]
+        lines.append(f"| {r['method']} | {r['clients']} | {r['throughput_rps']:.2f} | {t['p50']:.2f} | "
+                     f"{t['p90']:.2f} | {t['p99']:.2f} | {r['server_ttft_s_median']:.3f} | {r['hit_rate']:.0%} | "
+                     f"{len(r['errors'])} |")
+    return "\n".join(lines)
+
+
 QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_heldout", "quality_alpha",
-                   "quality_warm", "quality_warm_heldout", "quality_40")
+                   "quality_warm", "quality_warm_heldout", "quality_40", "yardstick_qwen", "yardstick_smollm2")
 RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
-             "workload": workload_table, "workload_eviction": workload_table, "store": store_table,
+             "cluster": cluster_table, "serve": serve_table, "workload": workload_table, "workload_eviction": workload_table, "store": store_table,
              "eviction_replay": eviction_table, "scaling_8k_revisit": method_rows_table,
              "scaling_8k_sweep": method_rows_table,
              **{name: scaling_table

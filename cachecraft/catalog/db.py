@@ -31,9 +31,9 @@ from sqlalchemy.orm import Session
 from cachecraft.catalog.errors import (CatalogBusyError, CatalogCorruptError, CatalogError,
                                        CatalogUnavailableError, CatalogWriteError,
                                        SchemaVersionError)
-from cachecraft.catalog.models import (SCHEMA_VERSION, Base, Chunk, Entry, Request,
+from cachecraft.catalog.models import (NODE_PREFIX, SCHEMA_VERSION, UPGRADES, Base, Chunk, Entry, ModelProfile, Request,
                                        RequestChunkRow, SchemaInfo, TierEvent, Variant)
-from cachecraft.catalog.records import (TIERS, ChunkRecord, EntryRecord, RequestChunk,
+from cachecraft.catalog.records import (SHARED_TIER, TIERS, ChunkRecord, EntryRecord, RequestChunk,
                                         RequestRecord, TierEventRecord, VariantRecord,
                                         fastest_tier)
 
@@ -187,15 +187,16 @@ class CatalogTx:
         rows = self.session.scalars(select(Variant).where(Variant.key.in_(placed)).order_by(Variant.key))
         return [_variant_record(r) for r in rows]
 
-    def available_variants(self, chunk_key: str, owner: str) -> list[VariantRecord]:
-        """Variants of a chunk that ``owner`` can read: on disk, or in its own memory tiers.
+    def available_variants(self, chunk_key: str, owner: str, node: str = "") -> list[VariantRecord]:
+        """Variants of a chunk that ``owner`` (a store on ``node``) can read: in its node's disk
+        tier, or in its own memory tiers.
 
         ``tier`` in each record is the fastest such tier.
         """
         rows = self.session.execute(
             select(Variant, Entry.tier).join(Entry, Entry.variant_key == Variant.key)
             .where(Variant.chunk_key == chunk_key)
-            .where((Entry.tier == "disk") | (Entry.owner == owner))).all()
+            .where(((Entry.tier == "disk") & (Entry.owner == node)) | (Entry.owner == owner))).all()
         tiers: dict[str, set[str]] = {}
         found: dict[str, Variant] = {}
         for variant, tier in rows:
@@ -235,7 +236,7 @@ class CatalogTx:
         if row is None:
             self.session.add(Entry(variant_key=rec.variant_key, tier=rec.tier, owner=rec.owner,
                                    nbytes=rec.nbytes, blob=rec.blob, checksum=rec.checksum,
-                                   stored_at=rec.stored_at or time.time()))
+                                   stored_at=rec.stored_at or time.time(), node=rec.node))
             self.session.flush()
         else:
             row.nbytes, row.blob, row.checksum = rec.nbytes, rec.blob, rec.checksum
@@ -255,17 +256,21 @@ class CatalogTx:
         self.refresh_tier(variant_key)
         return old
 
-    def entries(self, tier: str | None = None, owner: str | None = None) -> list[EntryRecord]:
-        """Placements, optionally of one tier and/or one owner."""
+    def entries(self, tier: str | None = None, owner: str | None = None,
+                node: str | None = None) -> list[EntryRecord]:
+        """Placements, optionally of one tier, one owner and/or one node."""
         query = select(Entry)
         if tier is not None:
             query = query.where(Entry.tier == tier)
         if owner is not None:
             query = query.where(Entry.owner == owner)
+        if node is not None:
+            query = query.where(Entry.node == node)
         return [_entry_record(r) for r in self.session.scalars(query.order_by(Entry.id))]
 
     def tier_bytes(self, tier: str, owner: str = "") -> int:
-        """Bytes recorded in one tier for one owner (the shared disk tier: owner "")."""
+        """Bytes recorded in one tier for one owner (a disk tier: its node's id, "" in the
+        embedded catalog)."""
         total = self.session.scalar(select(func.coalesce(func.sum(Entry.nbytes), 0))
                                     .where(Entry.tier == tier, Entry.owner == owner))
         return int(total or 0)
@@ -276,9 +281,22 @@ class CatalogTx:
                                     .where(Entry.tier == tier, Entry.owner == owner)).all()
         return [(_entry_record(e), _variant_record(v)) for e, v in rows]
 
-    def memory_owners(self) -> set[str]:
-        """Owners that hold GPU/CPU placements."""
-        return set(self.session.scalars(select(Entry.owner).where(Entry.tier != "disk").distinct()))
+    def memory_owners(self, node: str = "") -> set[str]:
+        """Owners on ``node`` that hold GPU/CPU placements."""
+        return set(self.session.scalars(select(Entry.owner).where(Entry.tier != "disk", Entry.node == node)
+                                        .distinct()))
+
+    def nodes(self) -> dict[str, dict]:
+        """The nodes that joined this catalog (id -> what they recorded about themselves)."""
+        rows = self.session.execute(select(SchemaInfo.key, SchemaInfo.value)
+                                    .where(SchemaInfo.key.startswith(NODE_PREFIX))).all()
+        return {key.removeprefix(NODE_PREFIX): _json_object(value) or {} for key, value in rows}
+
+    def join_node(self, node: str, about: dict) -> bool:
+        """Record that ``node`` uses this catalog; True when it had not joined before."""
+        new = self.info_value(NODE_PREFIX + node) is None
+        self.set_info_value(NODE_PREFIX + node, json.dumps(about, sort_keys=True))
+        return new
 
     def remove_owner(self, owner: str, kind: str = "lost") -> list[EntryRecord]:
         """Drop every memory placement of ``owner`` (it is gone), logging ``kind`` events."""
@@ -345,9 +363,10 @@ class CatalogTx:
         hits = rec.hits_by_tier
         row = Request(created_at=rec.created_at, question_hash=rec.question_hash, method=rec.method,
                       num_chunks=len(rec.chunks), hits_gpu=hits["gpu"], hits_cpu=hits["cpu"],
-                      hits_disk=hits["disk"], misses=rec.misses,
+                      hits_disk=hits["disk"], hits_redis=hits[SHARED_TIER], misses=rec.misses, node=rec.node,
                       recompute_fraction=rec.recompute_fraction, ttft_s=rec.ttft_s,
-                      full_prefill_s=rec.full_prefill_s)
+                      full_prefill_s=rec.full_prefill_s, num_tokens=rec.num_tokens,
+                      policy=None if rec.policy is None else json.dumps(rec.policy, sort_keys=True))
         self.session.add(row)
         self.session.flush()
         for c in rec.chunks:
@@ -370,7 +389,44 @@ class CatalogTx:
             chunks=tuple(RequestChunk(c.position, c.chunk_key, c.variant_key, c.tier, c.cci,
                                       c.beta_prime, c.cfo, c.fraction, c.stop_layer) for c in chunks),
             recompute_fraction=row.recompute_fraction, ttft_s=row.ttft_s,
-            full_prefill_s=row.full_prefill_s, created_at=row.created_at, id=row.id)
+            full_prefill_s=row.full_prefill_s, created_at=row.created_at, id=row.id,
+            num_tokens=row.num_tokens, policy=_json_object(row.policy), node=row.node)
+
+    # what was measured or fitted per model ----------------------------------------------
+
+    def profile(self, fingerprint: str, device: str, kind: str) -> dict | None:
+        """The ``kind`` profile (a JSON object) of model ``fingerprint`` on ``device``, or None."""
+        row = self.session.get(ModelProfile, (fingerprint, device, kind))
+        if row is None:
+            return None
+        try:
+            value = json.loads(row.value)
+        except ValueError:
+            return None  # unreadable: as if never measured, and overwritten by the next save
+        return value if isinstance(value, dict) else None
+
+    def set_profile(self, fingerprint: str, device: str, kind: str, value: dict) -> None:
+        """Store (or replace) the ``kind`` profile of model ``fingerprint`` on ``device``."""
+        row = self.session.get(ModelProfile, (fingerprint, device, kind))
+        text = json.dumps(value, sort_keys=True)
+        if row is None:
+            self.session.add(ModelProfile(fingerprint=fingerprint, device=device, kind=kind, value=text,
+                                          updated_at=time.time()))
+        else:
+            row.value, row.updated_at = text, time.time()
+
+    def profiles(self, fingerprint: str | None = None) -> list[tuple[str, str, str, dict]]:
+        """Every stored profile as (fingerprint, device, kind, value), optionally of one model."""
+        query = select(ModelProfile).order_by(ModelProfile.fingerprint, ModelProfile.device, ModelProfile.kind)
+        if fingerprint is not None:
+            query = query.where(ModelProfile.fingerprint == fingerprint)
+        rows = []
+        for row in self.session.scalars(query):
+            try:
+                rows.append((row.fingerprint, row.device, row.kind, json.loads(row.value)))
+            except ValueError:
+                continue
+        return rows
 
     def request_ids(self, limit: int | None = None) -> list[int]:
         """Ids of stored requests, newest first."""
@@ -378,6 +434,15 @@ class CatalogTx:
         if limit is not None:
             query = query.limit(limit)
         return list(self.session.scalars(query))
+
+
+def _json_object(text: str | None) -> dict | None:
+    """A JSON object column's value (None when empty or unreadable)."""
+    try:
+        value = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _chunk_record(row: Chunk) -> ChunkRecord:
@@ -395,7 +460,7 @@ def _variant_record(row: Variant, tier: str | None = ...) -> VariantRecord:  # t
 
 def _entry_record(row: Entry) -> EntryRecord:
     return EntryRecord(row.variant_key, row.tier, row.owner, row.nbytes, row.blob, row.checksum,
-                       row.stored_at)
+                       row.stored_at, row.node)
 
 
 class Catalog:
@@ -417,6 +482,7 @@ class Catalog:
         self.cache_dir = Path(cache_dir)
         self.url = url or None
         self.created = False  # set when this open created the tables
+        self.upgraded_from: int | None = None  # set when this open upgraded an older schema
         self.path = catalog_path(self.cache_dir)
         if self.url is None:
             self.dialect = "sqlite"
@@ -490,20 +556,26 @@ class Catalog:
         self._read_engine = self._engine.execution_options(isolation_level="REPEATABLE READ")
 
     def _init_schema(self) -> None:
-        # schema changes live in one place: the models (cachecraft.catalog.models) and
-        # SCHEMA_VERSION there; a database of another version is refused, never migrated
+        # schema changes live in one place: the models (cachecraft.catalog.models), with
+        # SCHEMA_VERSION and the UPGRADES from older versions there
         with self.write() as tx:
             conn = tx.session.connection()
             tables = set(inspect(conn).get_table_names())
             if "schema_info" in tables:
                 row = tx.session.get(SchemaInfo, "schema_version")
                 found = None if row is None else row.value
-                if found != str(SCHEMA_VERSION):
+                version = int(found) if found is not None and found.isdigit() else None
+                if version != SCHEMA_VERSION and (version is None or version > SCHEMA_VERSION
+                                                  or any(v not in UPGRADES for v in range(version, SCHEMA_VERSION))):
                     raise SchemaVersionError(
                         f"catalog {self.where} has schema version {found}, this cachecraft needs "
                         f"{SCHEMA_VERSION}; use the cachecraft version that wrote it, or move the "
                         "cache directory aside")
-                missing = set(Base.metadata.tables) - tables
+                for step in range(version, SCHEMA_VERSION):  # all or nothing: one transaction
+                    UPGRADES[step](conn)
+                    self.upgraded_from = self.upgraded_from or step
+                row.value = str(SCHEMA_VERSION)
+                missing = set(Base.metadata.tables) - set(inspect(conn).get_table_names())
                 if missing:
                     raise SchemaVersionError(f"catalog {self.where} lacks tables {sorted(missing)}; "
                                              "move the cache directory aside")
@@ -576,6 +648,16 @@ class Catalog:
         """A stored request (for ``cachecraft explain``), or None."""
         with self.read() as tx:
             return tx.request(request_id)
+
+    def profile(self, fingerprint: str, device: str, kind: str) -> dict | None:
+        """A stored model profile (see :meth:`CatalogTx.profile`), or None."""
+        with self.read() as tx:
+            return tx.profile(fingerprint, device, kind)
+
+    def save_profile(self, fingerprint: str, device: str, kind: str, value: dict) -> None:
+        """Store (or replace) a model profile."""
+        with self.write() as tx:
+            tx.set_profile(fingerprint, device, kind, value)
 
     def upsert_chunk(self, rec: ChunkRecord) -> None:
         """Insert a chunk or fill in its source/preview."""

@@ -14,6 +14,9 @@ SHARED_TIER = "redis"
 """The shared tier (``redis_url``): after the local tiers; its placements are indexed in
 Redis, not in the catalog, so it is not one of :data:`TIERS`."""
 
+HIT_TIERS = TIERS + (SHARED_TIER,)
+"""Every tier a request's chunk can be served from, fastest first by default."""
+
 MISS = "miss"
 EVENT_KINDS = ("put", "promote", "demote", "evict", "delete", "corrupt", "lost")
 """Tier event kinds: ``corrupt`` = damaged bytes dropped on read or verify; ``lost`` =
@@ -68,7 +71,8 @@ class VariantRecord:
 
 @dataclass(frozen=True)
 class EntryRecord:
-    """Where the bytes of a variant live: a (variant, tier, owner) placement."""
+    """Where the bytes of a variant live: a (variant, tier, owner) placement on one ``node``
+    (a disk row's owner is its node)."""
 
     variant_key: str
     tier: str
@@ -77,6 +81,7 @@ class EntryRecord:
     blob: str | None = None
     checksum: str | None = None
     stored_at: float = 0.0
+    node: str = ""
 
 
 @dataclass(frozen=True)
@@ -112,11 +117,14 @@ class RequestRecord:
     full_prefill_s: float | None = None
     created_at: float = field(default_factory=time.time)
     id: int | None = None
+    num_tokens: int | None = None  # the prompt's tokens
+    policy: dict | None = None  # the policy's settings and where each came from
+    node: str = ""  # the node that answered ("" with the embedded catalog)
 
     @property
     def hits_by_tier(self) -> dict[str, int]:
-        """Number of chunk hits per tier."""
-        return {t: sum(1 for c in self.chunks if c.tier == t) for t in TIERS}
+        """Number of chunk hits per tier, the shared tier included."""
+        return {t: sum(1 for c in self.chunks if c.tier == t) for t in HIT_TIERS}
 
     @property
     def misses(self) -> int:

@@ -11,7 +11,7 @@ from sqlalchemy import JSON, case, cast, func, or_, select, type_coerce
 
 from cachecraft.catalog.db import Catalog
 from cachecraft.catalog.models import Chunk, Entry, Request, Variant
-from cachecraft.catalog.records import TIERS
+from cachecraft.catalog.records import HIT_TIERS, SHARED_TIER, TIERS
 from cachecraft.warm_context import SOURCE as WARM_CONTEXT_SOURCE
 
 
@@ -81,18 +81,71 @@ class Distribution:
     histogram: tuple[tuple[float, float, int], ...]  # (low, high, count); the last bin includes 1.0
 
 
+# A request that recomputed this share of its prompt or more saved nothing by reusing caches.
+RECOMPUTED_ALL = 1.0 - 1e-9
+
+
+def saved_seconds(full_prefill_s: float | None, ttft_s: float | None,
+                  recompute_fraction: float | None) -> float | None:
+    """Prefill time one request saved: a full prefill's seconds minus its TTFT; negative
+    when it took longer, and never positive when it recomputed everything (whatever it
+    did, a full prefill's work was done). None without both times."""
+    if full_prefill_s is None or ttft_s is None:
+        return None
+    saved = full_prefill_s - ttft_s
+    if recompute_fraction is not None and recompute_fraction >= RECOMPUTED_ALL:
+        return min(0.0, saved)
+    return saved
+
+
 @dataclass(frozen=True)
 class PrefillSaved:
-    """Estimated prefill time saved: full-prefill estimate minus measured TTFT, summed."""
+    """Prefill time saved, summed over requests: each request's full-prefill time minus its
+    TTFT (:func:`saved_seconds`). Full prefill is timed where the catalog has plain
+    ``full`` requests (their seconds per prompt token, ``basis`` "measured"), else the cost
+    model's estimate recorded with each request (``basis`` "estimated")."""
 
     requests: int
     full_prefill_s: float
     ttft_s: float
+    saved_s: float
+    basis: str
+    full_s_per_1k_tokens: float | None = None  # the measured rate, when ``basis`` is "measured"
 
-    @property
-    def saved_s(self) -> float:
-        """Full-prefill estimate minus TTFT, summed over the requests counted."""
-        return self.full_prefill_s - self.ttft_s
+
+CACHE_FREE_METHODS = ("full", "prefix")  # these never look up chunk-caches
+
+
+def _full_rate(rows) -> float | None:
+    """Seconds per prompt token of the recorded plain full prefills, or None."""
+    timed = [(n, t) for m, n, t, _, _ in rows if m == "full" and n and t]
+    tokens = sum(n for n, _ in timed)
+    return sum(t for _, t in timed) / tokens if tokens else None
+
+
+def _saved_by_method(catalog: Catalog, method: str | None = None) -> tuple[dict[str, PrefillSaved], float | None]:
+    """Per method (``full`` left out: it is the yardstick), the prefill time saved."""
+    query = select(Request.method, Request.num_tokens, Request.ttft_s, Request.full_prefill_s,
+                   Request.recompute_fraction).where(Request.ttft_s.is_not(None))
+    with catalog.read() as tx:
+        rows = tx.session.execute(query).all()
+    rate = _full_rate(rows)
+    sums: dict[str, list[float]] = {}
+    for m, tokens, ttft, estimate, recompute in rows:
+        if m == "full" or (method is not None and m != method):
+            continue
+        full = rate * tokens if rate is not None and tokens else estimate
+        saved = saved_seconds(full, ttft, recompute)
+        if saved is None:
+            continue
+        acc = sums.setdefault(m, [0, 0.0, 0.0, 0.0])
+        acc[0] += 1
+        acc[1] += full
+        acc[2] += ttft
+        acc[3] += saved
+    basis = "measured" if rate is not None else "estimated"
+    per_1k = None if rate is None else rate * 1000
+    return {m: PrefillSaved(int(n), f, t, sv, basis, per_1k) for m, (n, f, t, sv) in sums.items()}, per_1k
 
 
 CACHE_FREE_METHODS = ("full", "prefix")  # these never look up chunk-caches
@@ -102,19 +155,33 @@ def _method_filter(query, method: str | None):
     return query if method is None else query.where(Request.method == method)
 
 
-def hit_rates(catalog: Catalog, *, method: str | None = None, cached_only: bool = False) -> HitRates:
-    """Hit rate overall and per tier over recorded requests (optionally of one method, or
-    with ``cached_only`` of the methods that look up chunk-caches)."""
+def hit_rates(catalog: Catalog, *, method: str | None = None, cached_only: bool = False,
+              node: str | None = None) -> HitRates:
+    """Hit rate overall and per tier (the shared tier included) over recorded requests
+    (optionally of one method, of one ``node``, or with ``cached_only`` of the methods that
+    look up chunk-caches)."""
     query = _method_filter(select(func.count(Request.id), func.coalesce(func.sum(Request.num_chunks), 0),
                                   func.coalesce(func.sum(Request.hits_gpu), 0),
                                   func.coalesce(func.sum(Request.hits_cpu), 0),
                                   func.coalesce(func.sum(Request.hits_disk), 0),
+                                  func.coalesce(func.sum(Request.hits_redis), 0),
                                   func.coalesce(func.sum(Request.misses), 0)), method)
     if cached_only:
         query = query.where(Request.method.not_in(CACHE_FREE_METHODS))
+    if node is not None:
+        query = query.where(Request.node == node)
     with catalog.read() as tx:
-        n, chunks, gpu, cpu, disk, misses = tx.session.execute(query).one()
-    return HitRates(int(n), int(chunks), {"gpu": int(gpu), "cpu": int(cpu), "disk": int(disk)}, int(misses))
+        n, chunks, *hits, misses = tx.session.execute(query).one()
+    return HitRates(int(n), int(chunks), {t: int(h) for t, h in zip(HIT_TIERS, hits)}, int(misses))
+
+
+def by_node(catalog: Catalog) -> list[dict[str, Any]]:
+    """Per node of a shared catalog (empty with the embedded one): its cache directory,
+    requests and hit rates (as :func:`hit_rates` with ``cached_only``)."""
+    with catalog.read() as tx:
+        nodes = tx.nodes()
+    return [{"node": node, "cache_dir": about.get("cache_dir"), "host": about.get("host"),
+             **hit_rates(catalog, cached_only=True, node=node).to_dict()} for node, about in sorted(nodes.items())]
 
 
 def tier_usage(catalog: Catalog) -> dict[str, TierUsage]:
@@ -177,33 +244,31 @@ def recompute_distribution(catalog: Catalog, *, bins: int = 10, method: str | No
 
 
 def prefill_time_saved(catalog: Catalog, *, method: str | None = None) -> PrefillSaved:
-    """Sum over requests that recorded both a full-prefill estimate and a TTFT (``full``
-    requests left out: they save nothing by definition)."""
-    query = _method_filter(select(func.count(Request.id), func.coalesce(func.sum(Request.full_prefill_s), 0.0),
-                                  func.coalesce(func.sum(Request.ttft_s), 0.0))
-                           .where(Request.full_prefill_s.is_not(None), Request.ttft_s.is_not(None),
-                                  Request.method != "full"), method)
-    with catalog.read() as tx:
-        n, full, ttft = tx.session.execute(query).one()
-    return PrefillSaved(int(n), float(full), float(ttft))
+    """Prefill time saved over every recorded request that has a TTFT (or those of one
+    ``method``); ``full`` requests are left out: they are what the others are measured against."""
+    per_method, per_1k = _saved_by_method(catalog, method)
+    parts = per_method.values()
+    return PrefillSaved(sum(p.requests for p in parts), sum(p.full_prefill_s for p in parts),
+                        sum(p.ttft_s for p in parts), sum(p.saved_s for p in parts),
+                        "measured" if per_1k is not None else "estimated", per_1k)
 
 
 def by_method(catalog: Catalog) -> list[dict[str, Any]]:
     """Per method: requests, chunk hit rate (None for methods without chunk-caches), mean
-    recompute fraction, mean TTFT and prefill time saved; most requests first."""
+    recompute fraction, mean TTFT and prefill time saved (as :func:`prefill_time_saved`);
+    most requests first."""
     query = (select(Request.method, func.count(Request.id), func.sum(Request.num_chunks),
-                    func.sum(Request.misses), func.avg(Request.recompute_fraction), func.avg(Request.ttft_s),
-                    func.sum(case((Request.full_prefill_s.is_not(None) & Request.ttft_s.is_not(None)
-                                   & (Request.method != "full"),
-                                   Request.full_prefill_s - Request.ttft_s), else_=0.0)))
+                    func.sum(Request.misses), func.avg(Request.recompute_fraction), func.avg(Request.ttft_s))
              .group_by(Request.method).order_by(func.count(Request.id).desc(), Request.method))
     with catalog.read() as tx:
         rows = tx.session.execute(query).all()
+    saved, _ = _saved_by_method(catalog)
     return [{"method": m, "requests": int(n),
              "hit_rate": None if m in CACHE_FREE_METHODS or not chunks else 1 - int(misses or 0) / int(chunks),
              "recompute_mean": None if recompute is None else float(recompute),
-             "ttft_s_mean": None if ttft is None else float(ttft), "saved_s": float(saved or 0.0)}
-            for m, n, chunks, misses, recompute, ttft, saved in rows]
+             "ttft_s_mean": None if ttft is None else float(ttft),
+             "saved_s": saved[m].saved_s if m in saved else 0.0}
+            for m, n, chunks, misses, recompute, ttft in rows]
 
 
 def summary(catalog: Catalog, *, top: int = 10) -> dict[str, Any]:
@@ -219,9 +284,10 @@ def summary(catalog: Catalog, *, top: int = 10) -> dict[str, Any]:
         "counts": counts,
         "hit_rates": hit_rates(catalog, cached_only=True).to_dict(),
         "by_method": by_method(catalog),
+        "by_node": by_node(catalog),
         "tiers": {t: dataclasses.asdict(u) for t, u in tier_usage(catalog).items()},
         "top_chunks": [dataclasses.asdict(c) for c in top_chunks(catalog, top)],
         "variants_per_chunk": {str(k): v for k, v in variants_per_chunk(catalog).items()},
         "recompute_fraction": dataclasses.asdict(recompute_distribution(catalog)),
-        "prefill_time_saved": {**dataclasses.asdict(saved), "saved_s": saved.saved_s},
+        "prefill_time_saved": dataclasses.asdict(saved),
     }

@@ -5,10 +5,10 @@ The engine is the layer loop; choosing tokens and watching attention are hooks
 """
 
 from cachecraft.engine.blend import BlendResult, blended_prefill, sampled_layers
-from cachecraft.engine.handoff import generate_from, teacher_forced_logits, to_transformers_cache
+from cachecraft.engine.handoff import GenerationOptions, generate_from, teacher_forced_logits, to_transformers_cache
 from cachecraft.engine.hooks import LayerHook, LayerView
 from cachecraft.engine.layout import Layout, LayerSource, PromptError, Segment
 
 __all__ = ["BlendResult", "LayerHook", "LayerSource", "LayerView", "Layout", "PromptError", "Segment",
-           "blended_prefill", "generate_from", "sampled_layers", "teacher_forced_logits",
+           "blended_prefill", "GenerationOptions", "generate_from", "sampled_layers", "teacher_forced_logits",
            "to_transformers_cache"]

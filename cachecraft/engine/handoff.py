@@ -8,12 +8,66 @@ prefill's last-position logits, and continues with any decoding settings
 
 from __future__ import annotations
 
+import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from cachecraft.engine.blend import BlendResult
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How generation continues from a prefill. The default is greedy decoding (what every
+    benchmark and the equality checks use); ``temperature`` above 0 samples, within the
+    ``top_p`` nucleus, reproducibly when ``seed`` is given. ``stop``: strings that end the
+    answer (the answer text is cut before the first one). ``cancel``: once set, generation
+    ends at the next token (a client that went away, a timeout)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    cancel: threading.Event | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
+
+    @property
+    def sampling(self) -> bool:
+        """Whether tokens are sampled rather than chosen greedily."""
+        return self.temperature > 0.0
+
+    def cut(self, text: str) -> str:
+        """``text`` up to (not including) the first stop string."""
+        ends = [i for i in (text.find(s) for s in self.stop if s) if i >= 0]
+        return text[:min(ends)] if ends else text
+
+
+class _Cancelled(StoppingCriteria):
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
+
+
+class _StopText(StoppingCriteria):
+    """Ends generation once the decoded answer holds a stop string (decoded text, so it
+    works whatever the tokenizer splits the string into)."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...], prompt_len: int) -> None:
+        self.tokenizer, self.stops, self.prompt_len = tokenizer, stops, prompt_len
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        text = self.tokenizer.decode(input_ids[0, self.prompt_len:], skip_special_tokens=True)
+        return torch.full((input_ids.shape[0],), any(s in text for s in self.stops), dtype=torch.bool,
+                          device=input_ids.device)
 
 
 def to_transformers_cache(result: BlendResult, model_config, drop_last: int = 1) -> DynamicCache:
@@ -32,11 +86,23 @@ def to_transformers_cache(result: BlendResult, model_config, drop_last: int = 1)
 @torch.inference_mode()
 def generate_from(model, tokenizer, result: BlendResult, *, max_new_tokens: int = 32,
                   do_sample: bool = False, streamer=None, stop_strings: list[str] | None = None,
-                  **generate_kwargs: Any) -> torch.Tensor:
-    """Continue generation from a prefill; returns only the new token ids ``[n_new]``."""
+                  options: GenerationOptions | None = None, **generate_kwargs: Any) -> torch.Tensor:
+    """Continue generation from a prefill; returns only the new token ids ``[n_new]``.
+    ``options`` (sampling, stop strings, cancellation) take the place of ``do_sample`` and
+    ``stop_strings``."""
     ids = result.token_ids[None]
     cache = to_transformers_cache(result, model.config)
     kwargs = dict(generate_kwargs)
+    if options is not None:
+        do_sample = options.sampling
+        if do_sample:
+            kwargs.update(temperature=options.temperature, top_p=options.top_p, top_k=None)
+            if options.seed is not None:
+                torch.manual_seed(options.seed)
+        criteria = ([_Cancelled(options.cancel)] if options.cancel is not None else []) + (
+            [_StopText(tokenizer, options.stop, ids.shape[1])] if options.stop else [])
+        if criteria:
+            kwargs["stopping_criteria"] = StoppingCriteriaList(criteria)
     if stop_strings:
         kwargs.update(stop_strings=stop_strings, tokenizer=tokenizer)
     if not do_sample:

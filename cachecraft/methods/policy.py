@@ -31,9 +31,19 @@ class CacheCraft(Method):
     takes_ratio = True
     default_ratio = PolicyParams.alpha
 
+    def __init__(self, ratio: float | None = None, check_layer: int | None = None):
+        super().__init__(ratio)
+        self.check_layer = check_layer  # None: the pipeline's (calibration tries others)
+
+    @property
+    def label(self) -> str:
+        """``cachecraft@alpha``, with ``/L<layer>`` when the method sets its own check layer."""
+        return super().label + ("" if self.check_layer is None else f"/L{self.check_layer}")
+
     def params(self, request: RequestContext) -> PolicyParams:
-        """The request's policy parameters with this method's alpha."""
-        return replace(request.policy, alpha=self.ratio)
+        """The request's policy parameters with this method's alpha (and check layer)."""
+        params = replace(request.policy, alpha=self.ratio)
+        return params if self.check_layer is None else replace(params, check_layer=self.check_layer)
 
     def load_plan(self, request: RequestContext) -> LoadPlan:
         lookup, keys = request.lookup, request.keys
@@ -46,11 +56,12 @@ class CacheCraft(Method):
 
     def prepare(self, request: RequestContext, segments: list[Segment], load: LoadPlan | None) -> PrefillHooks:
         assert load is not None and load.plan is not None, "cachecraft prepares a request it planned"
-        place_plan_tokens(request.adapter, segments, load.plan, request.policy.check_layer)
-        hooks = PrefillHooks(lookahead_layer=min(request.policy.check_layer, request.adapter.num_layers - 1)
+        params = self.params(request)
+        place_plan_tokens(request.adapter, segments, load.plan, params.check_layer)
+        hooks = PrefillHooks(lookahead_layer=min(params.check_layer, request.adapter.num_layers - 1)
                              if any(s.cached is not None for s in segments) else None)
-        if request.policy.early_stop_layers:
-            _observe_for_early_stop(hooks, segments, request.policy)
+        if params.early_stop_layers:
+            _observe_for_early_stop(hooks, segments, params)
         return hooks
 
 

@@ -1,6 +1,16 @@
-"""One request end to end: retrieve -> plan -> load -> blend -> generate -> record."""
+"""One request end to end: retrieve -> plan -> load -> blend -> generate -> record.
 
-from cachecraft.pipeline.core import Pipeline, PreparedRequest
+The reports load without torch (a client of ``cachecraft serve`` prints them); the
+pipeline itself is imported on first use.
+"""
+
 from cachecraft.pipeline.reports import Answer, ChunkReport, PrefillTrace, Source, WarmReport
 
 __all__ = ["Answer", "ChunkReport", "Pipeline", "PrefillTrace", "PreparedRequest", "Source", "WarmReport"]
+
+
+def __getattr__(name: str):
+    if name in ("Pipeline", "PreparedRequest"):
+        from cachecraft.pipeline import core
+        return getattr(core, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

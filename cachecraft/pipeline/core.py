@@ -24,16 +24,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from cachecraft.catalog import MISS, RequestChunk, RequestRecord, question_hash
+from cachecraft.catalog import MISS, CatalogError, RequestChunk, RequestRecord, question_hash
 from cachecraft.config import Config
-from cachecraft.engine import BlendResult, LayerSource, Segment, blended_prefill, generate_from, sampled_layers
-from cachecraft.kv import ChunkKV, chunk_key, variant_key
+from cachecraft.engine import (BlendResult, GenerationOptions, LayerSource, Segment, blended_prefill, generate_from,
+                               sampled_layers)
+from cachecraft.kv import ChunkKV, chunk_key, kv_bytes_per_token, variant_key
 from cachecraft.methods import Method, PrefillHooks, RequestContext, parse_method, variant_info
 from cachecraft.model.loader import LoadedModel, load_model
-from cachecraft.pipeline.cost import measure_cost_model
+from cachecraft.pipeline.cost import COST_PROFILE, cost_model_from_profile, cost_profile, device_label, measure_cost_model
 from cachecraft.pipeline.reports import Answer, ChunkReport, PrefillTrace, Source, WarmReport
 from cachecraft.policy.loading import DEFAULT_BANDWIDTHS, CostModel
-from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, expected_reuse, params_from_config
+from cachecraft.policy.calibrate import ANY_DEVICE, POLICY_PROFILE
+from cachecraft.policy.planner import (FITTED_KEYS, PolicyParams, RecomputePlan, VariantInfo, expected_reuse,
+                                       params_from_config, policy_settings)
 from cachecraft.prefix_cache import PrefixCache
 from cachecraft.prompt import PromptInputError, PromptPieces, builder_for
 from cachecraft.retrieval.chunking import Chunker
@@ -67,14 +70,25 @@ class Pipeline:
     def __init__(self, config: Config, lm: LoadedModel | None = None, store: TieredStore | None = None,
                  policy: PolicyParams | None = None, *, keep_new_variants: bool = True):
         self.config = config
-        self.lm = lm or load_model(config.model, config)
+        # start-up work, kept apart from every request's TTFT: name -> seconds
+        self.startup_s: dict[str, float] = {}
+        if lm is None:
+            start = time.perf_counter()
+            lm = load_model(config.model, config)
+            self.startup_s["model"] = time.perf_counter() - start
+        self.lm = lm
         self.store = store or TieredStore(config)
         self.catalog = self.store.catalog
         self.builder = builder_for(self.lm.tokenizer, config)
-        self.policy = policy or params_from_config(config)
+        self.fitted_policy = self._fitted_policy()  # what `calibrate` stored for this model, if anything
+        self.policy = policy or params_from_config(config, self.lm.adapter.num_layers, self.fitted_policy)
+        # where each fitted setting came from: config, calibrated or default (given params: "given")
+        self.policy_sources = (dict.fromkeys(FITTED_KEYS, "given") if policy is not None
+                               else policy_settings(config, self.fitted_policy)[1])
         self.keep_new_variants = keep_new_variants
         self.prefix_cache = PrefixCache(self.lm.fingerprint, budget_bytes=config.cpu_budget_bytes)
-        self.cost_model: CostModel | None = None  # measured on first use
+        self.cost_model: CostModel | None = None  # from the catalog, else measured, on first use
+        self._stored_cost_model: CostModel | None = None  # as the catalog holds it
         self._token_counts: dict[str, int] = {}
         self._sources: dict[str, str] = {}  # chunk key -> the document it came from (catalog rows)
         self._warm: tuple[tuple[int, ...], str] | None = None  # warm context ids and chunk key
@@ -100,11 +114,12 @@ class Pipeline:
     def answer(self, chunk_texts: Sequence[str], question: str, *, method: str | Method = "cachecraft",
                ratio: float | None = None, max_new_tokens: int | None = None, streamer=None,
                record: bool = True, sources: Sequence[str] | None = None,
-               observer: Observer | None = None) -> Answer:
+               observer: Observer | None = None, generation: GenerationOptions | None = None) -> Answer:
         """Answer ``question`` over ``chunk_texts`` (formatted chunk texts, in order) with
         ``method``: plan, load, blend, generate, record. ``sources`` (one per chunk) names
         where each chunk came from in the catalog; ``observer`` receives the prefill's
-        :class:`PrefillTrace` before generation (benchmarks read logits and work there)."""
+        :class:`PrefillTrace` before generation (benchmarks read logits and work there);
+        ``generation``: sampling, stop strings, cancellation (default: greedy)."""
         chosen = self.method(method, ratio)
         start = time.perf_counter()
         request = self._request(chunk_texts, question, sources)
@@ -120,12 +135,14 @@ class Pipeline:
         to_save = [kv for i, kv in result.saved.items() if prepared.segments[i].role == "chunk"]
         recomputed, recompute = result.recomputed, result.recompute_fraction
         new_ids = generate_from(self.lm.model, self.lm.tokenizer, result,
-                                max_new_tokens=max_new_tokens or self.config.max_new_tokens, streamer=streamer)
+                                max_new_tokens=max_new_tokens or self.config.max_new_tokens, streamer=streamer,
+                                options=generation)
         if trace is not None:
             trace.answer_ids = new_ids
         if self.keep_new_variants:
             self._save(to_save)
-        answer = Answer(self.lm.tokenizer.decode(new_ids, skip_special_tokens=True), chosen.label, ttft,
+        text = self.lm.tokenizer.decode(new_ids, skip_special_tokens=True)
+        answer = Answer(generation.cut(text) if generation is not None else text, chosen.label, ttft,
                         request.pieces.num_tokens, len(new_ids), recompute,
                         self._report(request, prepared, recomputed),
                         full_prefill_estimate_s=self._estimate_full(request.pieces.num_tokens))
@@ -192,8 +209,11 @@ class Pipeline:
         if not question or not question.strip():
             raise PromptInputError("the question is empty")
         self._require_corpus()
-        self.ensure_cost_model()  # measured here, outside the TTFT clock; it also estimates savings
-        self.corpus.load_embedder()  # retrieval time excludes loading the model
+        self.ensure_cost_model()  # read or measured here, outside the TTFT clock; it also estimates savings
+        if self.corpus._embed is None:  # retrieval time excludes loading the embedding model
+            start = time.perf_counter()
+            self.corpus.load_embedder()
+            self.startup_s["embedder"] = time.perf_counter() - start
         start = time.perf_counter()
         hits = self.corpus.search(question, self.config.top_k if top_k is None else top_k)
         retrieval_s = time.perf_counter() - start
@@ -208,8 +228,11 @@ class Pipeline:
             raise CorpusError(f"the corpus in {self.corpus.directory} is empty: run `cachecraft ingest PATH` first")
 
     def close(self) -> None:
-        """Persist memory tiers to disk and release the store."""
-        self.store.close()
+        """Keep what the cost model learned, persist memory tiers to disk and release the store."""
+        try:
+            self._save_cost_model()
+        finally:
+            self.store.close()
 
     def __enter__(self) -> "Pipeline":
         return self
@@ -349,12 +372,60 @@ class Pipeline:
         return bandwidths
 
     def ensure_cost_model(self) -> CostModel:
-        """The cost model, measured on first use (a few short prefills), starting from
-        :meth:`starting_bandwidths`; call it before timing requests to keep that out."""
+        """The cost model: as the catalog keeps it for this model and device, else measured
+        (a few short prefills) and stored there, starting from :meth:`starting_bandwidths`;
+        call it before timing requests to keep that out. The time it took is in
+        :attr:`startup_s` (``cost model``, or ``cost model (stored)`` when read)."""
         if self.cost_model is None:
-            self.cost_model = measure_cost_model(self.lm, kv_dtype=self.store.stored_dtype,
-                                                 bandwidths=self.starting_bandwidths())
+            start = time.perf_counter()
+            adapter = self.lm.adapter
+            per_layer = kv_bytes_per_token(1, adapter.num_kv_heads, adapter.head_dim, self.store.stored_dtype)
+            stored = cost_model_from_profile(self._cost_profile(), adapter.num_layers, per_layer,
+                                             self.starting_bandwidths())
+            if stored is not None:
+                self.cost_model = self._stored_cost_model = stored
+                self.startup_s["cost model (stored)"] = time.perf_counter() - start
+            else:
+                self.cost_model = measure_cost_model(self.lm, kv_dtype=self.store.stored_dtype,
+                                                     bandwidths=self.starting_bandwidths())
+                self._save_cost_model()
+                self.startup_s["cost model"] = time.perf_counter() - start
         return self.cost_model
+
+    def policy_report(self) -> dict:
+        """The policy's settings in use (layers resolved for this model) and where each came
+        from (config, calibrated, default), for ``explain`` and ``config show``."""
+        return {"alpha": self.policy.alpha, "check_layer": self.policy.check_layer,
+                "early_stop_layers": list(self.policy.early_stop_layers), "num_layers": self.lm.adapter.num_layers,
+                "sources": dict(self.policy_sources)}
+
+    def _fitted_policy(self) -> dict | None:
+        """The policy parameters ``calibrate`` stored for this model (None: none, or the
+        catalog cannot be read, which is only worth a warning)."""
+        try:
+            return self.catalog.profile(self.lm.fingerprint, ANY_DEVICE, POLICY_PROFILE)
+        except CatalogError as exc:
+            log.warning("cannot read the calibrated policy (%s); using the config's", exc)
+            return None
+
+    def _cost_profile(self) -> dict | None:
+        try:
+            return self.catalog.profile(self.lm.fingerprint, device_label(self.lm.device), COST_PROFILE)
+        except CatalogError as exc:  # measured again rather than not answering
+            log.warning("cannot read the stored cost model (%s); measuring it", exc)
+            return None
+
+    def _save_cost_model(self) -> None:
+        """Store the cost model in the catalog when it changed since read or stored."""
+        model = self.cost_model
+        if model is None or model == self._stored_cost_model:
+            return
+        try:
+            self.catalog.save_profile(self.lm.fingerprint, device_label(self.lm.device), COST_PROFILE,
+                                      cost_profile(model))
+            self._stored_cost_model = model
+        except CatalogError as exc:  # the next process measures again: nothing else is lost
+            log.warning("the cost model was not stored (%s)", exc)
 
     def _learn_prefill(self, tokens: int, seconds: float) -> None:
         """Fold one timed full prefill into the cost model's prefill rate."""
@@ -482,7 +553,9 @@ class Pipeline:
                                     c.beta_prime, c.cfo, c.fraction, c.stop_layer) for c in answer.chunks)
         return self.catalog.record_request(RequestRecord(question_hash(question), answer.method, chunks,
                                                          answer.recompute_fraction, answer.ttft_s,
-                                                         answer.full_prefill_estimate_s))
+                                                         answer.full_prefill_estimate_s,
+                                                         num_tokens=answer.prompt_tokens,
+                                                         policy=self.policy_report(), node=self.store.node))
 
     def _estimate_full(self, tokens: int) -> float:
         """A full prefill's seconds for ``tokens`` tokens, from the cost model."""

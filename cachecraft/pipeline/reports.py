@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+from cachecraft.catalog.stats import saved_seconds
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -87,10 +91,10 @@ class Answer:
 
     @property
     def saved_s(self) -> float | None:
-        """Estimated prefill time saved against a full prefill."""
-        if self.full_prefill_estimate_s is None:
-            return None
-        return max(0.0, self.full_prefill_estimate_s - self.ttft_s)
+        """Prefill time saved against a full prefill (estimated from this machine's measured
+        rate); negative when the request took longer, never positive when it recomputed
+        everything (see :func:`cachecraft.catalog.stats.saved_seconds`)."""
+        return saved_seconds(self.full_prefill_estimate_s, self.ttft_s, self.recompute_fraction)
 
     def to_dict(self) -> dict:
         """JSON-friendly report."""

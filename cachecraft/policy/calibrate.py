@@ -1,84 +1,139 @@
-"""Choosing the policy's alpha from measured candidates (pure decisions).
+"""Choosing the policy's parameters from measured candidates (pure decisions).
 
-The chosen alpha is the one with the lowest mean recompute fraction whose mean answer
-agreement (token F1 against full's answer) reaches the target. If none does, the best
-agreement wins and the result says so. The candidates are measured by
-:func:`cachecraft.calibration.calibrate`, through the pipeline.
+A candidate is an alpha and a check layer (a whole number names a layer, a fraction
+below 1 a depth; see :func:`cachecraft.policy.rules.layer_at`). What is optimised is
+the yardstick's answer-level divergence: the mean per-token KL(full || candidate) along
+full's greedy answer. Two goals:
+
+- a recompute **budget**: the lowest divergence among the candidates whose mean
+  recompute fraction stays within it (none within it: the cheapest, and the result
+  says the budget was missed);
+- a divergence **target**: the lowest recompute among the candidates whose divergence
+  reaches it (none does: the lowest divergence, and the result says so).
+
+The candidates are measured by :func:`cachecraft.calibration.calibrate`, through the
+pipeline, on items kept apart from the ones results are reported on.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Sequence
+
+POLICY_PROFILE = "policy"  # the catalog's model-profile kind for fitted parameters
+ANY_DEVICE = "*"  # fitted parameters hold on every device (they are about answers, not speed)
 
 
 class CalibrationError(ValueError):
-    """Calibration input that cannot work (bad alphas or target); the message says which."""
+    """Calibration input that cannot work (bad candidates or goal); the message says which."""
 
 
 @dataclass(frozen=True)
-class AlphaRow:
-    """How one candidate alpha did, averaged over the requests."""
+class CandidateRow:
+    """How one candidate did, averaged over the items (``ttft_s`` a median)."""
 
     alpha: float
+    check_layer: float
     recompute: float
+    answer_kl: float
+    token_agreement: float
     agreement: float
     kl: float
     ttft_s: float
 
 
 @dataclass(frozen=True)
-class CalibrationResult:
-    """Every candidate's row, the chosen alpha and whether it reached the target."""
+class Goal:
+    """What calibration optimises: a recompute ``budget`` or a divergence ``target_kl``."""
 
-    rows: tuple[AlphaRow, ...]
-    chosen: AlphaRow
-    target: float
+    budget: float | None = None
+    target_kl: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.budget is None) == (self.target_kl is None):
+            raise CalibrationError("give either a recompute budget or a divergence target, not both")
+        if self.budget is not None and not (math.isfinite(self.budget) and 0.0 < self.budget <= 1.0):
+            raise CalibrationError(f"budget must be within (0, 1], got {self.budget:g}")
+        if self.target_kl is not None and not (math.isfinite(self.target_kl) and self.target_kl > 0):
+            raise CalibrationError(f"target KL must be > 0, got {self.target_kl:g}")
+
+    def describe(self) -> str:
+        """``recompute budget 0.05`` or ``answer KL target 0.02``."""
+        return f"recompute budget {self.budget:g}" if self.budget is not None else f"answer KL target {self.target_kl:g}"
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    """Every candidate's row, the chosen one and whether it met the goal."""
+
+    rows: tuple[CandidateRow, ...]
+    chosen: CandidateRow
+    goal: Goal
     reached: bool
     full_ttft_s: float
 
+    def profile(self, **about: Any) -> dict[str, Any]:
+        """The fitted parameters as the catalog keeps them (``about``: model, dataset,
+        items... recorded beside them)."""
+        return {"policy_alpha": self.chosen.alpha, "policy_check_layer": self.chosen.check_layer,
+                "fitted": {**about, "goal": asdict(self.goal), "reached": self.reached,
+                           "answer_kl": self.chosen.answer_kl, "recompute": self.chosen.recompute,
+                           "token_agreement": self.chosen.token_agreement}}
+
     def to_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "reached": self.reached, "policy_alpha": self.chosen.alpha,
-                "full_ttft_s_median": self.full_ttft_s, "rows": [vars(r) for r in self.rows]}
+        """JSON-friendly: goal, chosen parameters and every row."""
+        return {"goal": asdict(self.goal), "reached": self.reached, "policy_alpha": self.chosen.alpha,
+                "policy_check_layer": self.chosen.check_layer, "full_ttft_s_median": self.full_ttft_s,
+                "rows": [asdict(r) for r in self.rows]}
 
 
-def parse_alphas(text: str) -> list[float]:
-    """``"0.1,0.05,0.1"`` -> ``[0.05, 0.1]`` (sorted, unique, each within [0, 1])."""
+def parse_numbers(text: str, what: str, low: float, high: float) -> list[float]:
+    """``"0.1,0.05,0.1"`` -> ``[0.05, 0.1]`` (sorted, unique, each within [low, high])."""
     values = []
     for part in (p.strip() for p in text.split(",")):
         if not part:
             continue
         try:
-            value = float(part)
+            values.append(float(part))
         except ValueError:
-            raise CalibrationError(f"alphas: {part!r} is not a number") from None
-        values.append(value)
-    return check_alphas(values)
-
-
-def check_alphas(alphas: Sequence[float]) -> list[float]:
-    """Sorted unique candidates; each must be within [0, 1] (a recompute fraction scale)."""
-    if not alphas:
-        raise CalibrationError("alphas: give at least one candidate, e.g. 0.05,0.1,0.2")
-    bad = [a for a in alphas if not (math.isfinite(a) and 0.0 <= a <= 1.0)]
+            raise CalibrationError(f"{what}: {part!r} is not a number") from None
+    if not values:
+        raise CalibrationError(f"{what}: give at least one candidate")
+    bad = [v for v in values if not (math.isfinite(v) and low <= v <= high)]
     if bad:
-        raise CalibrationError(f"alphas must be within [0, 1], got {bad[0]:g}")
-    return sorted(set(float(a) for a in alphas))
+        raise CalibrationError(f"{what} must be within [{low:g}, {high:g}], got {bad[0]:g}")
+    return sorted(set(values))
 
 
-def check_target(target: float) -> float:
-    """The agreement target must be within (0, 1]."""
-    if not (math.isfinite(target) and 0.0 < target <= 1.0):
-        raise CalibrationError(f"target must be within (0, 1], got {target:g}")
-    return target
+def parse_alphas(text: str) -> list[float]:
+    """Candidate alphas, each within [0, 1] (a recompute fraction scale)."""
+    return parse_numbers(text, "alphas", 0.0, 1.0)
 
 
-def choose_alpha(rows: Sequence[AlphaRow], target: float) -> tuple[AlphaRow, bool]:
-    """The row with the lowest recompute (then lowest alpha) whose agreement reaches
-    ``target``, and True; else the best agreement (then lowest recompute), and False."""
+def parse_check_layers(text: str) -> list[float]:
+    """Candidate check layers: whole layer numbers, or depths as fractions below 1."""
+    values = parse_numbers(text, "check layers", 0.0, 1024.0)
+    bad = [v for v in values if v >= 1 and v != int(v)]
+    if bad:
+        raise CalibrationError(f"check layers: {bad[0]:g} is neither a whole layer number nor a depth below 1")
+    return values
+
+
+def choose(rows: Sequence[CandidateRow], goal: Goal) -> tuple[CandidateRow, bool]:
+    """The candidate ``goal`` asks for, and whether it met it (ties: lower recompute, then
+    lower alpha, then shallower check layer)."""
     assert rows, "no candidate to choose from"
-    reaching = [r for r in rows if r.agreement >= target]
+
+    def cheaper(r: CandidateRow) -> tuple:
+        return (r.recompute, r.alpha, r.check_layer)
+
+    if goal.budget is not None:
+        within = [r for r in rows if r.recompute <= goal.budget]
+        if within:
+            return min(within, key=lambda r: (r.answer_kl, *cheaper(r))), True
+        return min(rows, key=cheaper), False
+    reaching = [r for r in rows if r.answer_kl <= goal.target_kl]
     if reaching:
-        return min(reaching, key=lambda r: (r.recompute, r.alpha)), True
-    return min(rows, key=lambda r: (-r.agreement, r.recompute, r.alpha)), False
+        return min(reaching, key=cheaper), True
+    return min(rows, key=lambda r: (r.answer_kl, *cheaper(r))), False

@@ -84,10 +84,42 @@ class RecomputePlan:
         return sum(c.count for c in self.chunks) / total if total else 0.0
 
 
-def params_from_config(config) -> PolicyParams:
-    """The policy parameters a :class:`~cachecraft.config.Config` sets."""
-    return PolicyParams(alpha=config.policy_alpha, check_layer=config.policy_check_layer,
-                        early_stop_layers=config.early_stop_layer_list, early_stop_share=config.early_stop_share)
+def layer_at(spec: float, num_layers: int) -> int:
+    """The layer ``spec`` names in a model of ``num_layers`` layers: a whole number is a
+    layer (cut to the last one), a fraction below 1 a depth (``round(spec * num_layers)``:
+    0.27 is layer 8 of 30, layer 6 of 24), so one setting carries across models."""
+    assert spec >= 0 and num_layers >= 1, f"need spec >= 0 and num_layers >= 1, got {spec}, {num_layers}"
+    layer = round(spec * num_layers) if spec < 1 else int(spec)
+    return min(layer, num_layers - 1)
+
+
+# The policy's settings a calibration may fit for a model; explicit config values win.
+FITTED_KEYS = ("policy_alpha", "policy_check_layer")
+
+
+def policy_settings(config, fitted: dict | None = None) -> tuple[dict[str, float], dict[str, str]]:
+    """The policy's settings and where each came from: ``config`` where the config sets a
+    value other than the default, else ``calibrated`` where ``fitted`` (the model's stored
+    profile) has one, else ``default``."""
+    defaults = type(config)(cache_dir=config.cache_dir)
+    values, sources = {}, {}
+    for key in FITTED_KEYS:
+        own = getattr(config, key)
+        if own != getattr(defaults, key) or not fitted or key not in fitted:
+            values[key], sources[key] = own, "config" if own != getattr(defaults, key) else "default"
+        else:
+            values[key], sources[key] = float(fitted[key]), "calibrated"
+    return values, sources
+
+
+def params_from_config(config, num_layers: int, fitted: dict | None = None) -> PolicyParams:
+    """The policy parameters a :class:`~cachecraft.config.Config` sets for a model of
+    ``num_layers`` layers (layers given as depths resolved), with ``fitted`` (the model's
+    calibrated profile) where the config leaves the default."""
+    values, _ = policy_settings(config, fitted)
+    stops = tuple(sorted({layer_at(s, num_layers) for s in config.early_stop_layer_list}))
+    return PolicyParams(alpha=values["policy_alpha"], check_layer=layer_at(values["policy_check_layer"], num_layers),
+                        early_stop_layers=stops, early_stop_share=config.early_stop_share)
 
 
 def choose_variant(variants: Sequence[VariantInfo], new_prefix: Sequence[str],

@@ -30,3 +30,8 @@ class StoreBusyError(StoreError):
 class SelectorError(StoreError):
     """What names the variants to evict (a chunk key prefix, a document) matches no stored
     chunk, or more than one where one is needed."""
+
+
+class SharedTierError(StoreError):
+    """The shared tier (``redis_url``) cannot be reached where it must be (``verify``);
+    requests never raise it: there the shared tier failing is a miss."""

@@ -64,7 +64,7 @@ def recover_catalog(store: TieredStore) -> bool:
     with store._maintenance.exclusive(store.lock_timeout_s) as got:
         if got:
             log.warning("catalog %s was missing; rebuilt %d entries from the disk tier",
-                        store.catalog.path, rebuild_from_disk(store.catalog, disk))
+                        store.catalog.path, rebuild_from_disk(store.catalog, disk, store.node))
         return got
 
 
@@ -77,7 +77,7 @@ def reconcile(store: TieredStore) -> dict[str, int]:
     fixed = {"dead_owner_entries": 0, "lost_rows": 0, "orphan_blobs": 0, "orphan_files": 0}
     with store._lock:
         with store.catalog.read() as tx:
-            owners = tx.memory_owners() - {store.owner}
+            owners = tx.memory_owners(store.node) - {store.owner}
         for owner in owners:
             if not owner_alive(store.locks_dir, owner):
                 with store.catalog.write() as tx:
@@ -86,7 +86,7 @@ def reconcile(store: TieredStore) -> dict[str, int]:
         if disk is not None:
             with store._maintenance.exclusive(store.lock_timeout_s) as got:
                 if got:
-                    fixed.update(reconcile_disk(store.catalog, disk, store.owner))
+                    fixed.update(reconcile_disk(store.catalog, disk, store.owner, store.node))
                 else:
                     log.info("another process is busy with the disk tier; reconcile skipped")
         with store.catalog.write() as tx:
@@ -106,15 +106,15 @@ def fit_disk_budget(store: TieredStore) -> int:
     policy = store._policies["disk"]
     with store._lock:
         with store.catalog.write() as tx:
-            used = tx.tier_bytes("disk")
+            used = tx.tier_bytes("disk", store.node)
             if used <= disk.budget:
                 return 0
             try:
-                victims = disk_victims(tx, policy, 0, None, frozenset(), disk.budget)
+                victims = disk_victims(tx, policy, 0, None, frozenset(), disk.budget, store.node)
             except NoRoom:  # pragma: no cover - the policy lists every disk entry after the sync
                 victims = []
             for v in victims:
-                tx.remove_entry(v.variant_key, "disk", blob=v.blob)
+                tx.remove_entry(v.variant_key, "disk", store.node, blob=v.blob)
                 tx.event("evict", v.variant_key, "disk", None, v.nbytes, store.owner)
         for v in victims:  # after COMMIT: drop the evicted files
             disk.delete(v.blob)
@@ -126,14 +126,15 @@ def fit_disk_budget(store: TieredStore) -> int:
     return len(victims)
 
 
-def reconcile_disk(catalog: Catalog, disk: DiskTier, owner: str) -> dict[str, int]:
-    """Disk rows without bytes are dropped; blobs and files without rows are deleted.
+def reconcile_disk(catalog: Catalog, disk: DiskTier, owner: str, node: str = "") -> dict[str, int]:
+    """Rows of ``node``'s disk tier without bytes are dropped; blobs and files without rows
+    are deleted.
 
     The caller holds the maintenance lock exclusively.
     """
     listing = disk.listing()
     with catalog.read() as tx:
-        rows = tx.entries(tier="disk")
+        rows = tx.entries(tier="disk", owner=node)
     fixed = {"lost_rows": 0, "orphan_blobs": 0, "orphan_files": 0}
     referenced: set[str] = set()
     for row in rows:
@@ -142,7 +143,7 @@ def reconcile_disk(catalog: Catalog, disk: DiskTier, owner: str) -> dict[str, in
             referenced.add(row.blob)
             continue
         with catalog.write() as tx:
-            if tx.remove_entry(row.variant_key, "disk", blob=row.blob) is not None:
+            if tx.remove_entry(row.variant_key, "disk", node, blob=row.blob) is not None:
                 tx.event("lost", row.variant_key, "disk", None, row.nbytes, owner)
                 fixed["lost_rows"] += 1
     for blob_id in set(listing) - referenced:
@@ -178,7 +179,7 @@ def evict(store: TieredStore, *, chunk: str | None = None, source: str | None = 
     if tier is None or tier == "disk":
         return EvictReport(removed)
     with store.catalog.read() as tx:
-        rows = [r for r in tx.entries(tier=tier) if r.owner != store.owner]
+        rows = [r for r in tx.entries(tier=tier, node=store.node) if r.owner != store.owner]
     owners = len({r.owner for r in rows})
     return EvictReport(removed, note=f"the {tier} tier lives inside each running cachecraft process ({len(rows)} "
                                      f"entries in {owners} process(es)); it moves to disk when they exit: evict "

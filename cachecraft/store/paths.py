@@ -2,6 +2,7 @@
 
     <cache_dir>/store/disk/    the disk tier (a diskcache directory)
     <cache_dir>/store/locks/   the maintenance lock and one owner lock per open store
+    <cache_dir>/store/node-id  this cache directory's id in a catalog several nodes share
 """
 
 from __future__ import annotations

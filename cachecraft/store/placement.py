@@ -110,7 +110,7 @@ def place(store: TieredStore, i: int, move: Move, exclude: frozenset[str]) -> bo
         demote(store, i, victim, skip)
     held = tier.adopt(move.kv)
     with store.catalog.write() as tx:
-        tx.add_entry(EntryRecord(move.key, tier.name, store.owner, size))
+        tx.add_entry(EntryRecord(move.key, tier.name, store.owner, size, node=store.node))
         if move.remove_source:
             tx.remove_entry(move.key, move.from_tier, store.owner)
         tx.event(move.kind, move.key, move.from_tier, tier.name, size, store.owner)
@@ -159,7 +159,7 @@ def _place_disk(store: TieredStore, disk: DiskTier, move: Move, exclude: frozens
     policy = store._policies["disk"]
     if move.disk_checksum is not None:  # an identical copy may already be on disk
         with store.catalog.write() as tx:
-            row = tx.entry(move.key, "disk")
+            row = tx.entry(move.key, "disk", store.node)
             if row is not None and row.checksum == move.disk_checksum:
                 if move.remove_source:
                     tx.remove_entry(move.key, move.from_tier, store.owner)
@@ -176,12 +176,12 @@ def _place_disk(store: TieredStore, disk: DiskTier, move: Move, exclude: frozens
         disk.write(blob_id, blob)  # the new file first ...
         try:
             with store.catalog.write() as tx:  # ... then the row: the commit point
-                old = tx.entry(move.key, "disk")
-                victims = disk_victims(tx, policy, size, old, exclude | {move.key}, disk.budget)
+                old = tx.entry(move.key, "disk", store.node)
+                victims = disk_victims(tx, policy, size, old, exclude | {move.key}, disk.budget, store.node)
                 for v in victims:
-                    tx.remove_entry(v.variant_key, "disk", blob=v.blob)
+                    tx.remove_entry(v.variant_key, "disk", store.node, blob=v.blob)
                     tx.event("evict", v.variant_key, "disk", None, v.nbytes, store.owner)
-                tx.add_entry(EntryRecord(move.key, "disk", "", size, blob_id, blob.checksum))
+                tx.add_entry(EntryRecord(move.key, "disk", store.node, size, blob_id, blob.checksum, node=store.node))
                 if move.remove_source:
                     tx.remove_entry(move.key, move.from_tier, store.owner)
                 tx.event(move.kind, move.key, move.from_tier, "disk", size, store.owner)
@@ -201,12 +201,13 @@ def _place_disk(store: TieredStore, disk: DiskTier, move: Move, exclude: frozens
 
 
 def disk_victims(tx: CatalogTx, policy: EvictionPolicy, size: int, old: EntryRecord | None,
-                  skip: frozenset[str], budget: int) -> list[EntryRecord]:
-    """Disk entries to evict so that ``size`` more bytes fit (inside the transaction)."""
-    used = tx.tier_bytes("disk") - (old.nbytes if old is not None else 0)
+                  skip: frozenset[str], budget: int, node: str) -> list[EntryRecord]:
+    """Entries of ``node``'s disk tier to evict so that ``size`` more bytes fit (inside the
+    transaction)."""
+    used = tx.tier_bytes("disk", node) - (old.nbytes if old is not None else 0)
     if used + size <= budget:
         return []
-    placed = tx.placed_variants("disk")
+    placed = tx.placed_variants("disk", node)
     sync_policy(policy, placed)  # other processes add and remove disk entries too
     rows = {e.variant_key: e for e, _ in placed}
     victims = []
@@ -312,7 +313,7 @@ def _restore(store: TieredStore, tier: MemoryTier, key: str, entry: MemEntry) ->
         return
     with contextlib.suppress(Exception):
         with store.catalog.write() as tx:
-            tx.add_entry(EntryRecord(key, tier.name, store.owner, entry.info.nbytes))
+            tx.add_entry(EntryRecord(key, tier.name, store.owner, entry.info.nbytes, node=store.node))
         tier.insert(key, entry)
         store._policies[tier.name].on_put(entry.info)
 
@@ -323,7 +324,7 @@ def delete_disk_copy(store: TieredStore, key: str, kind: str | None) -> bool:
     if disk is None:
         return False
     with store.catalog.write() as tx:
-        row = tx.remove_entry(key, "disk")
+        row = tx.remove_entry(key, "disk", store.node)
         if row is not None and kind is not None:
             tx.event(kind, key, "disk", None, row.nbytes, store.owner)
     if row is None:
@@ -336,7 +337,7 @@ def delete_disk_copy(store: TieredStore, key: str, kind: str | None) -> bool:
 def drop_disk_row(store: TieredStore, row: EntryRecord, kind: str, why: str) -> None:
     """Remove a disk entry found damaged or without bytes (if the row still names them)."""
     with store.catalog.write() as tx:
-        removed = tx.remove_entry(row.variant_key, "disk", blob=row.blob)
+        removed = tx.remove_entry(row.variant_key, "disk", store.node, blob=row.blob)
         if removed is not None:
             tx.event(kind, row.variant_key, "disk", None, row.nbytes, store.owner)
     if removed is not None:

@@ -13,16 +13,17 @@ from cachecraft.store.tiers import DiskTier, entry_nbytes
 log = logging.getLogger(__name__)
 
 
-def record_blob(tx: CatalogTx, kv: ChunkKV, blob_id: str, checksum: str, size: int) -> None:
-    """Chunk, variant and disk-entry rows for one sound blob."""
+def record_blob(tx: CatalogTx, kv: ChunkKV, blob_id: str, checksum: str, size: int, node: str = "") -> None:
+    """Chunk, variant and disk-entry rows for one sound blob in ``node``'s disk tier."""
     dtype = str(kv.keys.dtype).removeprefix("torch.")
     tx.upsert_chunk(ChunkRecord(kv.chunk, kv.fingerprint, kv.num_tokens))
     tx.upsert_variant(VariantRecord(kv.variant, kv.chunk, kv.prefix, entry_nbytes(kv), dtype))
-    tx.add_entry(EntryRecord(kv.variant, "disk", "", size, blob_id, checksum))
+    tx.add_entry(EntryRecord(kv.variant, "disk", node, size, blob_id, checksum, node=node))
 
 
-def rebuild_from_disk(catalog: Catalog, disk: DiskTier) -> int:
-    """Add rows for every sound blob whose variant has no disk row; returns how many.
+def rebuild_from_disk(catalog: Catalog, disk: DiskTier, node: str = "") -> int:
+    """Add rows for every sound blob of ``node``'s disk tier whose variant has no disk row
+    there; returns how many.
 
     Damaged blobs and blobs whose tag disagrees with their contents are skipped (left
     for reconcile or verify to delete as orphans).
@@ -41,7 +42,7 @@ def rebuild_from_disk(catalog: Catalog, disk: DiskTier) -> int:
             log.info("blob %s not recovered: %s", blob.blob_id, exc)
             continue
         with catalog.write() as tx:
-            if tx.entry(kv.variant, "disk") is None:
-                record_blob(tx, kv, blob.blob_id, checksum, len(data))
+            if tx.entry(kv.variant, "disk", node) is None:
+                record_blob(tx, kv, blob.blob_id, checksum, len(data), node)
                 rebuilt += 1
     return rebuilt

@@ -377,6 +377,54 @@ class RedisTier:
         now = time.time()
         self._call("touch", lambda: self.client.zadd(f"{PREFIX}used", {v: now for v in variants}, xx=True))
 
+    def audit(self, repair: bool = False) -> list[tuple[str, str, str]]:
+        """Check every entry of the tier (``verify``): index entries that cannot be read,
+        values missing or failing their checksums, values no index entry names, a byte
+        count that is not the sum of the sizes, and bytes over the budget. Returns
+        ``(kind, target, detail)`` problems; with ``repair`` each is fixed (damaged entries
+        dropped, the count rewritten, least recently used entries evicted). Raises the
+        Redis error when the server cannot be reached (verify says so in one line)."""
+        client, problems = self.client, []
+        metas = {k.decode(): v for k, v in client.hgetall(f"{PREFIX}meta").items()}
+        for variant, raw in sorted(metas.items()):
+            meta, data = _parse_meta(raw), client.get(f"{PREFIX}blob:{variant}")
+            if meta is None or meta.variant != variant:
+                problem = ("shared-damaged", "unreadable index entry")
+            elif data is None:
+                problem = ("shared-missing", "index entry without its value (evicted by the server?)")
+            else:
+                try:
+                    decode(data, meta.checksum, variant)
+                    continue
+                except BlobError as exc:
+                    problem = ("shared-damaged", str(exc))
+            if repair and meta is not None:
+                self.delete(variant)
+            elif repair:  # the index entry names no chunk: remove what can be found by the variant
+                client.hdel(f"{PREFIX}meta", variant)
+                client.hdel(f"{PREFIX}size", variant)
+                client.zrem(f"{PREFIX}used", variant)
+                client.delete(f"{PREFIX}blob:{variant}")
+            problems.append((problem[0], variant, problem[1]))
+        for key in client.scan_iter(match=f"{PREFIX}blob:*", count=500):
+            variant = key.decode().removeprefix(f"{PREFIX}blob:")
+            if variant not in metas:
+                if repair:
+                    client.delete(key)
+                problems.append(("shared-orphan", variant, "value with no index entry"))
+        sizes = sum(int(v) for v in client.hvals(f"{PREFIX}size"))
+        counted = int(client.get(f"{PREFIX}bytes") or 0)
+        if counted != sizes:
+            if repair:
+                client.set(f"{PREFIX}bytes", sizes)
+            problems.append(("shared-count", f"{PREFIX}bytes", f"says {counted} bytes, entries hold {sizes}"))
+        if sizes > self.budget:
+            if repair:
+                self._evict(sizes, keep="")
+            problems.append(("shared-over-budget", self.where,
+                             f"{sizes} bytes held, redis_budget_bytes is {self.budget}"))
+        return problems
+
     def close(self) -> None:
         """Close the pool's connections."""
         self.pool.disconnect()

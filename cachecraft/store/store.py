@@ -10,10 +10,11 @@ are not re-hashed); reconcile, recovery and eviction on demand:
 :mod:`~cachecraft.store.maintenance`.
 
 With ``redis_url`` set, a shared tier (:mod:`~cachecraft.store.shared`) comes after the
-local tiers: every put is also written there, a local miss is looked up there (reads
+memory tiers: every put is also written there, a memory miss is looked up there (reads
 verified like disk reads, layer by layer for :meth:`TieredStore.iter_layers`), and a
-hit is promoted into this node's local tiers. The shared tier failing is a miss, never
-an error.
+hit is promoted into this node's local tiers. It is looked up after the disk tier, or
+before it with ``tier_order = "gpu,cpu,redis,disk"`` (a fast network and a slow local
+disk). The shared tier failing is a miss, never an error.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from cachecraft.store.errors import StoreConfigError
 from cachecraft.store.eviction import EntryInfo, EvictionPolicy, estimate_cost_s, make_policy
 from cachecraft.store.locks import FileLock, OwnerLock
 from cachecraft.store.maintenance import EvictReport
+from cachecraft.store.nodes import join_catalog
 from cachecraft.store.paths import MAINTENANCE_LOCK, ensure_writable, store_paths
 from cachecraft.store.readers import LayerReader, MemoryLayerReader, SharedLayerReader
 from cachecraft.store.shared import SharedMeta
@@ -93,23 +95,26 @@ class TieredStore:
             raise StoreConfigError(str(exc)) from None
         catalog_missing = not config.catalog_url and not catalog_path(self.cache_dir).exists()
         self.catalog = Catalog(self.cache_dir, url=config.catalog_url or None)
-        if config.catalog_url:  # a new, empty PostgreSQL catalog: rebuild it from the disk tier
-            catalog_missing = self.catalog.created
+        self.node = ""  # this cache directory in a catalog several nodes share ("" in its own)
         self.owner = uuid.uuid4().hex[:16]
         self._owner_lock: OwnerLock | None = None
         self._maintenance = FileLock(self.locks_dir / MAINTENANCE_LOCK)
         self._lock = threading.RLock()
         self.counters = StoreCounters()
         self.shared = None  # the shared (Redis) tier, when redis_url is set
+        self.shared_first = False
         self._tiers: list[MemoryTier | DiskTier] = []
         try:
             self._owner_lock = OwnerLock(self.locks_dir, self.owner)
             self._tiers = build_tiers(names, limits, disk_dir)
             self._policies: dict[str, EvictionPolicy] = {t.name: make_policy(policy_name) for t in self._tiers}
-            if self.catalog.shared:
-                _claim_catalog(self.catalog, self.root)
+            if self.catalog.shared:  # a node new to the catalog records what its disk tier holds
+                self.node, catalog_missing = join_catalog(self.catalog, self.root)
             if config.redis_url:
                 self.shared = _connect_shared(config)
+            # look the shared tier up before the disk tier (tier_order), when there is one
+            self.shared_first = self.shared is not None and config.tier_order.replace(" ", "").index(
+                "redis") < config.tier_order.replace(" ", "").index("disk")
             # a catalog deleted by hand must not make the disk tier look like orphans
             if catalog_missing and not maintenance.recover_catalog(self):
                 reconcile = False  # never treat un-rebuilt blobs as orphans
@@ -202,9 +207,13 @@ class TieredStore:
                 if promote and i > 0:
                     placement.promote_memory(self, i, key)
                 return out
+            if self.shared_first:
+                kv = self._get_shared(key, dtype, device, fingerprint, promote, count_hit, miss=False)
+                if kv is not None:
+                    return kv
             found = disk_reads.read_disk(self, key)
             if found is None:
-                if self.shared is not None:
+                if self.shared is not None and not self.shared_first:
                     return self._get_shared(key, dtype, device, fingerprint, promote, count_hit)
                 return self._miss(key)
             row, kv = found
@@ -237,9 +246,13 @@ class TieredStore:
                 if promote and i > 0:
                     placement.promote_memory(self, i, key)
                 return reader
+            if self.shared_first:
+                reader = self._open_shared(key, dtype, device, fingerprint, promote, count_hit, miss=False)
+                if reader is not None:
+                    return reader
             opened = disk_reads.open_disk(self, key)
             if opened is None:
-                if self.shared is not None:
+                if self.shared is not None and not self.shared_first:
                     return self._open_shared(key, dtype, device, fingerprint, promote, count_hit)
                 return self._miss(key)
             row, blob = opened
@@ -267,9 +280,11 @@ class TieredStore:
             for tier in self._memory_tiers():
                 if key in tier:
                     return tier.name
+            if self.shared_first and self.shared.contains(key):
+                return self.shared.name
             if self._disk() is not None and self._disk_row(key) is not None:
                 return "disk"
-            if self.shared is not None and self.shared.contains(key):
+            if self.shared is not None and not self.shared_first and self.shared.contains(key):
                 return self.shared.name
             return None
 
@@ -299,7 +314,7 @@ class TieredStore:
     def variants_of(self, chunk: str) -> list[VariantRecord]:
         """Variants of a chunk this store can read (tier = the fastest it can read from)."""
         with self.catalog.read() as tx:
-            local = tx.available_variants(chunk, self.owner)
+            local = tx.available_variants(chunk, self.owner, self.node)
         if self.shared is None:
             return local
         have = {r.key for r in local}
@@ -338,7 +353,7 @@ class TieredStore:
             disk = self._disk()
             if disk is not None:
                 with self.catalog.read() as tx:
-                    rows = tx.entries(tier="disk")
+                    rows = tx.entries(tier="disk", owner=self.node)
                 out["disk"] = TierState("disk", len(rows), sum(r.nbytes for r in rows), disk.budget)
             if self.shared is not None:
                 out[self.shared.name] = TierState(self.shared.name, self.shared.count(), self.shared.used(),
@@ -346,11 +361,11 @@ class TieredStore:
             return out
 
     def keys(self, tier: str) -> list[str]:
-        """Keys held by one tier (memory tiers: this process's; disk: everyone's)."""
+        """Keys held by one tier (memory tiers: this process's; disk: every process's on this node)."""
         t = self._tier(tier)
         if t.is_disk:
             with self.catalog.read() as tx:
-                return [r.variant_key for r in tx.entries(tier="disk")]
+                return [r.variant_key for r in tx.entries(tier="disk", owner=self.node)]
         with self._lock:
             return t.keys()
 
@@ -407,14 +422,15 @@ class TieredStore:
 
     def _disk_row(self, key: str) -> EntryRecord | None:
         with self.catalog.read() as tx:
-            return tx.entry(key, "disk")
+            return tx.entry(key, "disk", self.node)
 
     def _get_shared(self, key: str, dtype: torch.dtype | None, device: torch.device | str,
-                    fingerprint: str | None, promote: bool, count_hit: bool) -> ChunkKV | None:
-        """A local miss looked up in the shared tier; a hit is promoted into the local tiers."""
+                    fingerprint: str | None, promote: bool, count_hit: bool, miss: bool = True) -> ChunkKV | None:
+        """A local miss looked up in the shared tier; a hit is promoted into the local tiers.
+        Without ``miss`` a miss here is not counted (the disk tier is looked up next)."""
         found = self.shared.get(key)
         if found is None:
-            return self._miss(key)
+            return self._miss(key) if miss else None
         meta, kv = found
         if meta.dtype != self.config.kv_dtype:
             return self._miss(key, f"shared copy is {meta.dtype}, this store keeps {self.config.kv_dtype}")
@@ -427,11 +443,13 @@ class TieredStore:
         return _convert(kv, dtype, device)
 
     def _open_shared(self, key: str, dtype: torch.dtype | None, device: torch.device | str,
-                     fingerprint: str | None, promote: bool, count_hit: bool) -> LayerReader | None:
-        """A layer reader over the shared tier's copy; read to the end, it is promoted."""
+                     fingerprint: str | None, promote: bool, count_hit: bool,
+                     miss: bool = True) -> LayerReader | None:
+        """A layer reader over the shared tier's copy; read to the end, it is promoted.
+        ``miss`` as in :meth:`_get_shared`."""
         blob = self.shared.open(key)
         if blob is None:
-            return self._miss(key)
+            return self._miss(key) if miss else None
         meta = blob.meta
         if meta.dtype != self.config.kv_dtype:
             return self._miss(key, f"shared copy is {meta.dtype}, this store keeps {self.config.kv_dtype}")
@@ -483,33 +501,6 @@ class TieredStore:
             entry.hits += 1
         with self.catalog.write(exclusive=False) as tx:  # hits + 1 in SQL: no lock needed
             tx.touch(key)
-
-
-CATALOG_ID_FILE = "catalog-id"
-
-
-def _claim_catalog(catalog: Catalog, root: Path) -> None:
-    """Tie a server catalog (``catalog_url``) to this cache directory's disk tier.
-
-    The catalog's disk rows describe one disk tier; another cache directory opening the
-    same database would take them for lost bytes and drop them. The first store to open
-    a database records an id there and in ``<store root>/catalog-id``; a cache directory
-    without that id is refused with one line.
-    """
-    id_file = root / CATALOG_ID_FILE
-    local = id_file.read_text().strip() if id_file.is_file() else None
-    with catalog.write() as tx:
-        found = tx.info_value("disk_tier_id")
-        if found is None:  # a new database: this cache directory takes it
-            found = local or uuid.uuid4().hex
-            tx.set_info_value("disk_tier_id", found)
-            if local is None:
-                id_file.write_text(found + "\n")
-                local = found
-    if local != found:
-        raise StoreConfigError(f"catalog_url {catalog.where} already serves another cache directory; "
-                               "give each cache directory its own database (or share that cache "
-                               "directory itself)")
 
 
 def _connect_shared(config: Config):

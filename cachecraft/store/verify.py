@@ -12,7 +12,14 @@ Checks, in order:
    from its tokens, fingerprint and prefix;
 4. no blob or file lies in the disk tier without a catalog row;
 5. memory-tier rows belong to processes still alive;
-6. every variant's ``tier`` column names the fastest tier that holds it.
+6. every variant's ``tier`` column names the fastest tier that holds it;
+7. with ``redis_url``, every entry of the shared tier: readable index entry, value present
+   and passing its checksums, no value without an index entry, the byte count right and
+   within ``redis_budget_bytes``.
+
+With ``catalog_url`` the catalog is a PostgreSQL database several cache directories
+(nodes) may share: step 1 is the server's own business, and steps 3-5 cover this node's
+rows; a node whose disk tier the catalog does not know is joined (with ``repair``).
 
 Verify holds the store's maintenance lock exclusively, so disk writers wait for it.
 Repairing a damaged catalog replaces the file: stop other processes using the cache
@@ -36,8 +43,9 @@ from typing import Any
 from cachecraft.catalog import Catalog, CatalogCorruptError, EntryRecord, catalog_path
 from cachecraft.catalog.records import fastest_tier
 from cachecraft.store.codec import Blob, BlobError, decode, header_checksum
-from cachecraft.store.errors import StoreBusyError, StoreError
+from cachecraft.store.errors import SharedTierError, StoreBusyError, StoreError
 from cachecraft.store.locks import FileLock, owner_alive
+from cachecraft.store.nodes import join_catalog, node_id
 from cachecraft.store.paths import MAINTENANCE_LOCK, store_paths
 from cachecraft.store.recover import rebuild_from_disk, record_blob
 from cachecraft.store.tiers import DISKCACHE_DB, DiskTier
@@ -96,18 +104,27 @@ class VerifyReport:
         return json.dumps(self.to_dict(), **kwargs)
 
 
-def verify(cache_dir: str | Path, repair: bool = False, *, lock_timeout_s: float = 60.0) -> VerifyReport:
-    """Check (and with ``repair`` fix) the catalog and disk tier of ``cache_dir``.
+def verify(cache_dir: str | Path, repair: bool = False, *, catalog_url: str | None = None,
+           redis_url: str | None = None, redis_budget_bytes: int = _ANY_BUDGET,
+           lock_timeout_s: float = 60.0) -> VerifyReport:
+    """Check (and with ``repair`` fix) the catalog and disk tier of ``cache_dir``, and the
+    shared tier when ``redis_url`` is given.
 
-    Raises :class:`StoreBusyError` if disk writers keep the maintenance lock busy
-    longer than ``lock_timeout_s``, and :class:`SchemaVersionError` for a catalog of an
-    incompatible version (never modified).
+    With ``catalog_url`` (a PostgreSQL catalog several nodes share) the checks cover this
+    cache directory's rows (its node's disk tier and processes) and the variants' tier
+    column; the server keeps its own integrity. Raises :class:`StoreBusyError` if disk
+    writers keep the maintenance lock busy longer than ``lock_timeout_s``,
+    :class:`SchemaVersionError` for a catalog of an incompatible version (never
+    modified), :class:`CatalogUnavailableError` for an unreachable catalog server and
+    :class:`SharedTierError` for an unreachable Redis.
     """
     cache_dir = Path(cache_dir)
     report = VerifyReport(str(cache_dir), repair)
-    _, disk_dir, locks_dir = store_paths(cache_dir)
-    if not catalog_path(cache_dir).exists() and not disk_dir.exists():
-        report.counts = {"chunks": 0, "variants": 0, "disk_entries": 0, "disk_bytes": 0}
+    if redis_url:
+        _check_shared(redis_url, redis_budget_bytes, report)
+    root, disk_dir, locks_dir = store_paths(cache_dir)
+    if not catalog_url and not catalog_path(cache_dir).exists() and not disk_dir.exists():
+        report.counts.update({"chunks": 0, "variants": 0, "disk_entries": 0, "disk_bytes": 0})
         log.info("verify: no cache at %s", cache_dir)
         return report
     locks_dir.mkdir(parents=True, exist_ok=True)
@@ -115,23 +132,67 @@ def verify(cache_dir: str | Path, repair: bool = False, *, lock_timeout_s: float
         if not got:
             raise StoreBusyError(f"processes writing to {cache_dir} kept it busy for {lock_timeout_s:.0f} s; "
                                  "retry verify later")
-        catalog, rebuild = _open_catalog(cache_dir, report)
+        if catalog_url:
+            catalog, rebuild, node = _open_server_catalog(cache_dir, catalog_url, root, disk_dir, report)
+        else:
+            (catalog, rebuild), node = _open_catalog(cache_dir, report), ""
         try:
-            disk = _open_disk(disk_dir, catalog, report) if catalog is not None else None
+            disk = (_open_disk(disk_dir, catalog, report, node)
+                    if catalog is not None and node is not None else None)
             if catalog is not None and disk is not None:
                 try:
                     if rebuild:
-                        _rebuild_catalog(catalog, disk, report)
-                    _check_disk(catalog, disk, report)
-                    _check_owners(catalog, locks_dir, report)
-                    _check_tiers(catalog, report)
-                    report.counts.update(_counts(catalog))
+                        _rebuild_catalog(catalog, disk, report, node)
+                    _check_disk(catalog, disk, report, node)
+                    _check_owners(catalog, locks_dir, report, node)
                 finally:
                     disk.close()
+            if catalog is not None:
+                _check_tiers(catalog, report)
+                report.counts.update(_counts(catalog))
         finally:
             if catalog is not None:
                 catalog.close()
     return report
+
+
+def _check_shared(url: str, budget: int, report: VerifyReport) -> None:
+    """Every entry of the shared tier read and checked (see :meth:`RedisTier.audit`)."""
+    from cachecraft.store.shared import RedisTier
+    tier = RedisTier(url, budget)
+    try:
+        problems = tier.audit(report.repair)
+        report.counts.update(shared_entries=tier.count(), shared_bytes=tier.used())
+    except tier._redis_errors as exc:
+        raise SharedTierError(f"redis_url {tier.where} cannot be reached ({str(exc).splitlines()[0]}); "
+                              "start the server or fix redis_url, then verify again") from None
+    finally:
+        tier.close()
+    for kind, target, detail in problems:
+        report.add(kind, target, detail, report.repair)
+
+
+def _open_server_catalog(cache_dir: Path, url: str, root: Path, disk_dir: Path,
+                         report: VerifyReport) -> tuple[Catalog, bool, str | None]:
+    """The shared catalog, whether this node's rows must be rebuilt, and its node id (None
+    when it never joined and is not being repaired: its disk tier is then not checked)."""
+    catalog = Catalog(cache_dir, url=url)
+    node = node_id(root)
+    if node is not None:
+        with catalog.read() as tx:
+            known = node in tx.nodes()
+        if known:
+            return catalog, False, node
+    blobs = disk_dir.is_dir() and any(disk_dir.rglob("*.val"))
+    if not blobs:
+        return catalog, False, node
+    if not report.repair:
+        report.add("node-not-joined", str(cache_dir), f"the disk tier holds blobs the catalog at {catalog.where} "
+                   "has no rows for", False)
+        return catalog, False, None
+    node, _ = join_catalog(catalog, root)
+    report.add("node-not-joined", str(cache_dir), "joined the catalog; its disk tier's blobs recorded", True)
+    return catalog, True, node
 
 
 def _move_aside(path: Path) -> Path:
@@ -174,7 +235,7 @@ def _open_catalog(cache_dir: Path, report: VerifyReport) -> tuple[Catalog | None
     return Catalog(cache_dir), True
 
 
-def _open_disk(disk_dir: Path, catalog: Catalog, report: VerifyReport) -> DiskTier | None:
+def _open_disk(disk_dir: Path, catalog: Catalog, report: VerifyReport, node: str) -> DiskTier | None:
     """Open the disk tier; a damaged database is moved aside and its sound blobs salvaged.
 
     A salvaged blob takes the place of the catalog row that names its checksum, or gets
@@ -213,29 +274,29 @@ def _open_disk(disk_dir: Path, catalog: Catalog, report: VerifyReport) -> DiskTi
             continue
         blob_id = f"{kv.variant}.{uuid.uuid4().hex[:12]}"
         with catalog.write() as tx:
-            row = tx.entry(kv.variant, "disk")
+            row = tx.entry(kv.variant, "disk", node)
             if row is not None and row.checksum != checksum:
                 continue  # an older copy the current row replaced
             disk.write(blob_id, Blob(data, checksum))
             if row is None:
-                record_blob(tx, kv, blob_id, checksum, len(data))
+                record_blob(tx, kv, blob_id, checksum, len(data), node)
             else:
-                tx.add_entry(EntryRecord(kv.variant, "disk", "", len(data), blob_id, checksum))
+                tx.add_entry(EntryRecord(kv.variant, "disk", node, len(data), blob_id, checksum, node=node))
         salvaged += 1
     shutil.rmtree(moved, ignore_errors=True)
     report.add("disk-db-damaged", str(db), f"{damage}; {salvaged} sound blobs salvaged", True)
     return disk
 
 
-def _rebuild_catalog(catalog: Catalog, disk: DiskTier, report: VerifyReport) -> None:
+def _rebuild_catalog(catalog: Catalog, disk: DiskTier, report: VerifyReport, node: str) -> None:
     """Fill a fresh catalog with a row for every sound blob (one per variant)."""
-    report.counts["rebuilt_entries"] = rebuild_from_disk(catalog, disk)
+    report.counts["rebuilt_entries"] = rebuild_from_disk(catalog, disk, node)
 
 
-def _check_disk(catalog: Catalog, disk: DiskTier, report: VerifyReport) -> None:
+def _check_disk(catalog: Catalog, disk: DiskTier, report: VerifyReport, node: str) -> None:
     listing = disk.listing()
     with catalog.read() as tx:
-        rows = tx.entries(tier="disk")
+        rows = tx.entries(tier="disk", owner=node)
     referenced: set[str] = set()
     checked = 0
     for row in rows:
@@ -264,7 +325,7 @@ def _check_disk(catalog: Catalog, disk: DiskTier, report: VerifyReport) -> None:
             continue
         if report.repair:
             with catalog.write() as tx:
-                if tx.remove_entry(row.variant_key, "disk", blob=row.blob) is not None:
+                if tx.remove_entry(row.variant_key, "disk", node, blob=row.blob) is not None:
                     kind = "lost" if problem[0] == "missing-bytes" else "corrupt"
                     tx.event(kind, row.variant_key, "disk", None, row.nbytes, "verify")
             disk.delete(row.blob)
@@ -282,9 +343,9 @@ def _check_disk(catalog: Catalog, disk: DiskTier, report: VerifyReport) -> None:
     report.counts["blobs_checked"] = checked
 
 
-def _check_owners(catalog: Catalog, locks_dir: Path, report: VerifyReport) -> None:
+def _check_owners(catalog: Catalog, locks_dir: Path, report: VerifyReport, node: str) -> None:
     with catalog.read() as tx:
-        owners = tx.memory_owners()
+        owners = tx.memory_owners(node)
     for owner in sorted(owners):
         if owner_alive(locks_dir, owner):
             continue

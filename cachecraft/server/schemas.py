@@ -1,0 +1,116 @@
+"""The request bodies the server accepts: OpenAI's chat and text completions, plus the
+fields cachecraft adds (``documents``, ``method``, ``top_k``), ingest and warm.
+
+Fields OpenAI defines that change nothing here (``user``, ``n`` of 1, zero penalties,
+``stream_options``) are accepted; any other field is refused by name, so a typo is never
+silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Message(BaseModel):
+    """One chat message; content as a string or OpenAI's list of text parts."""
+
+    model_config = ConfigDict(extra="ignore")  # clients add name, tool fields and the like
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: Union[str, list[dict], None] = None
+
+    @property
+    def text(self) -> str:
+        """The message's text (text parts joined; other parts refused earlier)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.get("text", "") for part in self.content)
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, value):
+        if isinstance(value, list):
+            kinds = {part.get("type") for part in value if isinstance(part, dict)}
+            if kinds - {"text"} or not all(isinstance(part, dict) for part in value):
+                raise ValueError("only text content parts are supported")
+        return value
+
+
+class Generation(_Strict):
+    """What OpenAI's completion endpoints share."""
+
+    model: Optional[str] = None
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: Union[str, list[str], None] = None
+    stream: bool = False
+    seed: Optional[int] = None
+    # accepted because clients send them; they change nothing here
+    user: Optional[str] = None
+    n: Literal[1] = 1
+    presence_penalty: Literal[0, 0.0] = 0.0
+    frequency_penalty: Literal[0, 0.0] = 0.0
+    stream_options: Optional[dict] = None
+    # cachecraft's own
+    documents: Optional[list[str]] = Field(None, description="The chunks to answer over, in order (the "
+                                                             "client's own retrieval); none: retrieve from "
+                                                             "the ingested corpus")
+    method: Optional[str] = None
+    top_k: Optional[int] = Field(None, ge=1)
+
+    @property
+    def stops(self) -> tuple[str, ...]:
+        """``stop`` as a tuple of non-empty strings."""
+        if self.stop is None:
+            return ()
+        return tuple(s for s in ([self.stop] if isinstance(self.stop, str) else self.stop) if s)
+
+    @property
+    def answer_tokens(self) -> Optional[int]:
+        """The answer length asked for (``max_completion_tokens`` is the newer name)."""
+        return self.max_completion_tokens or self.max_tokens
+
+
+class ChatRequest(Generation):
+    """``POST /v1/chat/completions``: the question is the last user message."""
+
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(Generation):
+    """``POST /v1/completions``: the prompt is the question (or chunks and the question,
+    marked by the separator)."""
+
+    prompt: Union[str, list[str]]
+    echo: Literal[False] = False
+
+    @property
+    def text(self) -> str:
+        """The prompt as one string (a list of one string is accepted)."""
+        if isinstance(self.prompt, list):
+            if len(self.prompt) != 1:
+                raise ValueError("prompt: give one string (batches of prompts are not supported)")
+            return self.prompt[0]
+        return self.prompt
+
+
+class IngestRequest(_Strict):
+    """``POST /v1/ingest``: files or directories on the server's machine."""
+
+    paths: list[str] = Field(min_length=1)
+
+
+class WarmRequest(_Strict):
+    """``POST /v1/warm``: make the chunk-caches of the ingested corpus."""
+
+    shard: Optional[tuple[int, int]] = None

@@ -1,0 +1,187 @@
+"""What the server does behind its routes: one :class:`Pipeline` loaded once, one worker
+thread in front of the model, and the translation of OpenAI requests into
+:meth:`Pipeline.answer` / :meth:`Pipeline.query` calls (the one request path).
+
+Concurrency: the model computes one request at a time (on the CPU two would only slow
+each other). Requests wait in a first-in, first-out queue of at most
+``config.server_queue``; one more is refused at once (:class:`Busy`, HTTP 429). A request
+not finished within ``config.server_timeout_s`` is cancelled (:class:`TimedOut`, HTTP
+503): dropped from the queue if it had not started, stopped at its next token if it had.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from cachecraft.config import Config
+from cachecraft.engine import GenerationOptions
+from cachecraft.pipeline import Answer, Pipeline
+from cachecraft.prompt import PromptInputError
+
+
+class Busy(Exception):
+    """The queue in front of the model is full."""
+
+
+class TimedOut(Exception):
+    """A request was not answered within the server's timeout."""
+
+
+class BadRequest(ValueError):
+    """A request the server cannot answer as asked; the message says why (one line)."""
+
+
+@dataclass
+class Job:
+    """One request in the pipeline's terms."""
+
+    question: str
+    chunks: list[str] | None  # None: retrieve from the corpus
+    method: str
+    top_k: int | None
+    max_new_tokens: int
+    generation: GenerationOptions
+    sources: list[str] | None = None
+
+
+@dataclass
+class Counters:
+    """What the server did since it started (for ``/metrics`` and ``/healthz``)."""
+
+    started_at: float = field(default_factory=time.time)
+    requests: int = 0
+    refused_busy: int = 0
+    timed_out: int = 0
+    failed: int = 0
+
+
+class Service:
+    """The loaded pipeline and the queue in front of it."""
+
+    def __init__(self, config: Config, pipeline: Pipeline) -> None:
+        self.config = config
+        self.pipeline = pipeline
+        self.counters = Counters()
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachecraft-model")
+        self.on_answer: Callable[[Answer], None] | None = None
+
+    @property
+    def model_name(self) -> str:
+        """The served model's name, as clients give it in ``model``."""
+        return self.pipeline.lm.name
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for the model or being computed."""
+        return self._pending
+
+    # ------------------------------------------------------------------ requests
+
+    def job(self, question: str, *, documents: Sequence[str] | None, method: str | None, top_k: int | None,
+            max_tokens: int | None, generation: GenerationOptions) -> Job:
+        """A :class:`Job` for one question, chunk boundaries taken from ``documents`` or, when
+        the question holds the chunk separator, from the question itself (the last part is
+        the question); otherwise the corpus is searched. Raises :class:`BadRequest`."""
+        separator = self.config.chunk_separator
+        chunks = list(documents) if documents is not None else None
+        if chunks is None and separator in question:
+            *chunks, question = question.split(separator)
+        if chunks is not None:
+            chunks = [c.strip() for c in chunks if c.strip()]
+        question = question.strip()
+        if not question:
+            raise BadRequest("the question is empty (with the chunk separator, the question comes after the "
+                             "last separator)")
+        if chunks is not None and not chunks:
+            raise BadRequest("documents is empty: give at least one, or leave it out to search the corpus")
+        if chunks is None and not len(self.pipeline.corpus):
+            raise BadRequest("the server's corpus is empty: POST /v1/ingest first, or send documents")
+        name = method or "cachecraft"
+        try:
+            self.pipeline.method(name)
+        except ValueError as exc:
+            raise BadRequest(f"method: {exc}") from None
+        return Job(question, chunks, name, top_k, self._answer_room(chunks, question, top_k, max_tokens),
+                   generation)
+
+    def _answer_room(self, chunks: list[str] | None, question: str, top_k: int | None,
+                     max_tokens: int | None) -> int:
+        """The answer length: ``max_tokens`` (default: the config's), within what the
+        context window leaves after the prompt; a prompt that does not fit is refused."""
+        pipe = self.pipeline
+        if chunks is None:
+            hits = pipe.corpus.search(question, self.config.top_k if top_k is None else top_k)
+            chunks = [h.chunk.prompt_text for h in hits]
+        try:
+            pieces = pipe.builder.build(chunks, question, max_tokens=pipe.lm.max_context)
+        except PromptInputError as exc:
+            raise BadRequest(str(exc)) from None
+        room = pipe.lm.max_context - pieces.num_tokens
+        if room < 1:
+            raise BadRequest(f"the prompt takes {pieces.num_tokens} tokens, the whole {pipe.lm.max_context}-token "
+                             "context window: no room for an answer")
+        if max_tokens is not None and max_tokens > room:
+            raise BadRequest(f"max_tokens {max_tokens} does not fit: the model's context window is "
+                             f"{pipe.lm.max_context} tokens and the prompt takes {pieces.num_tokens}; "
+                             f"ask for at most {room}")
+        return min(max_tokens or self.config.max_new_tokens, room)
+
+    def answer(self, job: Job, streamer=None) -> Answer:
+        """Answer one job on the calling thread (the worker): the one request path."""
+        pipe = self.pipeline
+        options: dict[str, Any] = {"max_new_tokens": job.max_new_tokens, "generation": job.generation,
+                                   "streamer": streamer}
+        if job.chunks is None:
+            answer = pipe.query(job.question, top_k=job.top_k, method=job.method, **options)
+        else:
+            answer = pipe.answer(job.chunks, job.question, method=job.method, **options)
+        if self.on_answer is not None:
+            self.on_answer(answer)
+        return answer
+
+    # ------------------------------------------------------------------ the queue
+
+    async def run(self, fn: Callable[[], Any], cancel: threading.Event | None = None,
+                  timeout_s: float | None = None) -> Any:
+        """Run ``fn`` on the model's worker thread once the requests before it are done.
+        Raises :class:`Busy` when the queue is full and :class:`TimedOut` past the timeout
+        (``cancel`` is then set, so a running generation stops at its next token)."""
+        with self._pending_lock:
+            if self._pending > self.config.server_queue:  # one computing, server_queue waiting
+                self.counters.refused_busy += 1
+                raise Busy(f"{self._pending} requests are queued for the model (server_queue = "
+                           f"{self.config.server_queue}); retry later")
+            self._pending += 1
+        self.counters.requests += 1
+        future = self._worker.submit(fn)
+        future.add_done_callback(lambda _: self._done())
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s or self.config.server_timeout_s)
+        except asyncio.TimeoutError:
+            future.cancel()  # still queued: it never runs
+            if cancel is not None:
+                cancel.set()
+            self.counters.timed_out += 1
+            raise TimedOut(f"not answered within server_timeout_s = {timeout_s or self.config.server_timeout_s:g} s "
+                           f"({self._pending} requests were queued); retry later") from None
+        except asyncio.CancelledError:  # the client went away
+            future.cancel()
+            if cancel is not None:
+                cancel.set()
+            raise
+
+    def _done(self) -> None:
+        with self._pending_lock:
+            self._pending -= 1
+
+    def close(self) -> None:
+        """Finish the request being computed, drop the queued ones, release the pipeline."""
+        self._worker.shutdown(wait=True, cancel_futures=True)
+        self.pipeline.close()

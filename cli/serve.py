@@ -1,0 +1,155 @@
+"""``cachecraft serve``, and the client side of ``query --server`` / ``stats --server``
+(plain HTTP from the standard library, so the client needs no extra)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Iterator, Optional
+
+import typer
+
+from . import STARTED
+from .common import UserError, console, err_console, friendly, load_config
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def serve_cmd(ctx: typer.Context,
+              host: str = typer.Option("127.0.0.1", help="Address to listen on (loopback unless told otherwise)."),
+              port: int = typer.Option(8000, min=1, max=65535, help="Port to listen on."),
+              model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
+              log_level: str = typer.Option("info", help="uvicorn's log level: critical, error, warning, info, "
+                                                         "debug.")) -> None:
+    """Serve OpenAI-compatible completions from the ingested corpus, with the model, the
+    embedder, the corpus and the store (memory tiers included) loaded once and kept:
+    POST /v1/chat/completions and /v1/completions (streaming with "stream": true;
+    "documents": [...], or chunks marked by chunk_separator in the prompt, answer over
+    your own chunks), POST /v1/ingest {"paths": [...]}, POST /v1/warm, GET /v1/stats,
+    /v1/models, /healthz and /metrics (Prometheus). One request computes at a time,
+    server_queue more wait, the next gets 429; CACHECRAFT_API_KEY, when set, is required
+    as 'Authorization: Bearer <key>'.
+
+    Example: cachecraft serve --port 8000, then point an OpenAI client at
+    http://127.0.0.1:8000/v1 (any api_key unless CACHECRAFT_API_KEY is set).
+    """
+    try:
+        import uvicorn
+
+        from cachecraft.server.app import create_app
+        from cachecraft.server.service import Service
+    except ImportError:
+        raise UserError("cachecraft serve needs the server extra: pip install 'cachecraft[server]'") from None
+    from .product import open_pipeline
+
+    config = load_config(ctx, model=model)
+    if host not in LOOPBACK and not config.api_key:
+        err_console.print(f"[yellow]warning:[/yellow] listening on {host} without an API key: anyone who can "
+                          "reach it may ask, ingest and warm; set CACHECRAFT_API_KEY", highlight=False)
+    pipe = open_pipeline(config)
+    try:
+        with console.status("measuring the prefill cost (once per model and machine) ..."):
+            pipe.ensure_cost_model()
+        if len(pipe.corpus):
+            pipe.corpus.load_embedder()
+        service = Service(config, pipe)
+    except BaseException:
+        pipe.close()
+        raise
+    try:
+        console.print(f"serving {pipe.lm.name} on http://{host}:{port} (OpenAI base URL http://{host}:{port}/v1), "
+                      f"{len(pipe.corpus)} chunks ingested; ready in {time.perf_counter() - STARTED:.1f} s",
+                      highlight=False)
+        uvicorn.run(create_app(service), host=host, port=port, log_level=log_level)
+    finally:
+        service.close()
+
+
+# -- the client side ---------------------------------------------------------------------
+
+def _request(url: str, config, body: dict | None = None, timeout_s: float | None = None):
+    headers = {"Content-Type": "application/json"}
+    if config.api_key:
+        headers["Authorization"] = f"Bearer {config.api_key}"
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
+    try:
+        return urllib.request.urlopen(request, timeout=timeout_s or config.server_timeout_s + 30)
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        raise UserError(f"the server at {config.server} answered {exc.code}: {message}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise UserError(f"no cachecraft server at {config.server} ({reason}); start one with `cachecraft "
+                        "serve`, or unset server / CACHECRAFT_SERVER to work locally") from None
+
+
+def _events(response) -> Iterator[dict]:
+    """The JSON payloads of a server-sent event stream, up to ``[DONE]``."""
+    for raw in response:
+        line = raw.decode("utf-8").strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[5:].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def remote_query(config, question: str, *, method: str, top_k: Optional[int], max_new_tokens: Optional[int],
+                 as_json: bool) -> dict[str, Any]:
+    """Ask a running server; the answer streams to stdout unless ``as_json``. Returns the
+    final payload: ``text``, ``usage`` and the cache report ``cachecraft``."""
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": question}], "method": method,
+                            "stream": not as_json}
+    if top_k is not None:
+        body["top_k"] = top_k
+    if max_new_tokens is not None:
+        body["max_tokens"] = max_new_tokens
+    url = config.server.rstrip("/") + "/v1/chat/completions"
+    with _request(url, config, body) as response:
+        if as_json:
+            data = json.loads(response.read())
+            return {"text": data["choices"][0]["message"]["content"], "usage": data["usage"],
+                    "cachecraft": data["cachecraft"]}
+        parts, final = [], {}
+        for payload in _events(response):
+            if "error" in payload:
+                raise UserError(f"the server at {config.server} failed mid-answer: {payload['error']['message']}")
+            piece = payload["choices"][0]["delta"].get("content")
+            if piece:
+                parts.append(piece)
+                print(piece, end="", flush=True)
+            if "cachecraft" in payload:
+                final = payload
+        print()
+    return {"text": "".join(parts), "usage": final.get("usage"), "cachecraft": final.get("cachecraft")}
+
+
+def remote_answer(result: dict):
+    """The server's cache report as an :class:`Answer`, for the local report printer."""
+    from cachecraft.pipeline import Answer
+    from cachecraft.pipeline.reports import ChunkReport, Source
+
+    report, usage = result["cachecraft"], result["usage"] or {}
+    return Answer(result["text"], report["method"], report["ttft_s"], usage.get("prompt_tokens", 0),
+                  usage.get("completion_tokens", 0), report["recompute_fraction"],
+                  [ChunkReport(**c) for c in report["chunk_reports"]], report["request_id"],
+                  report.get("full_prefill_estimate_s"), [Source(**s) for s in report["sources"]],
+                  report.get("retrieval_s"))
+
+
+def remote_stats(config) -> dict:
+    """``GET /v1/stats`` of a running server."""
+    with _request(config.server.rstrip("/") + "/v1/stats", config) as response:
+        return json.loads(response.read())
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``serve`` to the app."""
+    app.command("serve")(friendly(serve_cmd))

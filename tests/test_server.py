@@ -1,0 +1,227 @@
+"""``cachecraft serve`` in-process on the tiny model: OpenAI-shaped answers equal to the
+pipeline's, streaming, the documents and separator forms reusing chunk-caches, errors as
+one-line JSON, the queue's limits, the API key and the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+
+pytest.importorskip("fastapi", reason="fastapi not installed (pip install cachecraft[server])")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+from cachecraft.config import Config  # noqa: E402
+from cachecraft.pipeline import Pipeline  # noqa: E402
+from cachecraft.server.app import create_app  # noqa: E402
+from cachecraft.server.service import Busy, Service, TimedOut  # noqa: E402
+from cachecraft.server.streaming import StopCutter  # noqa: E402
+from cachecraft.store import TieredStore  # noqa: E402
+from tests.conftest import tiny_model  # noqa: E402
+from tests.test_pipeline import CHUNKS, QUESTION  # noqa: E402
+
+SEP = "<|chunk|>"
+
+
+def make_service(cache_dir, **overrides) -> Service:
+    config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 6, "kv_dtype": "float32",
+                                    **overrides}, environ={})
+    pipe = Pipeline(config, lm=tiny_model("llama"), store=TieredStore(config, tiers=("cpu", "disk")))
+    return Service(config, pipe)
+
+
+@pytest.fixture
+def service(tmp_path):
+    svc = make_service(tmp_path / "server")
+    yield svc
+    svc.close()
+
+
+@pytest.fixture
+def client(service):
+    with TestClient(create_app(service)) as c:
+        yield c
+
+
+@pytest.fixture
+def reference(tmp_path):
+    """A pipeline of its own (its own store) to compare answers with."""
+    config = Config.load(overrides={"cache_dir": tmp_path / "reference", "max_new_tokens": 6,
+                                    "kv_dtype": "float32"}, environ={})
+    pipe = Pipeline(config, lm=tiny_model("llama"), store=TieredStore(config, tiers=("cpu",)))
+    yield pipe
+    pipe.close()
+
+
+def chat(client, **body):
+    return client.post("/v1/chat/completions", json={"model": "cachecraft", **body})
+
+
+def streamed(client, path: str, body: dict) -> tuple[str, list[dict]]:
+    """The text of a streamed answer and its event payloads."""
+    payloads = []
+    with client.stream("POST", path, json={**body, "stream": True}) as response:
+        assert response.status_code == 200, response.read()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    payloads = [json.loads(line[6:]) for line in lines[:-1]]
+    pieces = [(p["choices"][0].get("delta") or {}).get("content") or p["choices"][0].get("text") or ""
+              for p in payloads]
+    return "".join(pieces), payloads
+
+
+def test_chat_with_documents_answers_as_the_pipeline_does_and_reuses_on_repeat(client, reference):
+    want = reference.answer(CHUNKS, QUESTION, method="full")
+    got = chat(client, messages=[{"role": "system", "content": "ignored"}, {"role": "user", "content": QUESTION}],
+               documents=CHUNKS, method="full")
+    assert got.status_code == 200, got.text
+    data = got.json()
+    assert data["object"] == "chat.completion" and data["choices"][0]["message"]["role"] == "assistant"
+    assert data["choices"][0]["message"]["content"] == want.text
+    assert data["usage"] == {"prompt_tokens": want.prompt_tokens, "completion_tokens": want.new_tokens,
+                             "total_tokens": want.prompt_tokens + want.new_tokens}
+    assert data["choices"][0]["finish_reason"] == "length"  # 6 tokens asked, 6 made
+    first = chat(client, messages=[{"role": "user", "content": QUESTION}], documents=CHUNKS).json()
+    again = chat(client, messages=[{"role": "user", "content": QUESTION}], documents=CHUNKS).json()
+    assert first["cachecraft"]["hits_by_tier"] == {"miss": len(CHUNKS)}
+    assert again["cachecraft"]["hits_by_tier"] == {"cpu": len(CHUNKS)}
+    assert again["cachecraft"]["method"].startswith("cachecraft")
+
+
+def test_streaming_equals_the_whole_answer(client, reference):
+    want = reference.answer(CHUNKS, QUESTION, method="full")
+    text, payloads = streamed(client, "/v1/chat/completions",
+                              {"messages": [{"role": "user", "content": QUESTION}], "documents": CHUNKS,
+                               "method": "full"})
+    assert text == want.text
+    assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    last = payloads[-1]
+    assert last["choices"][0]["finish_reason"] == "length" and last["usage"]["completion_tokens"] == 6
+    assert last["cachecraft"]["hits_by_tier"] == {"miss": len(CHUNKS)}
+    text, _ = streamed(client, "/v1/completions", {"prompt": SEP.join([*CHUNKS, QUESTION]), "method": "full"})
+    assert text == want.text
+
+
+def test_the_separator_form_hits_the_caches_on_a_repeat(client):
+    prompt = SEP.join([*CHUNKS, QUESTION])
+    first = client.post("/v1/completions", json={"prompt": prompt}).json()
+    again = client.post("/v1/completions", json={"prompt": prompt}).json()
+    assert first["object"] == "text_completion" and first["choices"][0]["text"] == again["choices"][0]["text"]
+    assert first["cachecraft"]["hits_by_tier"] == {"miss": len(CHUNKS)}
+    assert again["cachecraft"]["hits_by_tier"] == {"cpu": len(CHUNKS)}
+
+
+def test_stop_strings_end_the_answer_before_them(client, reference):
+    full = reference.answer(CHUNKS, QUESTION, method="full").text
+    stop = full.split()[2]  # a word in the middle of the greedy answer
+    body = {"messages": [{"role": "user", "content": QUESTION}], "documents": CHUNKS, "method": "full",
+            "stop": [stop]}
+    whole = chat(client, **body).json()
+    assert whole["choices"][0]["message"]["content"] == full[:full.index(stop)]
+    text, payloads = streamed(client, "/v1/chat/completions", body)
+    assert text == full[:full.index(stop)] and payloads[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ("{not json", 400, "not valid JSON"),
+    ({"messages": [{"role": "user", "content": "q"}], "documents": ["a"], "temprature": 0}, 400, "unknown field 'temprature'"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "assistant", "content": "q"}], "documents": ["a"]}, 400, "no user message"),
+    ({"messages": [{"role": "user", "content": "q"}], "documents": ["a"], "model": "gpt-9"}, 404, "not served here"),
+    ({"messages": [{"role": "user", "content": "q"}], "documents": ["a"], "n": 2}, 400, "n"),
+    ({"messages": [{"role": "user", "content": "q"}], "documents": ["a"], "method": "nope"}, 400, "method"),
+    ({"messages": [{"role": "user", "content": "q"}], "documents": []}, 400, "documents is empty"),
+    ({"messages": [{"role": "user", "content": "q"}]}, 400, "corpus is empty"),
+    ({"messages": [{"role": "user", "content": "w1 " * 3000}], "documents": ["a"]}, 400, "context window"),
+    ({"messages": [{"role": "user", "content": "q"}], "documents": ["a"], "max_tokens": 10**6}, 400, "max_tokens"),
+])
+def test_bad_requests_are_one_line_json_errors(client, body, status, words):
+    if isinstance(body, str):
+        response = client.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"})
+    else:
+        response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert words in error["message"] and "\n" not in error["message"] and "Traceback" not in response.text
+
+
+def test_the_api_key_is_required_when_set(tmp_path):
+    service = make_service(tmp_path / "k", api_key="s3cret")
+    try:
+        with TestClient(create_app(service)) as c:
+            body = {"messages": [{"role": "user", "content": QUESTION}], "documents": CHUNKS}
+            assert c.get("/healthz").status_code == 200  # health checks need no key
+            assert c.post("/v1/chat/completions", json=body).status_code == 401
+            wrong = c.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer nope"})
+            assert wrong.status_code == 401 and "API key" in wrong.json()["error"]["message"]
+            ok = c.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+            assert ok.status_code == 200
+    finally:
+        service.close()
+
+
+def test_the_queue_refuses_past_its_length_and_times_out(tmp_path):
+    service = make_service(tmp_path / "q", server_queue=1, server_timeout_s=0.5)
+    release = threading.Event()
+
+    async def scenario():
+        first = asyncio.ensure_future(service.run(lambda: release.wait(5)))  # computing
+        second = asyncio.ensure_future(service.run(lambda: "second"))  # waiting
+        await asyncio.sleep(0.05)
+        with pytest.raises(Busy, match="server_queue = 1"):
+            await service.run(lambda: "third")
+        release.set()
+        assert await first is True and await second == "second"
+        hold = threading.Event()
+        busy = asyncio.ensure_future(service.run(lambda: hold.wait(5)))
+        await asyncio.sleep(0.05)
+        cancel, ran = threading.Event(), []
+        with pytest.raises(TimedOut, match="server_timeout_s"):
+            await service.run(lambda: ran.append(1), cancel, timeout_s=0.1)
+        assert cancel.is_set()  # had it been generating, it would stop at its next token
+        hold.set()
+        await busy
+        await asyncio.sleep(0.05)
+        assert ran == []  # timed out while queued: never run
+
+    try:
+        asyncio.run(scenario())
+        assert service.counters.refused_busy == 1 and service.counters.timed_out == 1 and service.queued == 0
+    finally:
+        service.close()
+
+
+def test_ingest_query_stats_health_and_metrics(client, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i, chunk in enumerate(CHUNKS):
+        (docs / f"d{i}.txt").write_text(chunk)
+    ingested = client.post("/v1/ingest", json={"paths": [str(docs)]})
+    assert ingested.status_code == 200 and ingested.json()["skipped"] == []
+    assert client.post("/v1/warm", json={}).json()["total"] >= len(CHUNKS)
+    answer = chat(client, messages=[{"role": "user", "content": CHUNKS[1]}], top_k=2).json()
+    assert len(answer["cachecraft"]["sources"]) == 2
+    assert set(answer["cachecraft"]["hits_by_tier"]) <= {"cpu", "disk"}  # warmed
+    assert client.get("/healthz").json()["status"] == "ok"
+    assert client.get("/v1/models").json()["data"][0]["object"] == "model"
+    stats = client.get("/v1/stats").json()
+    assert stats["counts"]["requests"] == 1 and "budget_bytes" in stats["tiers"]["cpu"]
+    metrics = client.get("/metrics").text
+    assert 'cachecraft_chunk_lookups_total{tier="' in metrics
+    assert 'cachecraft_http_requests_total{path="/v1/chat/completions",status="200"} 1.0' in metrics
+    assert "cachecraft_tier_bytes{tier=\"cpu\"}" in metrics and "cachecraft_ttft_seconds_bucket" in metrics
+
+
+def test_stop_cutter_holds_back_a_possible_stop_string():
+    cutter = StopCutter(("END",))
+    assert cutter.feed("ab") == ""  # the last len("END") - 1 characters are held back
+    assert cutter.feed("cE") == "ab"
+    assert cutter.feed("N") == "c"  # "EN" may begin "END"
+    assert cutter.feed("D and more") == "" and cutter.stopped
+    assert cutter.finish() == "" and cutter.feed("x") == ""
+    plain = StopCutter(())
+    assert plain.feed("abc") == "abc" and plain.finish() == ""
