@@ -23,7 +23,11 @@ def test_split_deals_requests_round_robin():
 
 
 def test_nodes_share_their_chunk_caches_and_save_prefill_work(tiny_dir, tmp_path, redis_server, pg_url):  # noqa: F811
-    trace, _ = build_trace(ITEMS, 8, 3, embed=fake_embed, seed=1)
+    distinct = list(dict.fromkeys(build_trace(ITEMS, 30, 3, embed=fake_embed, seed=1)[0]))[:4]
+    a, b, c, d = distinct
+    # dealt to two nodes: a, c, b, d and b, d, a, c: each node's last two requests were the
+    # other's first two, answered a round earlier (so found in Redis)
+    trace = [a, b, c, d, b, a, d, c]
     config = Config.load(overrides={"model": str(tiny_dir), "kv_dtype": "float32", "cache_dir": tmp_path / "c"},
                          environ={})
     result = run_cluster(config, trace, nodes=2, method="reuse", max_new_tokens=2, workdir=tmp_path / "w",
@@ -38,6 +42,7 @@ def test_nodes_share_their_chunk_caches_and_save_prefill_work(tiny_dir, tmp_path
         1 - shared["token_layers"] / isolated["token_layers"])
     assert len(result["catalog_by_node"]) == 2
     assert sum(n["requests"] for n in result["catalog_by_node"]) == 8
+    assert len(set(trace)) == 4
     timing = result["tier_timing"]
     assert timing["prompts"] == 2 and timing["prompts_from_one_tier"] == 2
     for row in timing["rows"]:
