@@ -67,3 +67,12 @@ def test_the_servers_must_start_empty(tmp_path, redis_server, pg_url):  # noqa: 
         store.put(make_kv(1))
     with pytest.raises(UserError, match="--redis-url .* already holds 1 chunk-caches"):
         _require_empty(redis_server.url, pg_url, tmp_path)
+
+
+def test_a_throwaway_redis_makes_its_own_directory(tmp_path):
+    from tests.servers import RedisServer
+    server = RedisServer(tmp_path / "not" / "yet").start()  # bench cluster hands it a path that does not exist
+    try:
+        assert (tmp_path / "not" / "yet").is_dir()
+    finally:
+        server.stop()

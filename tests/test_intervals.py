@@ -27,5 +27,7 @@ def test_paired_differences_and_their_verdicts():
     assert verdict(lower, lower_is_better=True) == "better" and verdict(lower, lower_is_better=False) == "worse"
     mixed = paired([1.0, 0.0], [0.0, 1.0])  # differences +1 and -1: the interval is [-1, 1]
     assert (mixed.low, mixed.high) == (-1.0, 1.0) and verdict(mixed, True) == NO_DIFFERENCE
+    rounding = paired([2e-8, 1.5e-8, 2.5e-8], [0.0, 0.0, 0.0])  # an exact prefix against full: float noise
+    assert rounding.low > 0 and verdict(rounding, True) == NO_DIFFERENCE
     with pytest.raises(ValueError, match="length"):
         paired([1.0], [1.0, 2.0])

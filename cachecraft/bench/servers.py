@@ -35,9 +35,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _wait_port(port: int, timeout_s: float = 20.0) -> None:
+def _wait_port(port: int, timeout_s: float = 20.0, proc: subprocess.Popen | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise ServerUnavailable(f"the server meant for {HOST}:{port} exited with code {proc.returncode}")
         with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=0.2):
             return
         time.sleep(0.05)
@@ -57,6 +59,7 @@ class RedisServer:
         if self.binary is None:
             raise ServerUnavailable("redis-server not installed (apt-get install redis-server)")
         self.directory, self.port, self.maxmemory = Path(directory), free_port(), maxmemory
+        self.directory.mkdir(parents=True, exist_ok=True)
         self.password, self.tls = password, tls
         if tls:
             if shutil.which("openssl") is None:
@@ -89,7 +92,7 @@ class RedisServer:
         if self.password:
             cmd += ["--requirepass", self.password]
         self.proc = subprocess.Popen(_nice(cmd), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        _wait_port(self.port)
+        _wait_port(self.port, proc=self.proc)
         return self
 
     def stop(self) -> None:
