@@ -16,6 +16,8 @@ from cachecraft.bench.servers import HOST, free_port  # noqa: F401  (re-exported
 class RedisServer(servers.RedisServer):
     """A redis-server, or a skipped test where it cannot run."""
 
+    niceness = 19
+
     def __init__(self, *args, **kwargs) -> None:
         try:
             super().__init__(*args, **kwargs)
@@ -25,6 +27,8 @@ class RedisServer(servers.RedisServer):
 
 class PostgresCluster(servers.PostgresCluster):
     """A PostgreSQL cluster, or a skipped test where it cannot run."""
+
+    niceness = 19
 
     def __init__(self) -> None:
         try:

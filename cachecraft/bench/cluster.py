@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from cachecraft.bench.common import fresh_cache_dir
 from cachecraft.bench.workload import TraceRequest
 from cachecraft.config import Config
 
@@ -207,7 +208,7 @@ def run_cluster(config: Config, trace: Sequence[TraceRequest], *, nodes: int, me
     phases: dict[str, PhaseResult] = {}
     for phase in PHASES:
         shared = phase == "shared"
-        jobs = [NodeJob(n, config.replace(cache_dir=workdir / phase / f"node-{n}",
+        jobs = [NodeJob(n, config.replace(cache_dir=fresh_cache_dir(workdir / phase / f"node-{n}", config.models_dir),
                                           redis_url=redis_url if shared else "",
                                           catalog_url=catalog_url if shared else ""),
                         part, method, max_new_tokens, str(workdir / phase / f"node-{n}.json"))
@@ -218,7 +219,8 @@ def run_cluster(config: Config, trace: Sequence[TraceRequest], *, nodes: int, me
         phases[phase] = run_phase(jobs)
     if on_step:
         on_step("tier timing")
-    timing = time_tiers(config.replace(cache_dir=workdir / "timing", redis_url=redis_url, catalog_url=""),
+    timing = time_tiers(config.replace(cache_dir=fresh_cache_dir(workdir / "timing", config.models_dir),
+                                       redis_url=redis_url, catalog_url=""),
                         unique_requests(trace, timed_prompts), max_new_tokens=max_new_tokens, on_step=on_step)
     with Catalog(workdir, url=catalog_url) as catalog:
         catalog_nodes = by_node(catalog)

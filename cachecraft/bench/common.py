@@ -131,6 +131,15 @@ def write_result(path: str | Path, payload: dict[str, Any]) -> Path:
     return path
 
 
+def fresh_cache_dir(path: Path, models_dir: Path) -> Path:
+    """An empty cache directory whose ``models`` folder links to ``models_dir``, so a node or
+    server started there finds the converted model instead of converting it again."""
+    path = Path(path)
+    path.mkdir(parents=True)
+    (path / "models").symlink_to(Path(models_dir).resolve(), target_is_directory=True)
+    return path
+
+
 class MissingExtra(ImportError):
     """An optional dependency is not installed; the message names the extra that brings it."""
 

@@ -46,12 +46,16 @@ def _wait_port(port: int, timeout_s: float = 20.0, proc: subprocess.Popen | None
     raise RuntimeError(f"server on {HOST}:{port} did not start within {timeout_s}s")
 
 
-def _nice(cmd: list[str]) -> list[str]:
-    return ["nice", "-n", "19", *cmd] if shutil.which("nice") else cmd
+def _nice(cmd: list[str], niceness: int) -> list[str]:
+    return ["nice", "-n", str(niceness), *cmd] if niceness and shutil.which("nice") else cmd
 
 
 class RedisServer:
-    """One ``redis-server`` on loopback, no persistence; can be stopped and started again."""
+    """One ``redis-server`` on loopback, no persistence; can be stopped and started again.
+    ``niceness`` lowers its priority (the tests' servers yield to the code under test; a
+    benchmark's must not, or they starve under load and time out)."""
+
+    niceness = 0
 
     def __init__(self, directory: Path, maxmemory: str | None = None, password: str | None = None,
                  tls: bool = False) -> None:
@@ -91,7 +95,7 @@ class RedisServer:
             cmd += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "allkeys-lru"]
         if self.password:
             cmd += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(_nice(cmd), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(_nice(cmd, self.niceness), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_port(self.port, proc=self.proc)
         return self
 
@@ -108,6 +112,8 @@ class RedisServer:
 
 class PostgresCluster:
     """A throw-away PostgreSQL cluster (``initdb`` + ``pg_ctl``) on loopback, trust auth."""
+
+    niceness = 0
 
     def __init__(self) -> None:
         self.bindir = _pg_bindir()
@@ -130,7 +136,7 @@ class PostgresCluster:
         cmd = [str(Path(self.bindir) / args[0]), *args[1:]]
         if self.user is not None:
             cmd = ["runuser", "-u", self.user, "--", *cmd]
-        subprocess.run(_nice(cmd), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        subprocess.run(_nice(cmd, self.niceness), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                        cwd=self.directory)
 
     def start(self) -> "PostgresCluster":

@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Sequence
 
+from cachecraft.bench.common import fresh_cache_dir
 from cachecraft.bench.servers import free_port
 from cachecraft.bench.workload import TraceRequest
 
@@ -156,9 +157,7 @@ def run_serving(trace: Sequence[TraceRequest], *, clients: Sequence[int], method
         for n in clients:
             if on_step:
                 on_step(f"{method}, {n} client(s)")
-            cache_dir = workdir / f"{method}-{n}"
-            cache_dir.mkdir(parents=True)
-            (cache_dir / "models").symlink_to(Path(models_dir).resolve(), target_is_directory=True)
+            cache_dir = fresh_cache_dir(workdir / f"{method}-{n}", models_dir)
             server = Server(cache_dir, {**env, "CACHECRAFT_SERVER_QUEUE": str(max(n, 1))})
             try:
                 results.append(run_clients(server.url, trace, n, method, max_tokens))
