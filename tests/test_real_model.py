@@ -81,7 +81,8 @@ def test_cli_check_model_and_too_long_prompt(real_cache, tmp_path, monkeypatch):
     long_item = [{"ctxs": [{"title": "t", "text": "word " * 9000}], "question": "why?", "answers": ["x"]}]
     path = tmp_path / "long.json"
     path.write_text(json.dumps(long_item))
-    result = runner.invoke(app, ["bench", "quality", "--dataset", str(path), "--limit", "1"])
+    result = runner.invoke(app, ["bench", "quality", "--dataset", str(path), "--limit", "1",
+                                 "--out", str(tmp_path / "q.json")])  # never the repository's results
     assert result.exit_code == 1 and "context window of 8192" in result.output and "Traceback" not in result.output
 
 
