@@ -103,11 +103,10 @@ def bench_workload_cmd(
     from rich.progress import Progress
 
     from cachecraft.bench.common import write_result
-    from cachecraft.bench.workload import build_trace, run_workload
+    from cachecraft.bench.workload import run_workload
     from cachecraft.config import parse_bytes
     from cachecraft.dataset import load_items
     from cachecraft.methods import parse_methods
-    from cachecraft.retrieval.embed import Embedder
 
     config = load_config(ctx)
     parse_methods(methods)  # unknown names fail here, before any work
@@ -118,12 +117,7 @@ def bench_workload_cmd(
     budgets = {"cpu": parse_bytes(cpu_budget), "disk": parse_bytes(disk_budget)}
     items = load_items(dataset, limit)
     ensure_dir(config.cache_dir)
-    with console.status("embedding the corpus ..."):
-        embedder = Embedder()
-        try:
-            trace, corpus = build_trace(items, requests, top_k, zipf_s=zipf, seed=seed, embed=embedder.embed)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+    trace, corpus = _trace(items, requests, top_k, zipf, seed)
     lm = load_model_quietly(config)
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task("requests", total=requests * (len(set(names) | {"full"}) + len(policies)))
@@ -321,21 +315,15 @@ def bench_cluster_cmd(
     from cachecraft.bench import servers
     from cachecraft.bench.cluster import run_cluster
     from cachecraft.bench.common import write_result
-    from cachecraft.bench.workload import build_trace
     from cachecraft.dataset import load_items
     from cachecraft.methods import parse_methods
-    from cachecraft.retrieval.embed import Embedder
 
     config = load_config(ctx, model=model)
     parse_methods(method)
     items = load_items(dataset, limit)
     ensure_dir(config.cache_dir)
     load_model_quietly(config)  # converts a bundled model once, before the nodes start
-    with console.status("embedding the corpus ..."):
-        try:
-            trace, corpus = build_trace(items, requests, top_k, zipf_s=zipf, seed=seed, embed=Embedder().embed)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+    trace, corpus = _trace(items, requests, top_k, zipf, seed)
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="cachecraft-cluster-")))
         try:
@@ -407,10 +395,8 @@ def bench_serve_cmd(
 
     from cachecraft.bench.common import write_result
     from cachecraft.bench.serving import run_serving
-    from cachecraft.bench.workload import build_trace
     from cachecraft.dataset import load_items
     from cachecraft.methods import parse_methods
-    from cachecraft.retrieval.embed import Embedder
 
     config = load_config(ctx, model=model)
     parse_methods(methods)
@@ -424,11 +410,7 @@ def bench_serve_cmd(
     items = load_items(dataset, limit)
     ensure_dir(config.cache_dir)
     load_model_quietly(config)  # converts a bundled model once, before the servers start
-    with console.status("embedding the corpus ..."):
-        try:
-            trace, corpus = build_trace(items, requests, top_k, zipf_s=zipf, seed=seed, embed=Embedder().embed)
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+    trace, corpus = _trace(items, requests, top_k, zipf, seed)
     env = {"CACHECRAFT_MODEL": config.model}
     with tempfile.TemporaryDirectory(prefix="cachecraft-serve-") as workdir, console.status("running ...") as status:
         runs = run_serving(trace, clients=counts, methods=names, max_tokens=max_tokens, workdir=Path(workdir),
@@ -447,6 +429,19 @@ def bench_serve_cmd(
                       f"{r['hit_rate']:.0%}", str(len(r["errors"])))
     console.print(table)
     console.print(f"wrote {out}")
+
+
+def _trace(items, requests: int, top_k: int, zipf: float, seed: int):
+    """The Zipf request trace over the items' pooled passages (and the corpus size), embedded
+    with the bundled MiniLM; a top_k the corpus cannot give is one line."""
+    from cachecraft.bench.workload import build_trace
+    from cachecraft.retrieval.embed import Embedder
+
+    with console.status("embedding the corpus ..."):
+        try:
+            return build_trace(items, requests, top_k, zipf_s=zipf, seed=seed, embed=Embedder().embed)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
 
 
 def _num(value: float | None, digits: int, suffix: str = "") -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -58,6 +59,9 @@ def serve_cmd(ctx: typer.Context,
     except BaseException:
         pipe.close()
         raise
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again; with the default
+    # handler that would end the process before the store is closed (memory tiers persisted)
+    signal.signal(signal.SIGTERM, _exit_quietly)
     try:
         console.print(f"serving {pipe.lm.name} on http://{host}:{port} (OpenAI base URL http://{host}:{port}/v1), "
                       f"{len(pipe.corpus)} chunks ingested; ready in {time.perf_counter() - STARTED:.1f} s",
@@ -65,6 +69,10 @@ def serve_cmd(ctx: typer.Context,
         uvicorn.run(create_app(service), host=host, port=port, log_level=log_level)
     finally:
         service.close()
+
+
+def _exit_quietly(signum, frame) -> None:
+    raise SystemExit(0)
 
 
 # -- the client side ---------------------------------------------------------------------

@@ -164,7 +164,7 @@ class CacheCraftLLM(CustomLLM):
         chunks, question = split_prompt(prompt, _RETRIEVED.get())
         if not question.strip():  # a template that ends with the context: the last chunk asks
             question, chunks = chunks[-1], chunks[:-1]
-        room = self._pipeline.lm.max_context - len(self._pipeline.builder.build(chunks, question).token_ids)
+        room = self._pipeline.lm.max_context - self._pipeline.builder.build(chunks, question).num_tokens
         with self._lock:
             answer = self._pipeline.answer(chunks, question, method=self.method, streamer=streamer,
                                            max_new_tokens=max(1, min(self.max_new_tokens, room)))
@@ -211,8 +211,5 @@ class CacheCraftLLM(CustomLLM):
 
 
 def _report(answer: Answer) -> dict:
-    hits: dict[str, int] = {}
-    for chunk in answer.chunks:
-        hits[chunk.tier] = hits.get(chunk.tier, 0) + 1
     return {"method": answer.method, "ttft_s": answer.ttft_s, "recompute_fraction": answer.recompute_fraction,
-            "chunks": len(answer.chunks), "hits_by_tier": hits, "request_id": answer.request_id}
+            "chunks": len(answer.chunks), "hits_by_tier": answer.hits_by_tier, "request_id": answer.request_id}

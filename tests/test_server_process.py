@@ -19,52 +19,26 @@ import pytest
 pytest.importorskip("fastapi", reason="fastapi not installed (pip install cachecraft[server])")
 openai = pytest.importorskip("openai", reason="openai not installed (pip install cachecraft[dev])")
 
+from cachecraft.bench.serving import Server  # noqa: E402
 from cachecraft.config import Config  # noqa: E402
 from cachecraft.pipeline import Pipeline  # noqa: E402
 from cachecraft.store import TieredStore, verify  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 from tests.test_pipeline import CHUNKS, QUESTION  # noqa: E402
 
-START_TIMEOUT_S = 120
-
-
-class ServerProcess:
-    """``cachecraft serve`` in a subprocess, stopped (or killed) afterwards."""
+class ServerProcess(Server):
+    """``cachecraft serve`` on the tiny model in a subprocess (the benchmark's server), with
+    the CLI at hand for commands that ask it."""
 
     def __init__(self, cache_dir: Path, model: Path, **env: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.env = {**os.environ, "CACHECRAFT_CACHE_DIR": str(cache_dir), "CACHECRAFT_MODEL": str(model),
                     "CACHECRAFT_KV_DTYPE": "float32", "CACHECRAFT_MAX_NEW_TOKENS": "6", "OMP_NUM_THREADS": "1",
                     **env}
-        self.proc = subprocess.Popen([sys.executable, "-m", "cachecraft.cli.app", "serve", "--port",
-                                      str(self.port), "--log-level", "warning"], env=self.env,
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read().decode(errors='replace')[-2000:]}")
-            try:
-                with urllib.request.urlopen(self.url + "/healthz", timeout=1) as response:
-                    if json.loads(response.read())["status"] == "ok":
-                        return
-            except OSError:
-                time.sleep(0.2)
-        self.stop()
-        raise RuntimeError("server did not start in time")
+        super().__init__(cache_dir, self.env)
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([sys.executable, "-m", "cachecraft.cli.app", *args], env={**self.env,
                               "CACHECRAFT_SERVER": self.url}, capture_output=True, text=True, timeout=120)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-from cachecraft.bench.common import fresh_cache_dir
+from cachecraft.bench.common import fresh_cache_dir, hit_shares
 from cachecraft.bench.workload import TraceRequest
 from cachecraft.config import Config
 
@@ -62,11 +62,8 @@ class PhaseResult:
         for row in self.rows:
             for tier in row["tiers"]:
                 tiers[tier] = tiers.get(tier, 0) + 1
-        chunks = sum(tiers.values()) or 1
         ttft = [r["ttft_s"] for r in self.rows]
-        return {"requests": len(self.rows), "chunks": sum(tiers.values()),
-                "hit_rate": 1 - tiers.get("miss", 0) / chunks,
-                "hit_rate_by_tier": {t: n / chunks for t, n in sorted(tiers.items()) if t != "miss"},
+        return {"requests": len(self.rows), "chunks": sum(tiers.values()), **hit_shares(tiers),
                 "recompute_fraction_mean": statistics.fmean(r["recompute_fraction"] for r in self.rows),
                 "ttft_s_mean": statistics.fmean(ttft), "ttft_s_median": statistics.median(ttft),
                 "token_layers": sum(r["token_layers"] for r in self.rows), "wall_s": self.wall_s}

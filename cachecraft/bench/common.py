@@ -67,15 +67,9 @@ class PeakRSS:
 
 def machine() -> dict[str, Any]:
     """What the numbers were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    from cachecraft.pipeline.cost import cpu_name
+
+    info = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
@@ -129,6 +123,14 @@ def write_result(path: str | Path, payload: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(payload, indent=2), encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def hit_shares(lookups: dict[str, int]) -> dict[str, Any]:
+    """Chunk lookups counted by the tier that served them (``miss``: none) as shares: the
+    overall hit rate and each tier's."""
+    total = sum(lookups.values()) or 1
+    return {"hit_rate": 1 - lookups.get("miss", 0) / total,
+            "hit_rate_by_tier": {t: n / total for t, n in sorted(lookups.items()) if t != "miss"}}
 
 
 def fresh_cache_dir(path: Path, models_dir: Path) -> Path:

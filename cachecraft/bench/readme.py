@@ -19,6 +19,14 @@ def _commit(data: dict) -> str:
     return f", commit {commit[:10]}" if commit else ""
 
 
+def _made(data: dict, *facts: str) -> str:
+    """The opening of a table's source line: the command, then (model, ``facts``, date and
+    commit, machine; the caller closes the parenthesis."""
+    parts = [data["model"], *facts, f"{data['date'][:10]}{_commit(data)}", data["machine"]["cpu"],
+             f"{data['machine']['cores']} cores"]
+    return f"`{data['command']}` (" + ", ".join(parts)
+
+
 def _ci(m: dict, key: str, mean_key: str, digits: int) -> str:
     interval = m["intervals"][key]
     return f"{m[mean_key]:.{digits}f} [{interval['low']:.{digits}f}, {interval['high']:.{digits}f}]"
@@ -26,9 +34,7 @@ def _ci(m: dict, key: str, mean_key: str, digits: int) -> str:
 
 def yardstick_table(data: dict) -> str:
     """Markdown table of a ``bench quality`` result with intervals and paired verdicts."""
-    lines = [f"`{data['command']}` ({data['model']}, {data['limit']} items, "
-             f"{data['date'][:10]}{_commit(data)}, {data['machine']['cpu']}, {data['machine']['cores']} cores; "
-             "[95% bootstrap interval])", "",
+    lines = [_made(data, f"{data['limit']} items") + "; [95% bootstrap interval])", "",
              "| method | TTFT median (s) | speedup vs full | recompute | answer KL vs full | token agreement | "
              "first-token KL | answer agreement F1 | exact match | gold F1 |", "|---" * 10 + "|"]
     for label, m in data["methods"].items():
@@ -52,8 +58,7 @@ def quality_table(data: dict) -> str:
     """Markdown table of a ``bench quality`` result (with intervals where it has them)."""
     if data.get("comparisons"):
         return yardstick_table(data)
-    lines = [f"`{data['command']}` ({data['model']}, {data['limit']} items, "
-             f"{data['date'][:10]}{_commit(data)}, {data['machine']['cpu']}, {data['machine']['cores']} cores)", "",
+    lines = [_made(data, f"{data['limit']} items") + ")", "",
              "| method | TTFT median (s) | speedup vs full | recompute | KL vs full | answer agreement F1 | "
              "exact match vs full | gold F1 |", "|---|---|---|---|---|---|---|---|"]
     for label, m in data["methods"].items():
@@ -93,8 +98,7 @@ def store_table(data: dict) -> str:
 
 def scaling_table(data: dict) -> str:
     """Markdown table of a ``bench scaling`` result: TTFT (speedup vs full) per method and size."""
-    lines = [f"`{data['command']}` ({data['model']}, {data['date'][:10]}{_commit(data)}, "
-             f"{data['machine']['cpu']}, {data['machine']['cores']} cores)"]
+    lines = [_made(data) + ")"]
     for sweep, size, unit in (("context", "context_tokens", "prompt tokens"), ("chunks", "n_chunks", "chunks")):
         rows = [r for r in data["scaling"] if r["sweep"] == sweep]
         if not rows:
@@ -117,8 +121,7 @@ def method_rows_table(data: dict) -> str:
     """Markdown table of a one-context ``bench scaling`` result (``--revisit``, a ratio
     sweep): one row per method."""
     rows = [r for r in data["scaling"] if r["sweep"] == "context"]
-    lines = [f"`{data['command']}` ({data['model']}, {rows[0]['repeats']} questions, "
-             f"{data['date'][:10]}{_commit(data)}, {data['machine']['cpu']}, {data['machine']['cores']} cores)", "",
+    lines = [_made(data, f"{rows[0]['repeats']} questions") + ")", "",
              "| method | prompt tokens | TTFT (s) | speedup vs full | recompute | KL vs full | agreement F1 | "
              "prefix overlap |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -146,9 +149,8 @@ def eviction_table(data: dict) -> str:
 
 def cluster_table(data: dict) -> str:
     """Markdown tables of a ``bench cluster`` result: phases side by side, then the tier timing."""
-    lines = [f"`{data['command']}` ({data['model']}, {data['nodes']} node processes, {data['requests']} requests, "
-             f"{data['unique_requests']} distinct, top-{data['top_k']}, {data['date'][:10]}{_commit(data)}, "
-             f"{data['machine']['cpu']}, {data['machine']['cores']} cores)", "",
+    lines = [_made(data, f"{data['nodes']} node processes", f"{data['requests']} requests",
+                   f"{data['unique_requests']} distinct", f"top-{data['top_k']}") + ")", "",
              "| phase | hit rate | from redis | from cpu | from disk | recompute | TTFT median (s) | "
              "prefill work (token-layers) |", "|---" * 8 + "|"]
     for phase, m in data["phases"].items():
@@ -175,9 +177,9 @@ def cluster_table(data: dict) -> str:
 
 def serve_table(data: dict) -> str:
     """Markdown table of a ``bench serve`` result: one row per method and client count."""
-    lines = [f"`{data['command']}` ({data['model']}, {len(data['runs'][0]['rows']) if data['runs'] else 0} "
-             f"requests, {data['unique_requests']} distinct, top-{data['top_k']}, {data['date'][:10]}"
-             f"{_commit(data)}, {data['machine']['cpu']}, {data['machine']['cores']} cores)", "",
+    requests = len(data["runs"][0]["rows"]) if data["runs"] else 0
+    lines = [_made(data, f"{requests} requests", f"{data['unique_requests']} distinct", f"top-{data['top_k']}") + ")",
+             "",
              "| method | clients | requests/s | client TTFT p50 (s) | p90 | p99 | server TTFT median (s) | hit rate | "
              "errors |", "|---" * 9 + "|"]
     for r in data["runs"]:
@@ -191,7 +193,8 @@ def serve_table(data: dict) -> str:
 QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_heldout", "quality_alpha",
                    "quality_warm", "quality_warm_heldout", "quality_40", "yardstick_qwen", "yardstick_smollm2")
 RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
-             "cluster": cluster_table, "serve": serve_table, "workload": workload_table, "workload_eviction": workload_table, "store": store_table,
+             "cluster": cluster_table, "serve": serve_table, "workload": workload_table,
+             "workload_eviction": workload_table, "store": store_table,
              "eviction_replay": eviction_table, "scaling_8k_revisit": method_rows_table,
              "scaling_8k_sweep": method_rows_table,
              **{name: scaling_table

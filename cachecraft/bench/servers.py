@@ -46,6 +46,18 @@ def _wait_port(port: int, timeout_s: float = 20.0, proc: subprocess.Popen | None
     raise RuntimeError(f"server on {HOST}:{port} did not start within {timeout_s}s")
 
 
+def stop_process(proc: subprocess.Popen, timeout_s: float) -> None:
+    """Ask ``proc`` to end (SIGTERM), and kill it if it has not within ``timeout_s``."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _nice(cmd: list[str], niceness: int) -> list[str]:
     return ["nice", "-n", str(niceness), *cmd] if niceness and shutil.which("nice") else cmd
 
@@ -101,12 +113,7 @@ class RedisServer:
 
     def stop(self) -> None:
         if self.proc is not None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            stop_process(self.proc, 10)
             self.proc = None
 
 

@@ -23,8 +23,8 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Sequence
 
-from cachecraft.bench.common import fresh_cache_dir
-from cachecraft.bench.servers import free_port
+from cachecraft.bench.common import fresh_cache_dir, hit_shares
+from cachecraft.bench.servers import free_port, stop_process
 from cachecraft.bench.workload import TraceRequest
 
 START_TIMEOUT_S = 300
@@ -47,14 +47,18 @@ class Server:
     def __init__(self, cache_dir: Path, env: dict[str, str]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "cachecraft.cli.app", "serve", "--port", str(self.port),
-                                      "--log-level", "warning"],
-                                     env={**os.environ, **env, "CACHECRAFT_CACHE_DIR": str(cache_dir)},
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # its output goes to a file: a pipe nobody reads would fill and stall the server
+        Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        self.log = Path(cache_dir) / "serve.log"
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "cachecraft.cli.app", "serve", "--port",
+                                          str(self.port), "--log-level", "warning"],
+                                         env={**os.environ, **env, "CACHECRAFT_CACHE_DIR": str(cache_dir)},
+                                         stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"cachecraft serve exited: {self.proc.stderr.read().decode(errors='replace')[-500:]}")
+                raise RuntimeError(f"cachecraft serve exited: {self.log.read_text(errors='replace')[-500:]}")
             try:
                 with urllib.request.urlopen(self.url + "/healthz", timeout=1):
                     return
@@ -64,13 +68,7 @@ class Server:
         raise RuntimeError(f"cachecraft serve did not answer within {START_TIMEOUT_S} s")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 60)
 
 
 def ask(url: str, request: TraceRequest, method: str, max_tokens: int) -> dict:
@@ -134,14 +132,12 @@ def run_clients(url: str, trace: Sequence[TraceRequest], clients: int, method: s
     for row in rows:
         for tier, n in row["hits_by_tier"].items():
             tiers[tier] = tiers.get(tier, 0) + n
-    lookups = sum(tiers.values()) or 1
     ttft = [r["client_ttft_s"] for r in rows]
     return {"clients": clients, "method": method, "requests": len(rows), "errors": errors, "wall_s": wall,
             "throughput_rps": len(rows) / wall if wall else None,
             "client_ttft_s": {f"p{q}": percentile(ttft, q) for q in (50, 90, 99)},
             "server_ttft_s_median": statistics.median(r["server_ttft_s"] for r in rows) if rows else None,
-            "hit_rate": 1 - tiers.get("miss", 0) / lookups,
-            "hit_rate_by_tier": {t: n / lookups for t, n in sorted(tiers.items()) if t != "miss"},
+            **hit_shares(tiers),
             "recompute_fraction_mean": statistics.fmean(r["recompute_fraction"] for r in rows) if rows else None,
             "rows": sorted(rows, key=lambda r: r["index"])}
 

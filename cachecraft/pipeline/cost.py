@@ -47,15 +47,18 @@ def device_label(device: torch.device | str) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return f"cuda:{torch.cuda.get_device_name(device)}"[:64]
-    cpu = platform.processor() or platform.machine()
+    return f"{device.type}:{torch.get_num_threads()}t:{cpu_name()}"[:64]
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else what ``platform`` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return f"{device.type}:{torch.get_num_threads()}t:{cpu}"[:64]
+    return platform.processor() or platform.machine()
 
 
 def cost_profile(model: CostModel) -> dict[str, Any]:

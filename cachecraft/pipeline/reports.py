@@ -90,6 +90,14 @@ class Answer:
     retrieval_s: float | None = None
 
     @property
+    def hits_by_tier(self) -> dict[str, int]:
+        """Chunks by the tier that served them (``miss``: none), tiers that served none left out."""
+        counts: dict[str, int] = {}
+        for chunk in self.chunks:
+            counts[chunk.tier] = counts.get(chunk.tier, 0) + 1
+        return counts
+
+    @property
     def saved_s(self) -> float | None:
         """Prefill time saved against a full prefill (estimated from this machine's measured
         rate); negative when the request took longer, never positive when it recomputed

@@ -216,11 +216,8 @@ def _finish_reason(answer: Answer, job: Job) -> str:
 
 def _report(answer: Answer) -> dict:
     """The cache report carried beside OpenAI's fields (clients ignore unknown fields)."""
-    hits: dict[str, int] = {}
-    for c in answer.chunks:
-        hits[c.tier] = hits.get(c.tier, 0) + 1
     return {"method": answer.method, "ttft_s": answer.ttft_s, "recompute_fraction": answer.recompute_fraction,
-            "chunks": len(answer.chunks), "hits_by_tier": hits, "request_id": answer.request_id,
+            "chunks": len(answer.chunks), "hits_by_tier": answer.hits_by_tier, "request_id": answer.request_id,
             "saved_s": answer.saved_s, "retrieval_s": answer.retrieval_s,
             "full_prefill_estimate_s": answer.full_prefill_estimate_s,
             "sources": [s.__dict__ for s in answer.sources],

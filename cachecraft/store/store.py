@@ -113,8 +113,8 @@ class TieredStore:
             if config.redis_url:
                 self.shared = _connect_shared(config)
             # look the shared tier up before the disk tier (tier_order), when there is one
-            self.shared_first = self.shared is not None and config.tier_order.replace(" ", "").index(
-                "redis") < config.tier_order.replace(" ", "").index("disk")
+            order = config.tier_order.replace(" ", "").split(",")
+            self.shared_first = self.shared is not None and order.index("redis") < order.index("disk")
             # a catalog deleted by hand must not make the disk tier look like orphans
             if catalog_missing and not maintenance.recover_catalog(self):
                 reconcile = False  # never treat un-rebuilt blobs as orphans
