@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -158,9 +159,17 @@ def test_default_tradeoff_run_sweeps_the_ratios_at_one_context(dataset, tmp_path
     assert rows["cacheblend@0.5"]["recompute_fraction"] > rows["cacheblend@0.15"]["recompute_fraction"]
 
 
-def test_whole_read_rows_time_the_same_caches_read_whole_with_the_same_answers(dataset, tmp_path, cache_dir):
+def test_whole_read_rows_time_the_same_caches_read_whole_with_the_same_answers(dataset, tmp_path, cache_dir,
+                                                                              monkeypatch):
     from cachecraft.bench.runs import run_loading_default
+    from cachecraft.pipeline import Pipeline
 
+    # A full prefill that timed this machine as very fast makes hiding a load cost all of a
+    # chunk's recompute: every setting's rows must then plan with that same rate (on a busy
+    # machine, the timed rate moved the streamed rows' recompute away from the whole-read ones').
+    fast = lambda self, tokens, seconds: setattr(  # noqa: E731
+        self, "cost_model", dataclasses.replace(self.ensure_cost_model(), prefill_s_per_token_layer=1e-15))
+    monkeypatch.setattr(Pipeline, "_learn_prefill", fast)
     cache_dir.mkdir(parents=True)
     config = Config.load(overrides={"cache_dir": cache_dir}, environ={})
     out = run_loading_default(tiny_model("qwen3"), config, dataset, tmp_path / "l.json", contexts=100,

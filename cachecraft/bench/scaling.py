@@ -239,9 +239,13 @@ class _Runner:
         try:
             with TieredStore(config, tiers=(self.tier,)) as store:
                 pipeline = Pipeline(config, lm=self.lm, store=store)
-                # one measured prefill cost; bandwidths as timed so far
-                pipeline.cost_model = self.learned.get(setting) or dataclasses.replace(
-                    self.cost_model, bandwidths=pipeline.starting_bandwidths())
+                # One prefill cost for every setting (measured, then moved by each full prefill), so
+                # a setting's rows differ from another's only in how the caches are read; bandwidths
+                # as this setting has timed them so far.
+                learned = self.learned.get(setting)
+                pipeline.cost_model = dataclasses.replace(
+                    self.cost_model, bandwidths=learned.bandwidths if learned else pipeline.starting_bandwidths(),
+                    timed=learned.timed if learned else frozenset())
                 start = time.perf_counter()
                 if setting == "revisit":
                     pipeline.answer(shuffled(chunks), EARLIER_QUESTION, method=spec, max_new_tokens=1, record=False)
@@ -255,6 +259,8 @@ class _Runner:
                 with PeakRSS() as mem:
                     answer = answer_traced(pipeline, chunks, question, spec, record=False)
                 self.learned[setting] = pipeline.cost_model  # later requests start from what this one timed
+                self.cost_model = dataclasses.replace(
+                    self.cost_model, prefill_s_per_token_layer=pipeline.cost_model.prefill_s_per_token_layer)
                 store.close(persist=False)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
