@@ -30,9 +30,9 @@ class PostgresCluster(servers.PostgresCluster):
 
     niceness = 19
 
-    def __init__(self) -> None:
+    def __init__(self, durable: bool = False) -> None:
         try:
-            super().__init__()
+            super().__init__(durable)
         except servers.ServerUnavailable as exc:
             pytest.skip(str(exc))
 

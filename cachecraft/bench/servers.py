@@ -122,7 +122,9 @@ class PostgresCluster:
 
     niceness = 0
 
-    def __init__(self) -> None:
+    def __init__(self, durable: bool = False) -> None:
+        # not durable: commits are not flushed (fast); a crash (halt) may lose the last ones
+        self.durable = durable
         self.bindir = _pg_bindir()
         if self.bindir is None:
             raise ServerUnavailable("PostgreSQL server binaries not installed (apt-get install postgresql)")
@@ -149,11 +151,21 @@ class PostgresCluster:
     def start(self) -> "PostgresCluster":
         self._run("initdb", "-D", str(self.data), "-U", "cachecraft", "--auth=trust", "-E", "UTF8",
                   "--no-sync")
-        opts = (f"-c listen_addresses={HOST} -c port={self.port} -c unix_socket_directories={self.directory}"
-                " -c fsync=off -c synchronous_commit=off -c full_page_writes=off")
+        self.resume()
+        return self
+
+    def halt(self) -> None:
+        """Stop the server at once, as a crash would (its data stays for :meth:`resume`)."""
+        with contextlib.suppress(subprocess.CalledProcessError):
+            self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+
+    def resume(self) -> None:
+        """Start the server on the cluster's data (after :meth:`start` made it, or a :meth:`halt`)."""
+        opts = f"-c listen_addresses={HOST} -c port={self.port} -c unix_socket_directories={self.directory}"
+        if not self.durable:
+            opts += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
         self._run("pg_ctl", "-D", str(self.data), "-o", opts, "-l", str(self.directory / "log"), "-w",
                   "start")
-        return self
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql+psycopg://cachecraft@{HOST}:{self.port}/{database}"
@@ -169,8 +181,8 @@ class PostgresCluster:
         return self.url(name)
 
     def stop(self) -> None:
-        with contextlib.suppress(subprocess.CalledProcessError):
-            self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        """Stop the server and remove its data."""
+        self.halt()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 

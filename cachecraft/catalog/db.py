@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 CATALOG_FILE = "catalog.sqlite"
 DEFAULT_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 5
+# After the catalog's server is lost mid-run, calls fail at once (no connect timeout
+# each) until the next retry; the wait doubles from the first to the last value.
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 30.0
 MAX_EVENTS = 200_000
 WRITE_LOCK_ID = 0x63616368  # the advisory lock PostgreSQL writers queue on ("cach")
 
@@ -108,6 +112,24 @@ def translate_server_error(exc: BaseException, url: str) -> CatalogError | None:
         return CatalogUnavailableError(f"cannot reach the catalog at catalog_url {display_url(url)} "
                                        f"({first}); start PostgreSQL there or fix catalog_url")
     return None
+
+
+class CatalogOutage:
+    """The catalog's server lost mid-run: when, why, and when to try it again."""
+
+    def __init__(self, message: str) -> None:
+        self.message, self.since = message, time.monotonic()
+        self.wait_s = RETRY_FIRST_S
+        self.retry_at = self.since + self.wait_s
+
+    def due(self) -> bool:
+        """Whether the next call may try the server again."""
+        return time.monotonic() >= self.retry_at
+
+    def failed_again(self) -> None:
+        """A retry failed: wait twice as long (up to :data:`RETRY_MAX_S`) before the next."""
+        self.wait_s = min(RETRY_MAX_S, self.wait_s * 2)
+        self.retry_at = time.monotonic() + self.wait_s
 
 
 class CatalogTx:
@@ -205,10 +227,10 @@ class CatalogTx:
         out = [_variant_record(v, tier=fastest_tier(tiers[k])) for k, v in found.items()]
         return sorted(out, key=lambda r: (r.created_at, r.key))
 
-    def touch(self, variant_key: str, now: float | None = None) -> None:
-        """Count a hit on a variant."""
+    def touch(self, variant_key: str, now: float | None = None, hits: int = 1) -> None:
+        """Count ``hits`` hits (default one) on a variant."""
         self.session.execute(update(Variant).where(Variant.key == variant_key)
-                             .values(hits=Variant.hits + 1, last_used=now or time.time()))
+                             .values(hits=Variant.hits + hits, last_used=now or time.time()))
 
     def refresh_tier(self, variant_key: str) -> str | None:
         """Set a variant's ``tier`` to the fastest tier holding it (None if none)."""
@@ -484,6 +506,7 @@ class Catalog:
         self.created = False  # set when this open created the tables
         self.upgraded_from: int | None = None  # set when this open upgraded an older schema
         self.path = catalog_path(self.cache_dir)
+        self.outage: CatalogOutage | None = None  # set while the server is lost (mid-run)
         if self.url is None:
             self.dialect = "sqlite"
             self._open_sqlite(timeout_s)
@@ -502,6 +525,7 @@ class Catalog:
         except BaseException:
             self._engine.dispose()
             raise
+        self._opened = True
 
     @property
     def where(self) -> str:
@@ -613,6 +637,9 @@ class Catalog:
 
     @contextmanager
     def _translated(self) -> Iterator[None]:
+        outage = self.outage
+        if outage is not None and not outage.due():  # lost: fail at once until the next retry
+            raise CatalogUnavailableError(outage.message)
         try:
             yield
         except (sa_exc.DBAPIError, sqlite3.Error) as exc:
@@ -620,7 +647,33 @@ class Catalog:
                       else translate_server_error(exc, self.url))
             if mapped is None:
                 raise
+            if isinstance(mapped, CatalogUnavailableError) and self.opened:
+                self._lost(mapped)
             raise mapped from exc
+        if outage is not None:
+            self.outage = None
+            log.warning("catalog at %s is reachable again after %.0f s", self.where, time.monotonic() - outage.since)
+
+    @property
+    def opened(self) -> bool:
+        """Whether the schema was checked (a loss after that is an outage, not a failed open)."""
+        return getattr(self, "_opened", False)
+
+    def _lost(self, error: CatalogUnavailableError) -> None:
+        if self.outage is None:
+            self.outage = CatalogOutage(str(error))
+            log.warning("%s; answering without it, retrying in %.0f s", error, self.outage.wait_s)
+        else:
+            self.outage.failed_again()
+
+    def available(self) -> bool:
+        """Whether the catalog answers now (after an outage, tried again only when a retry is due)."""
+        try:
+            with self.read() as tx:
+                tx.session.execute(text("SELECT 1"))
+        except CatalogUnavailableError:
+            return False
+        return True
 
     def integrity_problems(self) -> list[str]:
         """SQLite's own ``PRAGMA integrity_check`` findings (empty when sound; PostgreSQL

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from cachecraft.catalog import MISS, CatalogError, RequestChunk, RequestRecord, question_hash
+from cachecraft.catalog.pending import PendingRequests
 from cachecraft.config import Config
 from cachecraft.engine import (BlendResult, GenerationOptions, LayerSource, Segment, blended_prefill, generate_from,
                                sampled_layers)
@@ -90,6 +91,7 @@ class Pipeline:
         self.cost_model: CostModel | None = None  # from the catalog, else measured, on first use
         self._stored_cost_model: CostModel | None = None  # as the catalog holds it
         self._token_counts: dict[str, int] = {}
+        self.pending = PendingRequests(config.cache_dir)  # request rows waiting for a lost catalog
         self._sources: dict[str, str] = {}  # chunk key -> the document it came from (catalog rows)
         self._warm: tuple[tuple[int, ...], str] | None = None  # warm context ids and chunk key
         self._corpus: Corpus | None = None
@@ -148,6 +150,7 @@ class Pipeline:
                         full_prefill_estimate_s=self._estimate_full(request.pieces.num_tokens))
         if record:
             answer.request_id = self._record(question, answer)
+            self.store.record_pending()  # hit counts kept while the catalog was away
         return answer
 
     def warm(self, chunk_texts: Sequence[str], sources: Sequence[str] | None = None) -> int:
@@ -228,9 +231,17 @@ class Pipeline:
             raise CorpusError(f"the corpus in {self.corpus.directory} is empty: run `cachecraft ingest PATH` first")
 
     def close(self) -> None:
-        """Keep what the cost model learned, persist memory tiers to disk and release the store."""
+        """Keep what the cost model learned, persist memory tiers to disk and release the store;
+        request rows the catalog could not take are kept on disk for a later run."""
         try:
             self._save_cost_model()
+            if self.pending.rows:
+                self.pending.record(self.catalog)
+            if self.pending.rows:
+                kept = len(self.pending.rows)
+                path = self.pending.keep_on_disk()
+                log.warning("the catalog at %s is away: %d request row(s) kept in %s, recorded by the next "
+                            "request that reaches it", self.catalog.where, kept, path)
         finally:
             self.store.close()
 
@@ -504,7 +515,10 @@ class Pipeline:
     def _chunk_tokens(self, key: str) -> int:
         # A chunk's token count never changes: ask the catalog once per key.
         if key not in self._token_counts:
-            record = self.catalog.chunk(key)
+            try:
+                record = self.catalog.chunk(key)
+            except CatalogError:  # the catalog is away: the count is only a weight
+                return 1
             if record is None:
                 return 1
             self._token_counts[key] = record.num_tokens
@@ -551,11 +565,11 @@ class Pipeline:
     def _record(self, question: str, answer: Answer) -> int:
         chunks = tuple(RequestChunk(c.position, c.chunk, c.variant, c.tier if c.variant else MISS, c.cci,
                                     c.beta_prime, c.cfo, c.fraction, c.stop_layer) for c in answer.chunks)
-        return self.catalog.record_request(RequestRecord(question_hash(question), answer.method, chunks,
-                                                         answer.recompute_fraction, answer.ttft_s,
-                                                         answer.full_prefill_estimate_s,
-                                                         num_tokens=answer.prompt_tokens,
-                                                         policy=self.policy_report(), node=self.store.node))
+        # while the catalog is away the row waits (None); it is recorded with a later one
+        return self.pending.record(self.catalog, RequestRecord(
+            question_hash(question), answer.method, chunks, answer.recompute_fraction, answer.ttft_s,
+            answer.full_prefill_estimate_s, num_tokens=answer.prompt_tokens, policy=self.policy_report(),
+            node=self.store.node))
 
     def _estimate_full(self, tokens: int) -> float:
         """A full prefill's seconds for ``tokens`` tokens, from the cost model."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Iterable
 
 import torch
 
-from cachecraft.catalog import EntryRecord, VariantRecord
+from cachecraft.catalog import CatalogError, EntryRecord, VariantRecord
 from cachecraft.catalog.db import CatalogTx
 from cachecraft.kv import AttentionStats, ChunkKV
 from cachecraft.store.codec import encode
@@ -148,11 +148,14 @@ def empty_memory_tiers(store: TieredStore, persist: bool) -> None:
             for key in store._policies[tier.name].candidates():
                 try:
                     demote(store, i, key, frozenset(), only=disk_index)
-                except StoreError as exc:
+                except (StoreError, CatalogError) as exc:
                     log.warning("could not persist %s to disk: %s", key, exc)
     for tier in store._memory_tiers():
         for key in tier.keys():
-            forget(store, tier, key, kind="evict")
+            try:
+                forget(store, tier, key, kind="evict")
+            except CatalogError:  # the catalog is away: the next open drops this process's rows
+                pass
 
 
 def _place_disk(store: TieredStore, disk: DiskTier, move: Move, exclude: frozenset[str]) -> bool:
@@ -251,7 +254,7 @@ def promote_memory(store: TieredStore, i: int, key: str) -> None:
                 store._policies[tier.name].discard(key)
                 store.counters.promotions += 1
                 return
-    except StoreError as exc:
+    except (StoreError, CatalogError) as exc:  # best effort: the read is served
         log.warning("could not promote %s from %s: %s", key, tier.name, exc)
 
 
@@ -259,7 +262,10 @@ def promote_from_disk(store: TieredStore, key: str, kv: ChunkKV, row: EntryRecor
     """Copy a disk entry into the fastest memory tier that takes it (disk keeps it)."""
     if not store._memory_tiers() or any(key in t for t in store._memory_tiers()):
         return
-    rec = store.info(key)
+    try:
+        rec = store.info(key)
+    except CatalogError:  # the catalog is away: no promotion this time
+        return
     info = EntryInfo(key, kv.chunk, entry_nbytes(kv),
                      rec.cost_s if rec and rec.cost_s is not None else estimate_cost_s(kv.num_tokens, kv.num_layers),
                      rec.quality if rec and rec.quality is not None else 1.0, rec.hits if rec else 0)
@@ -269,7 +275,7 @@ def promote_from_disk(store: TieredStore, key: str, kv: ChunkKV, row: EntryRecor
             if place(store, j, move, frozenset({key})):
                 store.counters.promotions += 1
                 return
-    except StoreError as exc:
+    except (StoreError, CatalogError) as exc:  # best effort: the read is served
         log.warning("could not promote %s from disk: %s", key, exc)
 
 
@@ -288,7 +294,7 @@ def promote_from_shared(store: TieredStore, key: str, kv: ChunkKV, meta) -> None
             if place(store, j, move, frozenset({key})):
                 store.counters.promotions += 1
                 return
-    except StoreError as exc:
+    except (StoreError, CatalogError) as exc:  # best effort: the read is served
         log.warning("could not promote %s from the shared tier: %s", key, exc)
 
 

@@ -15,6 +15,12 @@ verified like disk reads, layer by layer for :meth:`TieredStore.iter_layers`), a
 hit is promoted into this node's local tiers. It is looked up after the disk tier, or
 before it with ``tier_order = "gpu,cpu,redis,disk"`` (a fast network and a slow local
 disk). The shared tier failing is a miss, never an error.
+
+A catalog on a server (PostgreSQL) lost mid-run is not an error for reads either: while
+it is away the disk tier, whose index it is, counts as a miss, variants are found in
+the memory and shared tiers, a new variant is not kept locally (it still goes to the
+shared tier), and hit counts wait in :attr:`TieredStore.unrecorded` until it is back
+(:meth:`TieredStore.record_pending`).
 """
 
 from __future__ import annotations
@@ -23,13 +29,15 @@ import dataclasses
 import logging
 import threading
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
 import torch
 
-from cachecraft.catalog import TIERS, Catalog, ChunkRecord, EntryRecord, VariantRecord, catalog_path
+from cachecraft.catalog import (TIERS, Catalog, CatalogUnavailableError, ChunkRecord, EntryRecord, VariantRecord,
+                                catalog_path)
 from cachecraft.config import Config
 from cachecraft.kv import AttentionStats, ChunkKV, chunk_key
 from cachecraft.store import disk_reads, maintenance, placement
@@ -67,6 +75,30 @@ class StoreCounters:
         return dataclasses.asdict(self)
 
 
+@dataclass
+class Unrecorded:
+    """What a store could not write to its catalog while the catalog's server was away:
+    hit counts (kept, and written by :meth:`TieredStore.record_pending`) and new variants
+    not kept locally (their bytes are not held, so nothing is left to record)."""
+
+    hits: Counter = field(default_factory=Counter)  # variant key -> hits not counted yet
+    variants_not_kept: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.hits) or bool(self.variants_not_kept)
+
+    def describe(self) -> str:
+        """One phrase for a warning, e.g. ``3 hit counts and 1 new chunk-cache``."""
+        parts = []
+        if self.hits:
+            n = sum(self.hits.values())
+            parts.append(f"{n} hit count{'s' * (n != 1)}")
+        if self.variants_not_kept:
+            n = len(self.variants_not_kept)
+            parts.append(f"{n} new chunk-cache{'s' * (n != 1)} (not kept locally)")
+        return " and ".join(parts) or "nothing"
+
+
 class TieredStore:
     """Chunk-cache variants in tiers, keyed by variant key (see the module docstring).
 
@@ -101,6 +133,7 @@ class TieredStore:
         self._maintenance = FileLock(self.locks_dir / MAINTENANCE_LOCK)
         self._lock = threading.RLock()
         self.counters = StoreCounters()
+        self.unrecorded = Unrecorded()
         self.shared = None  # the shared (Redis) tier, when redis_url is set
         self.shared_first = False
         self._tiers: list[MemoryTier | DiskTier] = []
@@ -170,18 +203,25 @@ class TieredStore:
         cost = estimate_cost_s(kv.num_tokens, kv.num_layers) if cost_s is None else float(cost_s)
         info = EntryInfo(key, kv.chunk, nbytes, cost, 1.0 if quality is None else float(quality))
         with self._lock:
-            with self.catalog.write() as tx:
-                tx.upsert_chunk(ChunkRecord(kv.chunk, kv.fingerprint, kv.num_tokens, source, preview))
-                tx.upsert_variant(VariantRecord(key, kv.chunk, kv.prefix, nbytes, self.config.kv_dtype,
-                                                cci=cci, stats=stats, cost_s=cost_s, quality=quality))
-            tier = placement.place_new(self, placement.Move(key, stored, info))
+            try:
+                with self.catalog.write() as tx:
+                    tx.upsert_chunk(ChunkRecord(kv.chunk, kv.fingerprint, kv.num_tokens, source, preview))
+                    tx.upsert_variant(VariantRecord(key, kv.chunk, kv.prefix, nbytes, self.config.kv_dtype,
+                                                    cci=cci, stats=stats, cost_s=cost_s, quality=quality))
+                tier = placement.place_new(self, placement.Move(key, stored, info))
+            except CatalogUnavailableError:  # local tiers need their rows; the shared tier does not
+                self.unrecorded.variants_not_kept.append(key)
+                lost = True
+                tier = None
+            else:
+                lost = False
             if self.shared is not None:
                 meta = SharedMeta(key, kv.chunk, "", 0, kv.fingerprint, kv.num_tokens, tuple(kv.prefix),
                                   self.config.kv_dtype, cci, None if stats is None else dict(stats), cost_s,
                                   quality, source)
                 if self.shared.put(meta, encode(stored)) and tier is None:
                     tier = self.shared.name
-            if tier is not None:
+            if tier is not None or lost:
                 return tier
             self.counters.not_cached += 1
             log.warning("variant %s (%d bytes) does not fit any tier budget %s; not cached",
@@ -313,8 +353,11 @@ class TieredStore:
 
     def variants_of(self, chunk: str) -> list[VariantRecord]:
         """Variants of a chunk this store can read (tier = the fastest it can read from)."""
-        with self.catalog.read() as tx:
-            local = tx.available_variants(chunk, self.owner, self.node)
+        try:
+            with self.catalog.read() as tx:
+                local = tx.available_variants(chunk, self.owner, self.node)
+        except CatalogUnavailableError:  # what this process holds in memory is still usable
+            local = self._memory_variants(chunk)
         if self.shared is None:
             return local
         have = {r.key for r in local}
@@ -384,7 +427,17 @@ class TieredStore:
             if self._owner_lock is None:
                 return
             try:
+                self.record_pending()
+                if persist and self.catalog.outage is not None and not self.catalog.available():
+                    held = sum(len(t) for t in self._memory_tiers())
+                    if held:
+                        log.warning("the catalog is away: %d chunk-cache(s) held in memory were not persisted "
+                                    "to disk", held)
+                    persist = False
                 placement.empty_memory_tiers(self, persist)
+                if self.unrecorded:
+                    log.warning("not recorded in the catalog at %s: %s", self.catalog.where,
+                                self.unrecorded.describe())
             finally:
                 self._release()
 
@@ -421,8 +474,47 @@ class TieredStore:
         return last if last.is_disk else None
 
     def _disk_row(self, key: str) -> EntryRecord | None:
-        with self.catalog.read() as tx:
-            return tx.entry(key, "disk", self.node)
+        try:
+            with self.catalog.read() as tx:
+                return tx.entry(key, "disk", self.node)
+        except CatalogUnavailableError:  # the catalog is the disk tier's index: a miss until it is back
+            return None
+
+    def _memory_variants(self, chunk: str) -> list[VariantRecord]:
+        """Variants of ``chunk`` this process holds in memory, as records (without the catalog)."""
+        out: dict[str, VariantRecord] = {}
+        for tier in self._memory_tiers():
+            for key in tier.keys():
+                entry = tier.get(key)
+                if entry is not None and entry.kv.chunk == chunk and key not in out:
+                    out[key] = VariantRecord(key, chunk, tuple(entry.kv.prefix), entry.info.nbytes,
+                                             self.config.kv_dtype, cost_s=entry.info.cost_s,
+                                             quality=entry.info.quality, tier=tier.name, hits=entry.hits)
+        return list(out.values())
+
+    def _count_hit(self, key: str) -> None:
+        """One more hit on ``key`` in the catalog (hits + 1 in SQL: no lock needed); kept for
+        later while the catalog is away."""
+        try:
+            with self.catalog.write(exclusive=False) as tx:
+                tx.touch(key)
+        except CatalogUnavailableError:
+            self.unrecorded.hits[key] += 1
+
+    def record_pending(self) -> bool:
+        """Write the hit counts kept while the catalog was away; whether none is left
+        (the catalog may still be away: then they stay kept)."""
+        with self._lock:
+            if not self.unrecorded.hits:
+                return True
+            try:
+                with self.catalog.write(exclusive=False) as tx:
+                    for key, n in self.unrecorded.hits.items():
+                        tx.touch(key, hits=n)
+            except CatalogUnavailableError:
+                return False
+            self.unrecorded.hits.clear()
+            return True
 
     def _get_shared(self, key: str, dtype: torch.dtype | None, device: torch.device | str,
                     fingerprint: str | None, promote: bool, count_hit: bool, miss: bool = True) -> ChunkKV | None:
@@ -437,7 +529,8 @@ class TieredStore:
         if fingerprint is not None and kv.fingerprint != fingerprint:
             return self._miss(key, f"fingerprint {kv.fingerprint} is not {fingerprint}")
         self._record_shared(meta, entry_nbytes(kv))
-        self._hit_shared(key, count_hit)
+        if count_hit:
+            self._count_hit(key)
         if promote:
             placement.promote_from_shared(self, key, kv, meta)
         return _convert(kv, dtype, device)
@@ -456,7 +549,8 @@ class TieredStore:
         if fingerprint is not None and blob.metadata["fingerprint"] != fingerprint:
             return self._miss(key, f"fingerprint {blob.metadata['fingerprint']} is not {fingerprint}")
         self._record_shared(meta, meta.nbytes)
-        self._hit_shared(key, count_hit)
+        if count_hit:
+            self._count_hit(key)
         shared = self.shared
 
         def on_corrupt(exc: Exception) -> None:
@@ -472,19 +566,16 @@ class TieredStore:
 
     def _record_shared(self, meta: SharedMeta, nbytes: int) -> None:
         """Chunk and variant rows for a variant found in the shared tier (a promotion's
-        placement rows need them)."""
-        with self.catalog.write() as tx:
-            tx.upsert_chunk(ChunkRecord(meta.chunk, meta.fingerprint, meta.num_tokens, meta.source))
-            if tx.variant(meta.variant) is None:
-                tx.upsert_variant(VariantRecord(meta.variant, meta.chunk, meta.prefix, nbytes, meta.dtype,
-                                                cci=meta.cci, stats=meta.stats, cost_s=meta.cost_s,
-                                                quality=meta.quality))
-
-    def _hit_shared(self, key: str, count: bool) -> None:
-        if not count:
-            return
-        with self.catalog.write(exclusive=False) as tx:
-            tx.touch(key)
+        placement rows need them; while the catalog is away there is no promotion)."""
+        try:
+            with self.catalog.write() as tx:
+                tx.upsert_chunk(ChunkRecord(meta.chunk, meta.fingerprint, meta.num_tokens, meta.source))
+                if tx.variant(meta.variant) is None:
+                    tx.upsert_variant(VariantRecord(meta.variant, meta.chunk, meta.prefix, nbytes, meta.dtype,
+                                                    cci=meta.cci, stats=meta.stats, cost_s=meta.cost_s,
+                                                    quality=meta.quality))
+        except CatalogUnavailableError:
+            pass
 
     def _miss(self, key: str, why: str | None = None) -> None:
         self.counters.misses += 1
@@ -499,8 +590,7 @@ class TieredStore:
         self._policies[tier].on_hit(key)
         if entry is not None:
             entry.hits += 1
-        with self.catalog.write(exclusive=False) as tx:  # hits + 1 in SQL: no lock needed
-            tx.touch(key)
+        self._count_hit(key)
 
 
 def _connect_shared(config: Config):

@@ -1,0 +1,144 @@
+"""A PostgreSQL catalog lost mid-run (a real server, stopped as a crash would stop it):
+requests are still answered as they would have been, what the catalog could not take
+waits and is recorded when it is back, in this process or the next, and the cache stays
+consistent."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+pytest.importorskip("psycopg", reason="psycopg not installed (pip install cachecraft[shared])")
+
+from cachecraft.catalog import Catalog, CatalogUnavailableError  # noqa: E402
+from cachecraft.catalog.db import RETRY_FIRST_S, RETRY_MAX_S, CatalogOutage  # noqa: E402
+from cachecraft.catalog.pending import PENDING_DIR  # noqa: E402
+from cachecraft.config import Config  # noqa: E402
+from cachecraft.pipeline import Pipeline  # noqa: E402
+from cachecraft.policy.planner import PolicyParams  # noqa: E402
+from cachecraft.store import TieredStore, verify  # noqa: E402
+from tests.conftest import tiny_model  # noqa: E402
+from tests.servers import PostgresCluster  # noqa: E402
+from tests.test_pipeline import CHUNKS, QUESTION  # noqa: E402
+
+OTHER = [" ".join(f"w{i}" for i in range(120 + 20 * j, 140 + 20 * j)) + "\n\n" for j in range(2)]
+
+
+@pytest.fixture
+def lost_pg():
+    """A PostgreSQL cluster of this test's own, which the test may halt (as a crash would)
+    and resume; durable, so a halt loses no committed row."""
+    cluster = PostgresCluster(durable=True)
+    try:
+        cluster.start()
+    except Exception as exc:  # noqa: BLE001 - a server that cannot start here is a skip
+        cluster.stop()
+        pytest.skip(f"could not start PostgreSQL: {exc}")
+    yield cluster
+    cluster.stop()
+
+
+def node(cache_dir, url: str | None = None) -> Pipeline:
+    config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 4, "kv_dtype": "float32",
+                                    "catalog_url": url or ""}, environ={})
+    return Pipeline(config, lm=tiny_model("llama"), store=TieredStore(config, tiers=("cpu", "disk")),
+                    policy=PolicyParams(alpha=0.5, check_layer=2))
+
+
+def requests_in(url: str, tmp_path) -> list:
+    with Catalog(tmp_path / "reader", url=url) as catalog:
+        with catalog.read() as tx:
+            return [tx.request(i) for i in reversed(tx.request_ids())]
+
+
+def test_answers_go_on_while_the_catalog_is_lost_and_what_waited_is_recorded_when_it_is_back(tmp_path, lost_pg):
+    url = lost_pg.create_database()
+    pipeline = node(tmp_path / "node", url)
+    control = node(tmp_path / "control")  # the same requests on an embedded catalog that stays
+    history = [(CHUNKS, QUESTION), (CHUNKS, QUESTION), (OTHER, QUESTION), (CHUNKS, "w201 w202")]
+
+    first = pipeline.answer(*history[0])
+    assert first.request_id is not None
+    lost_pg.halt()
+    during = [pipeline.answer(*h) for h in history[1:3]]
+    assert [a.request_id for a in during] == [None, None]
+    assert pipeline.catalog.outage is not None
+    # the chunk-caches this process holds in memory are still found and used ...
+    assert [c.tier for c in during[0].chunks] == ["cpu"] * len(CHUNKS)
+    # ... new chunks are computed, and their caches not kept locally (no rows for them)
+    assert [c.tier for c in during[1].chunks] == ["miss"] * len(OTHER)
+    assert len(pipeline.store.unrecorded.variants_not_kept) == len(OTHER)
+    used = [c.variant for c in during[0].chunks]
+    assert all(pipeline.store.unrecorded.hits[v] == 1 for v in used)  # hit counts wait
+    lost_pg.resume()
+    pipeline.catalog.outage.retry_at = 0.0  # the next retry is due now (the test need not wait)
+    last = pipeline.answer(*history[3])
+    assert last.request_id is not None and not pipeline.pending.rows and not pipeline.store.unrecorded.hits
+
+    # every request answered as on a catalog that never went away
+    expected = [control.answer(*h) for h in history]
+    got = [first, *during, last]
+    assert [a.text for a in got] == [a.text for a in expected]
+    assert [a.recompute_fraction for a in got] == [a.recompute_fraction for a in expected]
+    # every row recorded, in the order asked, the late ones included
+    rows = requests_in(url, tmp_path)
+    assert [r.ttft_s for r in rows] == [a.ttft_s for a in got]
+    assert rows[-1].id == last.request_id
+    # the hits counted while the catalog was away are in it now: during[0]'s (late) and last's
+    assert [pipeline.catalog.variants(c.chunk)[0].hits for c in during[0].chunks] == [2] * len(CHUNKS)
+    pipeline.close()
+    control.close()
+    assert verify(tmp_path / "node", catalog_url=url).ok
+
+
+def test_rows_still_waiting_at_exit_are_kept_on_disk_and_recorded_by_the_next_process(tmp_path, lost_pg, caplog):
+    url = lost_pg.create_database()
+    pipeline = node(tmp_path / "node", url)
+    pipeline.answer(CHUNKS, QUESTION)
+    lost_pg.halt()
+    waiting = pipeline.answer(CHUNKS, "w201 w202")
+    assert waiting.request_id is None
+    pipeline.catalog.outage.retry_at = 0.0  # close tries once more, fails, and keeps the row on disk
+    pipeline.close()
+    kept = list((tmp_path / "node" / PENDING_DIR).glob("*.json"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())[0]["ttft_s"] == waiting.ttft_s
+    assert "1 request row(s) kept in" in caplog.text
+    assert "not persisted to disk" in caplog.text  # memory tiers cannot be persisted without their rows
+
+    lost_pg.resume()
+    again = node(tmp_path / "node", url)
+    newest = again.answer(CHUNKS, QUESTION)
+    rows = requests_in(url, tmp_path)
+    assert [r.ttft_s for r in rows][-2:] == [waiting.ttft_s, newest.ttft_s]
+    assert not list((tmp_path / "node" / PENDING_DIR).iterdir())
+    again.close()
+    assert verify(tmp_path / "node", catalog_url=url).ok
+
+
+def test_a_lost_catalog_fails_at_once_until_a_retry_is_due_then_waits_longer(tmp_path, lost_pg):
+    url = lost_pg.create_database()
+    catalog = Catalog(tmp_path / "c", url=url)
+    lost_pg.halt()
+    with pytest.raises(CatalogUnavailableError, match="catalog_url"):
+        catalog.last_request_id()
+    outage = catalog.outage
+    assert outage is not None and outage.wait_s == RETRY_FIRST_S
+    assert outage.retry_at > time.monotonic()
+    outage.retry_at = time.monotonic() + 3600  # however long the restart takes here
+    lost_pg.resume()
+    with pytest.raises(CatalogUnavailableError):  # not due yet: no connection is tried
+        catalog.last_request_id()
+    outage.retry_at = 0.0
+    assert catalog.last_request_id() is None and catalog.outage is None  # back
+    catalog.close()
+
+
+def test_retry_waits_double_up_to_a_limit():
+    outage = CatalogOutage("gone")
+    waits = []
+    for _ in range(10):
+        outage.failed_again()
+        waits.append(outage.wait_s)
+    assert waits[0] == 2 * RETRY_FIRST_S and waits[-1] == RETRY_MAX_S and waits == sorted(waits)

@@ -1,0 +1,78 @@
+"""Request rows waiting for a lost catalog: in order, on disk while they wait, picked up
+by the next process when this one ends or dies, never recorded twice."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from cachecraft.catalog import CatalogUnavailableError, RequestChunk, RequestRecord
+from cachecraft.catalog.pending import PENDING_DIR, PendingRequests, request_from_json, request_to_json
+
+
+class Away:
+    def record_request(self, rec):
+        raise CatalogUnavailableError("cannot reach the catalog at catalog_url postgresql://x")
+
+
+class Here:
+    def __init__(self):
+        self.rows = []
+
+    def record_request(self, rec):
+        self.rows.append(rec)
+        return len(self.rows)
+
+
+def row(n: int) -> RequestRecord:
+    chunks = (RequestChunk(0, "c0", "v0", "cpu", 0.5, 0.1, 0.2, 0.25, 3), RequestChunk(1, "c1"))
+    return RequestRecord(f"q{n}", "cachecraft@0.08", chunks, 0.1, 0.01 * n, 1.0, created_at=100.0 + n,
+                         num_tokens=50, policy={"alpha": 0.08}, node="n1")
+
+
+def test_a_row_survives_json_unchanged():
+    assert request_from_json(request_to_json(row(1))) == row(1)
+
+
+def test_rows_wait_on_disk_and_are_recorded_in_order_with_the_next_one(tmp_path):
+    pending = PendingRequests(tmp_path)
+    assert pending.record(Away(), row(1)) is None and pending.record(Away(), row(2)) is None
+    files = list((tmp_path / PENDING_DIR).iterdir())
+    assert len(files) == 1 and files[0].name.endswith(".claimed")  # this (live) process's file
+    here = Here()
+    assert pending.record(here, row(3)) == 3
+    assert [r.question_hash for r in here.rows] == ["q1", "q2", "q3"]
+    assert not list((tmp_path / PENDING_DIR).iterdir())  # nothing waits: no file
+
+
+def test_rows_of_a_process_that_ended_or_died_are_recorded_once_by_the_next(tmp_path):
+    alive = PendingRequests(tmp_path)
+    alive.record(Away(), row(9))  # a live process's waiting rows are not taken by others
+    ended = PendingRequests(tmp_path)
+    ended.record(Away(), row(1))
+    kept = ended.keep_on_disk()
+    assert kept.suffix == ".json"
+    died = PendingRequests(tmp_path)
+    died.record(Away(), row(2))
+    dead_pid = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+    own = died._own
+    own.rename(own.with_name(f"{own.name.split('.')[0]}.{dead_pid}.claimed"))  # as if it was killed
+
+    nxt, here = PendingRequests(tmp_path), Here()
+    assert nxt.record(here, row(3)) == 3
+    assert sorted(r.question_hash for r in here.rows[:2]) == ["q1", "q2"] and here.rows[2].question_hash == "q3"
+    again = Here()
+    assert PendingRequests(tmp_path).record(again, row(4)) == 1  # nothing recorded twice
+    assert [r.question_hash for r in again.rows] == ["q4"]
+    left = list((tmp_path / PENDING_DIR).iterdir())
+    assert left == [alive._own]
+
+
+def test_an_unreadable_file_is_set_aside_with_a_warning(tmp_path, caplog):
+    (tmp_path / PENDING_DIR).mkdir()
+    (tmp_path / PENDING_DIR / "abc.json").write_text("{not json")
+    here = Here()
+    assert PendingRequests(tmp_path).record(here, row(1)) == 1
+    assert "could not read kept request rows" in caplog.text
+    assert [p.suffix for p in (tmp_path / PENDING_DIR).iterdir()] == [".unreadable"]
