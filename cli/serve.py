@@ -1,14 +1,11 @@
 """``cachecraft serve``, and the client side of ``query --server`` / ``stats --server``
-(plain HTTP from the standard library, so the client needs no extra)."""
+(through :mod:`cachecraft.server.client`: the standard library, so no extra is needed)."""
 
 from __future__ import annotations
 
-import json
 import signal
 import time
-import urllib.error
-import urllib.request
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import typer
 
@@ -77,65 +74,36 @@ def _exit_quietly(signum, frame) -> None:
 
 # -- the client side ---------------------------------------------------------------------
 
-def _request(url: str, config, body: dict | None = None, timeout_s: float | None = None):
-    headers = {"Content-Type": "application/json"}
-    if config.api_key:
-        headers["Authorization"] = f"Bearer {config.api_key}"
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers=headers, method="GET" if body is None else "POST")
-    try:
-        return urllib.request.urlopen(request, timeout=timeout_s or config.server_timeout_s + 30)
-    except urllib.error.HTTPError as exc:
-        try:
-            message = json.loads(exc.read())["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = exc.reason
-        raise UserError(f"the server at {config.server} answered {exc.code}: {message}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise UserError(f"no cachecraft server at {config.server} ({reason}); start one with `cachecraft "
-                        "serve`, or unset server / CACHECRAFT_SERVER to work locally") from None
+def _client(config):
+    from cachecraft.server.client import ServerClient
 
-
-def _events(response) -> Iterator[dict]:
-    """The JSON payloads of a server-sent event stream, up to ``[DONE]``."""
-    for raw in response:
-        line = raw.decode("utf-8").strip()
-        if not line.startswith("data:"):
-            continue
-        data = line[5:].strip()
-        if data == "[DONE]":
-            return
-        yield json.loads(data)
+    return ServerClient(config.server, config.api_key, timeout_s=config.server_timeout_s + 30)
 
 
 def remote_query(config, question: str, *, method: str, top_k: Optional[int], max_new_tokens: Optional[int],
                  as_json: bool) -> dict[str, Any]:
     """Ask a running server; the answer streams to stdout unless ``as_json``. Returns the
     final payload: ``text``, ``usage`` and the cache report ``cachecraft``."""
-    body: dict[str, Any] = {"messages": [{"role": "user", "content": question}], "method": method,
-                            "stream": not as_json}
-    if top_k is not None:
-        body["top_k"] = top_k
-    if max_new_tokens is not None:
-        body["max_tokens"] = max_new_tokens
-    url = config.server.rstrip("/") + "/v1/chat/completions"
-    with _request(url, config, body) as response:
+    from cachecraft.server.client import ServerError, chat_body, message_text
+
+    body = chat_body(question, method=method, top_k=top_k, max_tokens=max_new_tokens)
+    client = _client(config)
+    try:
         if as_json:
-            data = json.loads(response.read())
-            return {"text": data["choices"][0]["message"]["content"], "usage": data["usage"],
-                    "cachecraft": data["cachecraft"]}
+            data = client.post("/v1/chat/completions", body)
+            return {"text": message_text(data), "usage": data["usage"], "cachecraft": data["cachecraft"]}
         parts, final = [], {}
-        for payload in _events(response):
-            if "error" in payload:
-                raise UserError(f"the server at {config.server} failed mid-answer: {payload['error']['message']}")
-            piece = payload["choices"][0]["delta"].get("content")
+        for payload in client.stream("/v1/chat/completions", body):
+            piece = message_text(payload)
             if piece:
                 parts.append(piece)
                 print(piece, end="", flush=True)
             if "cachecraft" in payload:
                 final = payload
         print()
+    except ServerError as exc:
+        raise UserError(f"{exc}; or unset server / CACHECRAFT_SERVER to work locally"
+                        if "no cachecraft server" in str(exc) else str(exc)) from None
     return {"text": "".join(parts), "usage": final.get("usage"), "cachecraft": final.get("cachecraft")}
 
 
@@ -154,8 +122,12 @@ def remote_answer(result: dict):
 
 def remote_stats(config) -> dict:
     """``GET /v1/stats`` of a running server."""
-    with _request(config.server.rstrip("/") + "/v1/stats", config) as response:
-        return json.loads(response.read())
+    from cachecraft.server.client import ServerError
+
+    try:
+        return _client(config).get("/v1/stats")
+    except ServerError as exc:
+        raise UserError(str(exc)) from None
 
 
 def register(app: typer.Typer) -> None:

@@ -11,11 +11,17 @@ too (it is the same on every request, so it is cached like the others), and the 
 after the last node is the question. In a prompt with no retrieved node in it (a condense
 step, a plain completion) everything before the last line is one chunk, the last line
 the question.
+
+With ``server=URL`` the LLM loads nothing itself: it sends those chunks (as
+``documents``) and the question (as written, ``question_template = "{question}"``) to a
+running ``cachecraft serve``, whose memory tiers keep the chunk-caches between requests
+and between applications. The app keeps its own index and retriever.
 """
 
 from __future__ import annotations
 
 import contextvars
+import os
 import threading
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -32,6 +38,7 @@ from llama_index.core.schema import MetadataMode
 from cachecraft.config import Config
 from cachecraft.methods import parse_method
 from cachecraft.pipeline import Answer, Pipeline
+from cachecraft.server.client import ServerClient, chat_body, message_text
 
 # The nodes of the latest retrieval in this context (thread or task): what the prompt's
 # chunks are looked up by.
@@ -111,22 +118,41 @@ class CacheCraftLLM(CustomLLM):
     chunks). Give it a :class:`~cachecraft.pipeline.Pipeline`, or the settings to make
     one (``model``, ``cache_dir``, ``config``: a Config or a mapping of overrides); a
     pipeline made here passes the prompt's text through as the question
-    (``question_template = "{question}"``) under a plain system prompt."""
+    (``question_template = "{question}"``) under a plain system prompt. Or give it
+    ``server``, the URL of a running ``cachecraft serve`` (``api_key``, default
+    ``CACHECRAFT_API_KEY``, when the server asks for one), and it answers there.
+
+    ``last_report`` is the cache report of the latest answer (hits per tier, recompute,
+    TTFT), also in each response's ``additional_kwargs["cachecraft"]``."""
 
     method: str = Field(default="cachecraft", description="cachecraft method, e.g. cachecraft, full, reuse")
     max_new_tokens: int = Field(default=256, description="Answer length limit.")
-    _pipeline: Pipeline = PrivateAttr()
+    server: str | None = Field(default=None, description="URL of a cachecraft server to answer on.")
+    _pipeline: Pipeline | None = PrivateAttr()
+    _client: ServerClient | None = PrivateAttr()
+    _server_info: dict | None = PrivateAttr(default=None)
     _lock: threading.Lock = PrivateAttr()
     _owns: bool = PrivateAttr()
     last_answer: Answer | None = None
+    last_report: dict | None = None
 
     def __init__(self, pipeline: Pipeline | None = None, *, model: str | None = None,
                  cache_dir: str | Path | None = None, config: Config | Mapping[str, Any] | None = None,
-                 method: str = "cachecraft", max_new_tokens: int = 256, **kwargs: Any) -> None:
+                 method: str = "cachecraft", max_new_tokens: int = 256, server: str | None = None,
+                 api_key: str | None = None, **kwargs: Any) -> None:
         from cachecraft.integrations.llama_index import _make_config, pipeline_lock
 
         parse_method(method)
-        super().__init__(method=method, max_new_tokens=max_new_tokens, **kwargs)
+        if server is not None and (pipeline is not None or model or cache_dir or config):
+            raise ValueError("give either server (answer on a running cachecraft serve) or a local pipeline "
+                             "and its settings, not both")
+        super().__init__(method=method, max_new_tokens=max_new_tokens, server=server, **kwargs)
+        watch_retrievals()
+        if server is not None:
+            self._owns, self._pipeline = False, None
+            self._client = ServerClient(server, api_key or os.environ.get("CACHECRAFT_API_KEY") or None)
+            return
+        self._client = None
         owns = pipeline is None
         if pipeline is None:
             overrides = {"question_template": "{question}", "system_prompt": LLM_SYSTEM_PROMPT}
@@ -138,7 +164,6 @@ class CacheCraftLLM(CustomLLM):
         self._owns = owns
         self._pipeline = pipeline
         self._lock = pipeline_lock(pipeline)
-        watch_retrievals()
 
     @classmethod
     def class_name(cls) -> str:
@@ -150,34 +175,57 @@ class CacheCraftLLM(CustomLLM):
             self._pipeline.close()
 
     @property
-    def pipeline(self) -> Pipeline:
-        """The pipeline answering."""
+    def pipeline(self) -> Pipeline | None:
+        """The pipeline answering (None when a server answers)."""
         return self._pipeline
 
     @property
     def metadata(self) -> LLMMetadata:
+        if self._client is not None:
+            if self._server_info is None:  # asked once: the server's model and context window
+                self._server_info = self._client.get("/healthz")
+            info = self._server_info
+            return LLMMetadata(context_window=info["context_window"], num_output=self.max_new_tokens,
+                               model_name=info["model"], is_chat_model=False)
         lm = self._pipeline.lm
         return LLMMetadata(context_window=lm.max_context, num_output=self.max_new_tokens, model_name=lm.name,
                            is_chat_model=False)
 
-    def _answer(self, prompt: str, streamer=None) -> Answer:
+    def _split(self, prompt: str) -> tuple[list[str], str]:
         chunks, question = split_prompt(prompt, _RETRIEVED.get())
         if not question.strip():  # a template that ends with the context: the last chunk asks
             question, chunks = chunks[-1], chunks[:-1]
+        return chunks, question
+
+    def _answer(self, prompt: str, streamer=None) -> Answer:
+        chunks, question = self._split(prompt)
         room = self._pipeline.lm.max_context - self._pipeline.builder.build(chunks, question).num_tokens
         with self._lock:
             answer = self._pipeline.answer(chunks, question, method=self.method, streamer=streamer,
                                            max_new_tokens=max(1, min(self.max_new_tokens, room)))
         self.last_answer = answer
+        self.last_report = _report(answer)
         return answer
+
+    def _server_body(self, prompt: str) -> dict:
+        """The chat request for ``prompt``: its chunks as documents, its question as written."""
+        chunks, question = self._split(prompt)
+        return chat_body(question, documents=chunks, method=self.method, max_tokens=self.max_new_tokens,
+                         fit_max_tokens=True, question_template="{question}")
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        if self._client is not None:
+            data = self._client.post("/v1/chat/completions", self._server_body(prompt))
+            self.last_report = data["cachecraft"]
+            return CompletionResponse(text=message_text(data), additional_kwargs={"cachecraft": self.last_report})
         answer = self._answer(prompt)
-        return CompletionResponse(text=answer.text, additional_kwargs={"cachecraft": _report(answer)})
+        return CompletionResponse(text=answer.text, additional_kwargs={"cachecraft": self.last_report})
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        if self._client is not None:
+            return self._stream_from_server(prompt)
         from transformers import TextIteratorStreamer
 
         streamer = TextIteratorStreamer(self._pipeline.lm.tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -204,8 +252,23 @@ class CacheCraftLLM(CustomLLM):
             thread.join()
             if failure:
                 raise failure[0]
-            yield CompletionResponse(text=text, delta="",
-                                     additional_kwargs={"cachecraft": _report(done["answer"])})
+            yield CompletionResponse(text=text, delta="", additional_kwargs={"cachecraft": self.last_report})
+
+        return gen()
+
+    def _stream_from_server(self, prompt: str) -> CompletionResponseGen:
+        body = self._server_body(prompt)  # split now: the retrieval seen by this caller
+
+        def gen() -> CompletionResponseGen:
+            text = ""
+            for payload in self._client.stream("/v1/chat/completions", body):
+                piece = message_text(payload)
+                if piece:
+                    text += piece
+                    yield CompletionResponse(text=text, delta=piece)
+                if "cachecraft" in payload:
+                    self.last_report = payload["cachecraft"]
+            yield CompletionResponse(text=text, delta="", additional_kwargs={"cachecraft": self.last_report})
 
         return gen()
 

@@ -174,3 +174,43 @@ def test_bench_serve_runs_clients_against_fresh_servers(tiny_dir, tmp_path):
     table = serve_table({"runs": runs, "command": "cachecraft bench serve", "model": "tiny", "unique_requests": 3,
                          "top_k": 3, "date": "2026-11-24", "machine": {"cpu": "cpu", "cores": 2}})
     assert table.count("| cachecraft | ") == 2 and table.count("| full | ") == 2
+
+
+def test_a_llama_index_app_with_its_own_retriever_reuses_the_servers_chunk_caches(tiny_dir, tmp_path):
+    """CacheCraftLLM(server=...) in a RetrieverQueryEngine over the app's own FAISS index: the
+    retrieved nodes go to the server as documents, the answer is what the same LLM gives
+    on a local pipeline, and the server's memory tier serves them the second time."""
+    pytest.importorskip("faiss")
+    pytest.importorskip("llama_index.vector_stores.faiss")
+    from llama_index.core.query_engine import RetrieverQueryEngine
+
+    from cachecraft.integrations.llama_index import CacheCraftLLM
+    from cachecraft.integrations.llama_index_llm import LLM_SYSTEM_PROMPT
+    from tests.test_llama_index import QUESTION as LI_QUESTION
+    from tests.test_llama_index import SETTINGS, CacheCraftEmbedding, make_index
+
+    index = make_index(CacheCraftEmbedding())
+    local = CacheCraftLLM(model=str(tiny_dir), cache_dir=tmp_path / "local", config=SETTINGS, max_new_tokens=6)
+    want = str(RetrieverQueryEngine.from_args(index.as_retriever(similarity_top_k=2), llm=local).query(LI_QUESTION))
+    local.close()
+
+    proc = ServerProcess(tmp_path / "cache", tiny_dir, CACHECRAFT_SYSTEM_PROMPT=LLM_SYSTEM_PROMPT,
+                         CACHECRAFT_POLICY_CHECK_LAYER="2")
+    try:
+        llm = CacheCraftLLM(server=proc.url + "/v1", max_new_tokens=6)
+        assert llm.metadata.model_name == str(tiny_dir) and llm.metadata.context_window > 0
+        engine = RetrieverQueryEngine.from_args(index.as_retriever(similarity_top_k=2), llm=llm)
+        first = engine.query(LI_QUESTION)
+        assert str(first) == want
+        assert llm.last_report["chunks"] == 3 and llm.last_report["hits_by_tier"].get("cpu", 0) == 0
+        again = engine.query(LI_QUESTION)
+        assert llm.last_report["hits_by_tier"].get("cpu") == 3  # the head and both nodes, from the server's memory
+        assert str(again)
+        streaming = RetrieverQueryEngine.from_args(index.as_retriever(similarity_top_k=2), llm=llm, streaming=True)
+        assert "".join(streaming.query(LI_QUESTION).response_gen) == str(again)
+        with pytest.raises(ValueError, match="either server"):
+            CacheCraftLLM(server=proc.url, model=str(tiny_dir))
+    finally:
+        proc.stop()
+    with pytest.raises(Exception, match="no cachecraft server at"):
+        CacheCraftLLM(server=proc.url).complete("some context\nwhy?")

@@ -39,7 +39,7 @@ from cachecraft.policy.calibrate import ANY_DEVICE, POLICY_PROFILE
 from cachecraft.policy.planner import (FITTED_KEYS, PolicyParams, RecomputePlan, VariantInfo, expected_reuse,
                                        params_from_config, policy_settings)
 from cachecraft.prefix_cache import PrefixCache
-from cachecraft.prompt import PromptInputError, PromptPieces, builder_for
+from cachecraft.prompt import PromptBuilder, PromptInputError, PromptPieces, builder_for
 from cachecraft.retrieval.chunking import Chunker
 from cachecraft.retrieval.corpus import Corpus
 from cachecraft.retrieval.ingest import IngestOutcome, StageProgress, ingest_paths
@@ -116,15 +116,18 @@ class Pipeline:
     def answer(self, chunk_texts: Sequence[str], question: str, *, method: str | Method = "cachecraft",
                ratio: float | None = None, max_new_tokens: int | None = None, streamer=None,
                record: bool = True, sources: Sequence[str] | None = None,
-               observer: Observer | None = None, generation: GenerationOptions | None = None) -> Answer:
+               observer: Observer | None = None, generation: GenerationOptions | None = None,
+               question_template: str | None = None) -> Answer:
         """Answer ``question`` over ``chunk_texts`` (formatted chunk texts, in order) with
         ``method``: plan, load, blend, generate, record. ``sources`` (one per chunk) names
         where each chunk came from in the catalog; ``observer`` receives the prefill's
         :class:`PrefillTrace` before generation (benchmarks read logits and work there);
-        ``generation``: sampling, stop strings, cancellation (default: greedy)."""
+        ``generation``: sampling, stop strings, cancellation (default: greedy);
+        ``question_template``: this request's instead of the config's (``"{question}"``: the
+        question as given, for a client that wrote its own prompt)."""
         chosen = self.method(method, ratio)
         start = time.perf_counter()
-        request = self._request(chunk_texts, question, sources)
+        request = self._request(chunk_texts, question, sources, question_template)
         prepared, result = self._prefill(chosen, request)
         int(result.logits.argmax())  # the first token is decided here
         ttft = time.perf_counter() - start
@@ -297,9 +300,18 @@ class Pipeline:
         return None if tier is None else self.ensure_cost_model().r_load(tier)
 
     # -- planning, loading, prefill ------------------------------------------------------------
+    def builder_with(self, question_template: str | None) -> PromptBuilder:
+        """The prompt builder for ``question_template`` (None: the config's); the system
+        prefix and chunks are built alike, so chunk-caches are shared between templates."""
+        if question_template is None or question_template == self.builder.question_template:
+            return self.builder
+        if "{question}" not in question_template:
+            raise PromptInputError("question_template needs a {question} placeholder")
+        return PromptBuilder(self.lm.tokenizer, self.config.system_prompt, question_template)
+
     def _request(self, chunk_texts: Sequence[str], question: str,
-                 sources: Sequence[str] | None) -> RequestContext:
-        pieces = self.builder.build(chunk_texts, question, max_tokens=self.lm.max_context)
+                 sources: Sequence[str] | None, question_template: str | None = None) -> RequestContext:
+        pieces = self.builder_with(question_template).build(chunk_texts, question, max_tokens=self.lm.max_context)
         keys = tuple(chunk_key(self.lm.fingerprint, ids) for ids in pieces.chunks)
         self._note_sources(keys, sources)
         return RequestContext(pieces, chunk_key(self.lm.fingerprint, pieces.prefix), keys, self.lm.adapter,

@@ -95,7 +95,8 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict:
-        return {"status": "ok", "model": service.model_name, "queued": service.queued,
+        return {"status": "ok", "model": service.model_name, "context_window": service.pipeline.lm.max_context,
+                "queued": service.queued,
                 "uptime_s": round(time.time() - service.counters.started_at, 1)}
 
     @app.get("/v1/models")
@@ -193,7 +194,8 @@ def _job_factory(service: Service, body: Generation, question: str,
     options = GenerationOptions(temperature=body.temperature, top_p=body.top_p, stop=body.stops, seed=body.seed,
                                 cancel=cancel)
     return lambda: service.job(question, documents=body.documents, method=body.method, top_k=body.top_k,
-                               max_tokens=body.answer_tokens, generation=options)
+                               max_tokens=body.answer_tokens, generation=options,
+                               question_template=body.question_template, fit_max_tokens=body.fit_max_tokens)
 
 
 async def _complete(service: Service, metrics: Metrics, body: Generation, question: str, *, chat: bool,

@@ -1,5 +1,5 @@
 """The request bodies the server accepts: OpenAI's chat and text completions, plus the
-fields cachecraft adds (``documents``, ``method``, ``top_k``), ingest and warm.
+fields cachecraft adds (``documents``, ``method``, ``top_k``, ``question_template``), ingest and warm.
 
 Fields OpenAI defines that change nothing here (``user``, ``n`` of 1, zero penalties,
 ``stream_options``) are accepted; any other field is refused by name, so a typo is never
@@ -67,6 +67,20 @@ class Generation(_Strict):
                                                              "the ingested corpus")
     method: Optional[str] = None
     top_k: Optional[int] = Field(None, ge=1)
+    question_template: Optional[str] = Field(None, description="How the question is put after the chunks, "
+                                                               "with a {question} placeholder; "
+                                                               "\"{question}\": as sent (a client that "
+                                                               "wrote its own prompt)")
+
+    fit_max_tokens: bool = Field(False, description="Cap max_tokens at what the context window leaves after "
+                                                    "the prompt instead of refusing the request")
+
+    @field_validator("question_template")
+    @classmethod
+    def _has_placeholder(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and "{question}" not in value:
+            raise ValueError("needs a {question} placeholder")
+        return value
 
     @property
     def stops(self) -> tuple[str, ...]:

@@ -47,6 +47,7 @@ class Job:
     max_new_tokens: int
     generation: GenerationOptions
     sources: list[str] | None = None
+    question_template: str | None = None  # None: the server's
 
 
 @dataclass
@@ -85,7 +86,8 @@ class Service:
     # ------------------------------------------------------------------ requests
 
     def job(self, question: str, *, documents: Sequence[str] | None, method: str | None, top_k: int | None,
-            max_tokens: int | None, generation: GenerationOptions) -> Job:
+            max_tokens: int | None, generation: GenerationOptions, question_template: str | None = None,
+            fit_max_tokens: bool = False) -> Job:
         """A :class:`Job` for one question, chunk boundaries taken from ``documents`` or, when
         the question holds the chunk separator, from the question itself (the last part is
         the question); otherwise the corpus is searched. Raises :class:`BadRequest`."""
@@ -108,26 +110,29 @@ class Service:
             self.pipeline.method(name)
         except ValueError as exc:
             raise BadRequest(f"method: {exc}") from None
-        return Job(question, chunks, name, top_k, self._answer_room(chunks, question, top_k, max_tokens),
-                   generation)
+        return Job(question, chunks, name, top_k,
+                   self._answer_room(chunks, question, top_k, max_tokens, question_template, fit_max_tokens),
+                   generation,
+                   question_template=question_template)
 
     def _answer_room(self, chunks: list[str] | None, question: str, top_k: int | None,
-                     max_tokens: int | None) -> int:
+                     max_tokens: int | None, question_template: str | None = None, fit: bool = False) -> int:
         """The answer length: ``max_tokens`` (default: the config's), within what the
-        context window leaves after the prompt; a prompt that does not fit is refused."""
+        context window leaves after the prompt; a prompt that does not fit is refused, and
+        so is a ``max_tokens`` past what is left unless ``fit``."""
         pipe = self.pipeline
         if chunks is None:
             hits = pipe.corpus.search(question, self.config.top_k if top_k is None else top_k)
             chunks = [h.chunk.prompt_text for h in hits]
         try:
-            pieces = pipe.builder.build(chunks, question, max_tokens=pipe.lm.max_context)
+            pieces = pipe.builder_with(question_template).build(chunks, question, max_tokens=pipe.lm.max_context)
         except PromptInputError as exc:
             raise BadRequest(str(exc)) from None
         room = pipe.lm.max_context - pieces.num_tokens
         if room < 1:
             raise BadRequest(f"the prompt takes {pieces.num_tokens} tokens, the whole {pipe.lm.max_context}-token "
                              "context window: no room for an answer")
-        if max_tokens is not None and max_tokens > room:
+        if max_tokens is not None and max_tokens > room and not fit:
             raise BadRequest(f"max_tokens {max_tokens} does not fit: the model's context window is "
                              f"{pipe.lm.max_context} tokens and the prompt takes {pieces.num_tokens}; "
                              f"ask for at most {room}")
@@ -137,7 +142,7 @@ class Service:
         """Answer one job on the calling thread (the worker): the one request path."""
         pipe = self.pipeline
         options: dict[str, Any] = {"max_new_tokens": job.max_new_tokens, "generation": job.generation,
-                                   "streamer": streamer}
+                                   "streamer": streamer, "question_template": job.question_template}
         if job.chunks is None:
             answer = pipe.query(job.question, top_k=job.top_k, method=job.method, **options)
         else:
