@@ -594,6 +594,8 @@ def bench_report_cmd(
                                   help="`bench workload --evictions ...` result comparing eviction policies."),
     replay: Path = typer.Option(Path("benchmarks/results/eviction_replay.json"),
                                 help="`bench eviction` result: the policies on a long trace, without the model."),
+    also_quality: list[Path] = typer.Option([], help="Another `bench quality` result (another model, say), "
+                                                     "with a section of its own; repeat for more."),
     scaling: Path = typer.Option(Path("benchmarks/results/scaling.json"), help="`bench scaling` result."),
     revisit: Path = typer.Option(Path("benchmarks/results/scaling_8k_revisit.json"),
                                  help="`bench scaling --revisit` result: chunks an earlier request saw, shuffled."),
@@ -615,8 +617,13 @@ def bench_report_cmd(
     from cachecraft.bench.report import write_report
     from cachecraft.bench.runs import RUNS
 
-    sources = {"quality": quality, "workload": workload, "eviction": eviction, "replay": replay, "scaling": scaling,
-               "revisit": revisit, "loading": loading, "tradeoff": tradeoff}
+    sources = {"quality": quality}
+    for extra in also_quality:  # right after the first: the same figures on another model
+        if not extra.is_file():
+            raise UserError(f"--also-quality: no result at {extra}")
+        sources[f"quality:{extra.stem}"] = extra
+    sources.update({"workload": workload, "eviction": eviction, "replay": replay, "scaling": scaling,
+                    "revisit": revisit, "loading": loading, "tradeoff": tradeoff})
     missing = [name for name, path in sources.items() if not path.is_file()]
     if run and missing:
         if dataset is None:

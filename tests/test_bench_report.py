@@ -312,3 +312,17 @@ def test_a_whole_read_run_gets_its_loading_section_and_losses(tmp_path):
     assert "Loading: streaming `reuse`" not in text
     missing = write_report(tmp_path / "m", {"loading": tmp_path / "none.json"}).read_text()
     assert "--tier disk --methods full,reuse,cachecraft --whole-read --out" in missing
+
+
+def test_a_second_quality_result_gets_its_own_section_and_plots(tmp_path):
+    """``quality:TAG`` (``--also-quality``): the second model's figures beside the first's,
+    with plot files of their own, and its losses read off too."""
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({**quality_result(), "model": "judge"}))
+    second.write_text(json.dumps({**quality_result(), "model": "small"}))
+    text = write_report(tmp_path / "r", {"quality": first, "quality:b": second}).read_text()
+    assert "## Quality and speed on the same requests (judge)" in text
+    assert "## Quality and speed on the same requests (small)" in text
+    assert (tmp_path / "r" / "quality_tradeoff.png").is_file()
+    assert (tmp_path / "r" / "quality_tradeoff_b.png").is_file()
+    assert "--also-quality " + str(second) in text

@@ -79,12 +79,15 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(r) + " |" for r in rows), ""]
 
 
-def quality_section(data: dict, source: Path, out: Path) -> list[str]:
-    lines = ["## Quality and speed on the same requests", "", *provenance(data, source)]
-    lines += _plots(out, data, [("quality_tradeoff.png", plots.quality_tradeoff, "quality against TTFT"),
-                                ("quality_intervals.png", plots.quality_intervals,
+def quality_section(data: dict, source: Path, out: Path, tag: str = "") -> list[str]:
+    """A ``bench quality`` result; ``tag`` tells its plots' file names apart from another
+    quality section's (another model's)."""
+    title = "## Quality and speed on the same requests" + (f" ({data['model']})" if data.get("model") else "")
+    lines = [title, "", *provenance(data, source)]
+    lines += _plots(out, data, [(f"quality_tradeoff{tag}.png", plots.quality_tradeoff, "quality against TTFT"),
+                                (f"quality_intervals{tag}.png", plots.quality_intervals,
                                  "answer-level divergence with 95% intervals"),
-                                ("quality_bars.png", plots.quality_bars, "figures per method")])
+                                (f"quality_bars{tag}.png", plots.quality_bars, "figures per method")])
     rows = [[label, f"{m['ttft_s_median']:.2f}", f"{m.get('speedup_vs_full_median', float('nan')):.1f}x",
              f"{m['recompute_fraction_mean']:.3f}", f"{m['kl_mean']:.4f}", f"{m['agreement_f1_mean']:.3f}",
              f"{m.get('exact_match_rate', float('nan')):.2f}", f"{m.get('gold_f1_mean', float('nan')):.3f}"]
@@ -312,7 +315,8 @@ SECTIONS = {"quality": quality_section, "workload": workload_section, "eviction"
 def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = None,
                  dataset: Path | str | None = None) -> Path:
     """Write ``out/report.md`` and its PNGs from the JSONs at ``sources`` (keys: quality,
-    workload, scaling); returns the Markdown path. ``dataset`` goes into the commands
+    workload, scaling, ...; ``quality:TAG`` for a further quality result, another model's
+    say); returns the Markdown path. ``dataset`` goes into the commands
     shown for missing results (``DATASET`` when not given)."""
     dataset = dataset or "DATASET"
     out = Path(out)
@@ -327,11 +331,15 @@ def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = 
     lines.append("")
     for name, path in sources.items():
         if results[name] is not None:
-            lines += SECTIONS[name](results[name], path, out)
+            kind, _, tag = name.partition(":")  # "quality:smollm2": a second quality result
+            section = SECTIONS[kind]
+            lines += (section(results[name], path, out, "_" + tag) if tag
+                      else section(results[name], path, out))
         else:
             lines += [f"## {name.capitalize()}", "", f"_No result at `{path}`. Make it with:_", "",
-                      f"    {command(name, path, dataset)}", ""]
-    losses = (findings.quality_losses(results.get("quality")) + findings.workload_losses(results.get("workload"))
+                      f"    {command(name.partition(':')[0], path, dataset)}", ""]
+    losses = (sum((findings.quality_losses(results[n]) for n in sources if n.partition(":")[0] == "quality"), [])
+              + findings.workload_losses(results.get("workload"))
               + findings.eviction_losses(results.get("workload")) + findings.eviction_losses(results.get("eviction"))
               + findings.replay_losses(results.get("replay"))
               + findings.scaling_losses(results.get("scaling"))
@@ -346,8 +354,10 @@ def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = 
     lines += gpu_section(gpu, gpu_source, [r for r in results.values() if r])
     lines += ["## Reproduce", "", "Each result records the command that made it and, run from a git checkout, the "
               "commit of the code (each section's `code` line):", "", "```"]
-    lines += [results[n]["command"] if results[n] else command(n, p, dataset) for n, p in sources.items()]
-    lines += [f"cachecraft bench report --out {out}" + "".join(f" --{n} {p}" for n, p in sources.items())
+    lines += [results[n]["command"] if results[n] else command(n.partition(":")[0], p, dataset)
+              for n, p in sources.items()]
+    lines += [f"cachecraft bench report --out {out}"
+              + "".join(f" --{'also-quality' if ':' in n else n} {p}" for n, p in sources.items())
               + (f" --gpu-json {gpu_source}" if gpu_source else ""), "```", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")
