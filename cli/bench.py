@@ -79,6 +79,67 @@ def bench_quality_cmd(
     console.print(f"wrote {out} (rows: {rows})")
 
 
+@bench_app.command("diagnose")
+@friendly
+def bench_diagnose_cmd(
+    ctx: typer.Context,
+    dataset: Path = typer.Option(..., help="MuSiQue-format JSON file (list of {ctxs, question, answers})."),
+    out: Path = typer.Option(Path("benchmarks/results/diagnose.json"), help="Where to write the JSON result."),
+    limit: int = typer.Option(6, min=1, help="Use the first N items (after --skip)."),
+    skip: int = typer.Option(30, min=0, help="Leave out the first N items (default: those the yardstick "
+                                             "reports on)."),
+    budgets: str = typer.Option("0.05,0.15", help="Comma-separated recompute fractions for the selectors."),
+    contexts: str = typer.Option("system,warm,previous",
+                                 help="What each chunk's cache is made after: system (the system prompt "
+                                      "alone), warm (and the warm context), previous (and the chunk before "
+                                      "it in the request)."),
+    model: Optional[str] = typer.Option(None, help="Model: smollm2, qwen2.5-coder-0.5b (the judge) or a path "
+                                                   "(default: config model)."),
+) -> None:
+    """Why reused chunk-caches drift from a full prefill: per layer and per position in the
+    chunk, the deviation of reused keys and values from full's, and answer KL, token
+    agreement and first-token KL of the selectors (first tokens, CacheBlend's deviation
+    check, question-guided, both, and the after-the-fact oracle) at each budget, for caches
+    made after each context."""
+    from rich.progress import Progress
+
+    from cachecraft.bench.common import write_result
+    from cachecraft.bench.diagnose import CONTEXTS, run_diagnose
+    from cachecraft.dataset import load_items
+
+    wanted = [c.strip() for c in contexts.split(",") if c.strip()]
+    unknown = [c for c in wanted if c not in CONTEXTS]
+    if unknown or not wanted:
+        raise UserError(f"--contexts: unknown {', '.join(unknown) or 'nothing given'}; choose from "
+                        f"{', '.join(CONTEXTS)}")
+    try:
+        fractions = [float(b) for b in budgets.split(",") if b.strip()]
+    except ValueError:
+        raise UserError(f"--budgets: {budgets!r} is not a comma-separated list of numbers") from None
+    if not fractions or any(not 0.0 < b <= 1.0 for b in fractions):
+        raise UserError("--budgets: give fractions within (0, 1], e.g. 0.05,0.15")
+    config = load_config(ctx, model=model)
+    items = load_items(dataset, limit, skip)
+    lm = load_model_quietly(config)
+    with Progress(console=err_console, transient=True) as progress:
+        task = progress.add_task("items", total=len(items))
+        result = run_diagnose(lm, config, items, fractions, wanted,
+                              on_item=lambda done, total: progress.update(task, completed=done))
+    payload = {"benchmark": "diagnose", "command": _invocation(ctx, "diagnose"), "model": lm.name,
+               "fingerprint": lm.fingerprint, "warm_context": config.warm_context, "dataset": str(dataset),
+               "limit": len(items), "skip": skip, **result}
+    write_result(out, payload)
+    table = Table(title="reused caches against full prefill (means over items)")
+    for column in ("context", "run", "recompute", "answer KL", "token agreement", "first-token KL"):
+        table.add_column(column, justify="left" if column in ("context", "run") else "right")
+    for context, summary in result["summary"].items():
+        for label, m in summary["runs"].items():
+            table.add_row(context, label, f"{m['recompute_fraction']:.3f}", f"{m['answer_kl']:.4f}",
+                          f"{m['token_agreement']:.3f}", f"{m['kl']:.4f}")
+    console.print(table)
+    console.print(f"wrote {out}")
+
+
 @bench_app.command("workload")
 @friendly
 def bench_workload_cmd(
@@ -596,6 +657,9 @@ def bench_report_cmd(
                                 help="`bench eviction` result: the policies on a long trace, without the model."),
     also_quality: list[Path] = typer.Option([], help="Another `bench quality` result (another model, say), "
                                                      "with a section of its own; repeat for more."),
+    diagnose: Path = typer.Option(Path("benchmarks/results/diagnose_qwen.json"),
+                                  help="`bench diagnose` result: where reused caches drift, what selectors buy."),
+    also_diagnose: list[Path] = typer.Option([], help="Another `bench diagnose` result; repeat for more."),
     scaling: Path = typer.Option(Path("benchmarks/results/scaling.json"), help="`bench scaling` result."),
     revisit: Path = typer.Option(Path("benchmarks/results/scaling_8k_revisit.json"),
                                  help="`bench scaling --revisit` result: chunks an earlier request saw, shuffled."),
@@ -617,11 +681,13 @@ def bench_report_cmd(
     from cachecraft.bench.report import write_report
     from cachecraft.bench.runs import RUNS
 
-    sources = {"quality": quality}
-    for extra in also_quality:  # right after the first: the same figures on another model
-        if not extra.is_file():
-            raise UserError(f"--also-quality: no result at {extra}")
-        sources[f"quality:{extra.stem}"] = extra
+    sources: dict[str, Path] = {}
+    for kind, first, extras in (("quality", quality, also_quality), ("diagnose", diagnose, also_diagnose)):
+        sources[kind] = first
+        for extra in extras:  # right after the first: the same figures on another model
+            if not extra.is_file():
+                raise UserError(f"--also-{kind}: no result at {extra}")
+            sources[f"{kind}:{extra.stem}"] = extra
     sources.update({"workload": workload, "eviction": eviction, "replay": replay, "scaling": scaling,
                     "revisit": revisit, "loading": loading, "tradeoff": tradeoff})
     missing = [name for name, path in sources.items() if not path.is_file()]

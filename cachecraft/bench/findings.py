@@ -5,6 +5,8 @@ Each function returns Markdown bullet lines; none judges beyond the numbers give
 
 from __future__ import annotations
 
+import statistics
+
 from cachecraft.bench.plots import EVICTION, family, longest_context_rows, ratio
 
 AGREEMENT_BAR = 0.95  # the agreement with full we aim to keep
@@ -253,4 +255,37 @@ def goal_reach(data: dict | None, speedup: float = 10.0, agreement: float = AGRE
         lines.append(f"`{name}` {reach}.")
     both = [r for r in rows if r["agreement_f1"] >= agreement and r["speedup_vs_full"] >= speedup]
     lines.append("Settings with both: " + (", ".join(f"`{r['method']}`" for r in both) if both else "none") + ".")
+    return lines
+
+
+def diagnose_findings(data: dict | None) -> list[str]:
+    """Plain sentences read off a ``bench diagnose`` result: which context leaves the caches
+    closest to full, where the deviation sits, and which selector buys most at each budget."""
+    summary = (data or {}).get("summary") or {}
+    if not summary:
+        return []
+    lines = ["What it says:", ""]
+    reuse = {context: s["runs"]["reuse"]["answer_kl"] for context, s in summary.items()}
+    order = sorted(reuse, key=reuse.get)
+    lines.append("- Caches reused untouched, answer KL by what they were made after: "
+                 + ", ".join(f"{c} {reuse[c]:.4f}" for c in order) + ".")
+    for context, s in summary.items():
+        layers = s["layers_v"]
+        peak = max(range(len(layers)), key=layers.__getitem__)
+        positions = s["positions_v"]
+        first, rest = positions.get("1"), [v for k, v in positions.items() if k != "1" and v == v]
+        where = (f"the first token of a chunk deviates {first / statistics.fmean(rest):.1f}x as much as the "
+                 "others on average" if first is not None and rest and statistics.fmean(rest) > 0 else "")
+        lines.append(f"- {context}: values deviate most at layer {peak} of {len(layers)} ({layers[peak]:.3f}); "
+                     + where + ".")
+        budgets = sorted({label.partition("@")[2] for label in s["runs"] if "@" in label}, key=float)
+        for budget in budgets:
+            runs = {label: m for label, m in s["runs"].items() if label.endswith("@" + budget)}
+            best = min(runs, key=lambda label: runs[label]["answer_kl"])
+            real = {label: m for label, m in runs.items() if not label.startswith("oracle")}
+            best_real = min(real, key=lambda label: real[label]["answer_kl"]) if real else best
+            lines.append(f"  - at {float(budget):.0%}: best `{best_real}` (answer KL "
+                         f"{runs[best_real]['answer_kl']:.4f}, token agreement {runs[best_real]['token_agreement']:.3f})"
+                         + (f"; the oracle reaches {runs[best]['answer_kl']:.4f}" if best != best_real else "")
+                         + f"; reuse {s['runs']['reuse']['answer_kl']:.4f}.")
     return lines

@@ -529,3 +529,35 @@ def goal_tradeoff(data: dict, path: Path, goal_speedup: float = 10.0, goal_agree
                      f"{rows[0].get('repeats', '?')} questions, {data.get('model', '?')}", fontsize=15)
         fig.tight_layout(rect=(0, 0.13, 1, 1))
         return _save(fig, path)
+
+
+CONTEXT_COLORS = {"system": "#1f77b4", "warm": "#d62728", "previous": "#2ca02c"}
+
+
+def diagnose_profiles(data: dict, path: Path) -> Path | None:
+    """``bench diagnose``: per-layer deviation of reused values and keys from full's, and the
+    values' deviation by position inside the chunk, one line or bar group per cache context."""
+    summary = data.get("summary") or {}
+    if not summary:
+        return None
+    with plt.rc_context(STYLE):
+        fig, (by_layer, by_position) = plt.subplots(1, 2, figsize=(13, 4.6))
+        for context, s in summary.items():
+            c = CONTEXT_COLORS.get(context, "#17becf")
+            by_layer.plot(range(len(s["layers_v"])), s["layers_v"], "-o", color=c, ms=3, label=f"{context}: V")
+            by_layer.plot(range(len(s["layers_k"])), s["layers_k"], "--", color=c, alpha=0.6, label=f"{context}: K")
+        by_layer.set(xlabel="layer", ylabel="relative deviation from full", title="which layers")
+        by_layer.xaxis.set_major_locator(MaxNLocator(integer=True))
+        by_layer.legend(ncol=2)
+        buckets = list(next(iter(summary.values()))["positions_v"])
+        width = 0.8 / len(summary)
+        for i, (context, s) in enumerate(summary.items()):
+            by_position.bar([j + i * width for j in range(len(buckets))], [s["positions_v"][b] for b in buckets],
+                            width, color=CONTEXT_COLORS.get(context, "#17becf"), label=context)
+        by_position.set_xticks([j + width * (len(summary) - 1) / 2 for j in range(len(buckets))], buckets)
+        by_position.set(xlabel="position inside the chunk (tokens)", ylabel="relative deviation of V (mean "
+                        "over layers)", title="which tokens")
+        by_position.legend()
+        fig.suptitle(f"reused chunk-caches against full prefill ({data.get('model', '?')}, "
+                     f"{len(data.get('rows') or [])} items)")
+        return _save(fig, path)

@@ -307,9 +307,23 @@ def gpu_section(gpu: dict | None, source: Path | None, others: list[dict]) -> li
                     "`--gpu-json FILE` to include a result measured on a GPU.", ""]
 
 
+def diagnose_section(data: dict, source: Path, out: Path, tag: str = "") -> list[str]:
+    """A ``bench diagnose`` result: where reused caches drift, and what each selector buys."""
+    title = "## Why reuse drifts: layers, tokens, cache context, selectors"
+    lines = [title + (f" ({data['model']})" if data.get("model") else ""), "", *provenance(data, source)]
+    lines += _plots(out, data, [(f"diagnose{tag}.png", plots.diagnose_profiles,
+                                 "deviation from full by layer and by position in the chunk")])
+    summary = data.get("summary") or {}
+    rows = [[context, label, f"{m['recompute_fraction']:.3f}", f"{m['answer_kl']:.4f}",
+             f"{m['token_agreement']:.3f}", f"{m['kl']:.4f}"]
+            for context, s in summary.items() for label, m in s["runs"].items()]
+    lines += _table(["cache made after", "run", "recompute", "answer KL", "token agreement", "first-token KL"], rows)
+    return lines + findings.diagnose_findings(data) + [""]
+
+
 SECTIONS = {"quality": quality_section, "workload": workload_section, "eviction": eviction_section,
             "replay": replay_section, "scaling": scaling_section, "revisit": revisit_section,
-            "loading": loading_section, "tradeoff": tradeoff_section}
+            "loading": loading_section, "tradeoff": tradeoff_section, "diagnose": diagnose_section}
 
 
 def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = None,
@@ -357,7 +371,7 @@ def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = 
     lines += [results[n]["command"] if results[n] else command(n.partition(":")[0], p, dataset)
               for n, p in sources.items()]
     lines += [f"cachecraft bench report --out {out}"
-              + "".join(f" --{'also-quality' if ':' in n else n} {p}" for n, p in sources.items())
+              + "".join(f" --{'also-' if ':' in n else ''}{n.partition(':')[0]} {p}" for n, p in sources.items())
               + (f" --gpu-json {gpu_source}" if gpu_source else ""), "```", ""]
     path = out / "report.md"
     path.write_text("\n".join(lines), encoding="utf-8")

@@ -42,6 +42,8 @@ COMMANDS = {
     "tradeoff": "cachecraft bench scaling --dataset {dataset} --contexts {contexts} --chunks '' --repeats {repeats} "
                 "--chunk-tokens {chunk_tokens} --max-new-tokens {max_new_tokens} "
                 f"--methods {TRADEOFF_METHODS} --out {{out}}",
+    "diagnose": "cachecraft bench diagnose --model qwen2.5-coder-0.5b --dataset {dataset} --skip {skip} "
+                "--limit {limit} --out {out}",
 }
 Progress = Callable[[str], None]
 
@@ -51,7 +53,8 @@ DEFAULTS = {"quality": {"limit": 10}, "workload": {"limit": 20, "requests": 40, 
             "replay": {}, "scaling": {},
             "revisit": {"contexts": 7900, "repeats": 6, "chunk_tokens": 512, "max_new_tokens": 32},
             "loading": {"contexts": 7900, "repeats": 6, "chunk_tokens": 512, "max_new_tokens": 32, "tier": "disk"},
-            "tradeoff": {"contexts": 7900, "repeats": 6, "chunk_tokens": 512, "max_new_tokens": 32}}
+            "tradeoff": {"contexts": 7900, "repeats": 6, "chunk_tokens": 512, "max_new_tokens": 32},
+            "diagnose": {"skip": 30, "limit": 6}}
 SCALING_FLAGS = {"chunk_counts": "chunks"}
 
 
