@@ -114,6 +114,10 @@ class Config:
     policy_alpha: float = 0.08
     # Layers: a whole number names a layer, a fraction below 1 a depth (0.27: layer 8 of 30)
     policy_check_layer: float = 8
+    # Every cached chunk without an exact prefix match recomputes at least this share of its
+    # tokens, and its first policy_sink_tokens tokens come first among them (0, 0: CFO alone)
+    policy_floor: float = 0.0
+    policy_sink_tokens: int = 0
     early_stop_layers: str = ""  # comma-separated layers or depths, e.g. "12,20" or "0.4,0.67"; empty: off
     early_stop_share: float = 0.25
     stats_layer_step: int = 4  # attention statistics at every 4th layer (1: every layer)
@@ -159,6 +163,8 @@ class Config:
         check(0.0 <= self.policy_alpha <= 10.0, f"policy_alpha must be within [0, 10], got {self.policy_alpha}")
         check(_is_layer(self.policy_check_layer), "policy_check_layer must be a layer number or a depth below 1 "
               f"(e.g. 8 or 0.27), got {self.policy_check_layer}")
+        check(0.0 <= self.policy_floor <= 1.0, f"policy_floor must be within [0, 1], got {self.policy_floor}")
+        check(self.policy_sink_tokens >= 0, f"policy_sink_tokens must be >= 0, got {self.policy_sink_tokens}")
         check(0.0 <= self.early_stop_share <= 1.0, f"early_stop_share must be within [0, 1], got {self.early_stop_share}")
         try:
             ok = all(_is_layer(x) for x in self.early_stop_layer_list)

@@ -100,6 +100,13 @@ def calibrate_cmd(
                                                help="Comma-separated candidate check layers: whole numbers are "
                                                     "layers, fractions below 1 depths (e.g. 0.2,0.27,0.4); "
                                                     "default: the config's policy_check_layer only."),
+    floors: Optional[str] = typer.Option(None, help="Comma-separated candidate floors: the least share of each "
+                                                    "reused chunk recomputed (e.g. 0,0.03,0.05); default: the "
+                                                    "config's policy_floor only."),
+    sink_tokens: Optional[str] = typer.Option(None, "--sink-tokens",
+                                              help="Comma-separated candidate counts of each chunk's first "
+                                                   "tokens recomputed first (e.g. 0,4,16); default: the config's "
+                                                   "policy_sink_tokens only."),
     max_new_tokens: int = typer.Option(32, min=1, help="Answer length the divergence is measured along."),
     warm_context: Optional[str] = typer.Option(None, help="What the chunk-caches are made after, following the "
                                                         "system prompt: builtin, none or a text file (default: "
@@ -108,26 +115,30 @@ def calibrate_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Fit the policy to a model: run `full` and `cachecraft` with every candidate alpha
-    (and check layer) on a MuSiQue-format file, measure the answer-level divergence from
+    (and check layer, floor, sink tokens) on a MuSiQue-format file, measure the answer-level divergence from
     full prefill along full's answer, and keep the candidate with the lowest divergence
     within the recompute budget (or the least recompute that reaches --target-kl). The
     result is stored in the catalog against the model's fingerprint: `query` and the
-    LlamaIndex engine use it wherever the config leaves policy_alpha / policy_check_layer
-    at their defaults; `config show` and `explain` say so. The chunk-caches are made the
+    LlamaIndex engine use it wherever the config leaves policy_alpha, policy_check_layer,
+    policy_floor and policy_sink_tokens at their defaults; `config show` and `explain` say so. The chunk-caches are made the
     way `warm` makes them.
 
     Example: cachecraft calibrate --dataset musique_dev.json --skip 30 --limit 20 --budget 0.05
+    --floors 0,0.03 --sink-tokens 0,8
     """
     from rich.progress import Progress
 
     from cachecraft.calibration import calibrate, store_fitted
     from cachecraft.catalog import Catalog
     from cachecraft.dataset import load_items
-    from cachecraft.policy.calibrate import CalibrationError, Goal, parse_alphas, parse_check_layers
+    from cachecraft.policy.calibrate import (CalibrationError, Goal, parse_alphas, parse_check_layers, parse_floors,
+                                             parse_sink_tokens)
 
     try:
         candidates = parse_alphas(alphas)
         layers = parse_check_layers(check_layers) if check_layers is not None else None
+        floor_list = parse_floors(floors) if floors is not None else None
+        sink_list = parse_sink_tokens(sink_tokens) if sink_tokens is not None else None
         goal = Goal(budget=0.05 if budget is None and target_kl is None else budget, target_kl=target_kl)
     except CalibrationError as exc:
         raise UserError(str(exc)) from None
@@ -140,7 +151,8 @@ def calibrate_cmd(
     lm = load_model_quietly(config)
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task("items", total=len(items))
-        result = calibrate(lm, config, items, candidates, goal, layers, max_new_tokens=max_new_tokens,
+        result = calibrate(lm, config, items, candidates, goal, layers, floor_list, sink_list,
+                           max_new_tokens=max_new_tokens,
                            on_item=lambda done, total: progress.update(task, completed=done))
     with Catalog(config.cache_dir, url=config.catalog_url or None) as catalog:
         stored = store_fitted(catalog, lm.fingerprint, result, model=config.model, dataset=str(dataset),
@@ -150,21 +162,23 @@ def calibrate_cmd(
         return
     table = Table(title=f"calibrate {config.model} on {len(items)} item(s) from #{skip} ({result.goal.describe()}; "
                         f"full TTFT median {seconds(result.full_ttft_s)})")
-    for column in ("alpha", "check layer", "recompute", "answer KL", "token agreement", "agreement F1",
-                   "first-token KL", "TTFT median (s)"):
+    for column in ("alpha", "check layer", "floor", "sink tokens", "recompute", "answer KL", "token agreement",
+                   "agreement F1", "first-token KL", "TTFT median (s)"):
         table.add_column(column, justify="right")
     for r in result.rows:
         mark = " *" if r is result.chosen else ""
-        table.add_row(f"{r.alpha:g}{mark}", f"{r.check_layer:g}", f"{r.recompute:.3f}", f"{r.answer_kl:.4f}",
+        table.add_row(f"{r.alpha:g}{mark}", f"{r.check_layer:g}", f"{r.floor:g}", str(r.sink_tokens),
+                      f"{r.recompute:.3f}", f"{r.answer_kl:.4f}",
                       f"{r.token_agreement:.3f}", f"{r.agreement:.3f}", f"{r.kl:.4f}", f"{r.ttft_s:.2f}")
     console.print(table)
     chosen = result.chosen
     if result.reached:
-        console.print(f"chosen: policy_alpha {chosen.alpha:g}, policy_check_layer {chosen.check_layer:g} "
-                      f"(recompute {chosen.recompute:.3f}, answer KL {chosen.answer_kl:.4f})", highlight=False)
+        console.print(f"chosen: policy_alpha {chosen.alpha:g}, policy_check_layer {chosen.check_layer:g}, "
+                      f"policy_floor {chosen.floor:g}, policy_sink_tokens {chosen.sink_tokens} (recompute {chosen.recompute:.3f}, answer KL {chosen.answer_kl:.4f})", highlight=False)
     else:
         console.print(f"[yellow]no candidate met the {result.goal.describe()}[/yellow]; chosen: policy_alpha "
-                      f"{chosen.alpha:g}, policy_check_layer {chosen.check_layer:g} (recompute "
+                      f"{chosen.alpha:g}, policy_check_layer {chosen.check_layer:g}, policy_floor {chosen.floor:g}, "
+                      f"policy_sink_tokens {chosen.sink_tokens} (recompute "
                       f"{chosen.recompute:.3f}, answer KL {chosen.answer_kl:.4f})", highlight=False)
     console.print(f"stored for {config.model} (fingerprint {lm.fingerprint}) in the catalog at {catalog.where}; "
                   "used where the config leaves these settings at their defaults", highlight=False)
@@ -478,7 +492,9 @@ def explain_cmd(ctx: typer.Context,
         policy, origin = record.policy, record.policy.get("sources", {})
         console.print(f"policy: alpha {policy.get('alpha')} ({origin.get('policy_alpha', '?')}), check layer "
                       f"{policy.get('check_layer')} of {policy.get('num_layers')} "
-                      f"({origin.get('policy_check_layer', '?')}), early stop at "
+                      f"({origin.get('policy_check_layer', '?')}), floor {policy.get('floor', 0)} "
+                      f"({origin.get('policy_floor', '?')}), sink tokens {policy.get('sink_tokens', 0)} "
+                      f"({origin.get('policy_sink_tokens', '?')}), early stop at "
                       f"{policy.get('early_stop_layers') or 'none'}", highlight=False)
 
 

@@ -79,16 +79,21 @@ def test_layers_are_named_by_number_or_by_depth():
 
 
 def test_fitted_settings_apply_where_the_config_keeps_the_default():
-    fitted = {"policy_alpha": 0.3, "policy_check_layer": 0.5}
+    fitted = {"policy_alpha": 0.3, "policy_check_layer": 0.5, "policy_floor": 0.04, "policy_sink_tokens": 8}
     default = Config.load(environ={})
     values, sources = policy_settings(default, fitted)
-    assert values == {"policy_alpha": 0.3, "policy_check_layer": 0.5}
-    assert sources == {"policy_alpha": "calibrated", "policy_check_layer": "calibrated"}
-    own = Config.load(overrides={"policy_alpha": 0.2}, environ={})
+    assert values == fitted
+    assert set(sources.values()) == {"calibrated"}
+    own = Config.load(overrides={"policy_alpha": 0.2, "policy_sink_tokens": 2}, environ={})
     values, sources = policy_settings(own, fitted)
-    assert values == {"policy_alpha": 0.2, "policy_check_layer": 0.5}
-    assert sources == {"policy_alpha": "config", "policy_check_layer": "calibrated"}
-    assert policy_settings(default, None)[1] == {"policy_alpha": "default", "policy_check_layer": "default"}
+    assert values == {**fitted, "policy_alpha": 0.2, "policy_sink_tokens": 2}
+    assert sources == {"policy_alpha": "config", "policy_check_layer": "calibrated", "policy_floor": "calibrated",
+                       "policy_sink_tokens": "config"}
+    params = params_from_config(own, 24, fitted)
+    assert (params.alpha, params.check_layer, params.floor, params.sink_tokens) == (0.2, 12, 0.04, 2)
+    older = {"policy_alpha": 0.3, "policy_check_layer": 0.5}  # stored before floors and sinks were fitted
+    assert policy_settings(default, older)[1]["policy_floor"] == "default"
+    assert set(policy_settings(default, None)[1].values()) == {"default"}
 
 
 def fake_result(alphas, goal, layers=None):
@@ -101,8 +106,9 @@ def fake_result(alphas, goal, layers=None):
 def fake_calibration(monkeypatch):
     seen = []
 
-    def fake(lm, config, items, alphas, goal, check_layers=None, **kwargs):
-        seen.append({"config": config, "items": items, "alphas": alphas, "goal": goal, "layers": check_layers})
+    def fake(lm, config, items, alphas, goal, check_layers=None, floors=None, sink_tokens=None, **kwargs):
+        seen.append({"config": config, "items": items, "alphas": alphas, "goal": goal, "layers": check_layers,
+                     "floors": floors, "sinks": sink_tokens})
         return fake_result(alphas, goal, check_layers)
 
     monkeypatch.setattr(calibrate_module, "calibrate", fake)
@@ -126,7 +132,8 @@ def test_calibrate_stores_the_fit_for_the_model_and_query_uses_it(fake_calibrati
     with TieredStore(config, tiers=("cpu",)) as store:
         pipe = Pipeline(config, lm=lm, store=store)
         assert pipe.policy.alpha == 0.2 and pipe.policy.check_layer == layer_at(0.5, lm.adapter.num_layers)
-        assert pipe.policy_sources == {"policy_alpha": "calibrated", "policy_check_layer": "calibrated"}
+        assert pipe.policy_sources == {"policy_alpha": "calibrated", "policy_check_layer": "calibrated",
+                                       "policy_floor": "calibrated", "policy_sink_tokens": "calibrated"}
     own = config.replace(policy_alpha=0.4)
     with TieredStore(own, tiers=("cpu",)) as store:
         assert Pipeline(own, lm=lm, store=store).policy.alpha == 0.4  # the config's own value wins
@@ -185,3 +192,30 @@ def test_bad_input_is_one_line_and_exit_1(args, needle, dataset, cache_dir):
     assert result.exit_code == 1, result.output
     assert "Traceback" not in result.output
     assert needle in result.output and result.output.strip().count("\n") == 0
+
+
+def test_calibrate_searches_floors_and_sink_tokens_and_refuses_bad_ones(fake_calibration, dataset, cache_dir):
+    result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.1", "--floors", "0.05,0",
+                                 "--sink-tokens", "8,0"])
+    assert result.exit_code == 0, result.output
+    assert fake_calibration[0]["floors"] == [0.0, 0.05] and fake_calibration[0]["sinks"] == [0, 8]
+    for flag, bad, message in (("--floors", "1.5", "floors must be within"), ("--sink-tokens", "2.5", "not a whole"),
+                               ("--sink-tokens", "x", "not a number")):
+        result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), flag, bad])
+        assert result.exit_code != 0 and message in result.output, result.output
+
+
+def test_calibrate_on_a_tiny_model_measures_floors_and_sinks(tiny_llama, dataset, tmp_path):
+    from cachecraft.calibration import calibrate
+    from cachecraft.dataset import load_items
+
+    config = Config.load(overrides={"cache_dir": tmp_path, "max_new_tokens": 3, "warm_context": "none",
+                                    "policy_check_layer": 1}, environ={})
+    result = calibrate(tiny_llama, config, load_items(dataset, 1), [0.0], Goal(budget=1.0), None, [0.0, 1.0],
+                       [0, 2], max_new_tokens=3)
+    rows = {(r.floor, r.sink_tokens): r for r in result.rows}
+    assert set(rows) == {(0.0, 0), (0.0, 2), (1.0, 0), (1.0, 2)}
+    assert rows[(0.0, 0)].recompute == 0.0  # alpha 0 and no floor: nothing recomputed
+    assert rows[(1.0, 0)].recompute == rows[(1.0, 2)].recompute > 0.5  # the floor recomputes every reused chunk
+    assert rows[(1.0, 0)].answer_kl == pytest.approx(0.0, abs=1e-5)
+    assert result.profile()["policy_floor"] == result.chosen.floor

@@ -57,3 +57,14 @@ def test_early_stop_decision_by_hand():
     # chunk mass 1.0, 0.1, 3.0: even share 4.1/3 = 1.367; threshold 0.25 * 1.367 = 0.342
     assert early_stop_decision(4, mass, [1, 2, 3], 0.25) == {2: 5}
     assert early_stop_decision(4, mass, [], 0.25) == {}
+
+
+def test_a_floor_raises_every_reused_chunk_but_an_exact_match():
+    """alpha 0.1, CCI prior 0.6: CFO 0.06 -> ceil(0.6) = 1 token of 10; a floor of 0.25 makes
+    it ceil(2.5) = 3; the chunk cached right after the system prefix (exact) still needs none."""
+    plain = plan_request(["a", "b"], [10, 10], {"a": [alone("a0")], "b": [alone("b0")]},
+                         PolicyParams(alpha=0.1, cci_prior=0.6))
+    assert [p.count for p in plain.chunks] == [0, 1]
+    floored = plan_request(["a", "b"], [10, 10], {"a": [alone("a0")], "b": [alone("b0")]},
+                           PolicyParams(alpha=0.1, cci_prior=0.6, floor=0.25))
+    assert [p.count for p in floored.chunks] == [0, 3]

@@ -72,3 +72,40 @@ def test_question_guided_at_full_ratio_reproduces_full_prefill(any_tiny):
     result = blended_prefill(any_tiny.adapter, segments)
     assert result.recompute_fraction == 1.0
     assert (result.logits - logits).abs().max() < 1e-4
+
+
+def test_the_policy_gives_each_chunk_its_sink_tokens_first_and_the_rest_where_the_question_looks(tiny_llama):
+    """Counts 0, 5, 3 with 2 sink tokens: chunk 0 untouched; chunks 1 and 2 get tokens 0 and 1,
+    then the 3 + 1 = 4 remaining tokens go, in total, to the most attended of their other
+    tokens (worked out here from the question's attention at the check layer)."""
+    from cachecraft.methods.policy import place_plan_tokens, sink_counts
+    from cachecraft.policy.planner import ChunkPlan, RecomputePlan
+
+    assert sink_counts([0, 5, 3, 1], 2) == [0, 2, 2, 1]
+    prefix, chunks, question = make_prompt()
+    segments = cached_segments(tiny_llama, prefix, chunks, question)
+    look = TokenAttention(2)
+    blended_prefill(tiny_llama.adapter, segments, hooks=[look], until_layer=3)
+    starts = [len(prefix) + sum(map(len, chunks[:i])) for i in range(len(chunks))]
+    others = torch.cat([torch.arange(starts[i] + 2, starts[i] + len(chunks[i])) for i in (1, 2)])
+    expected = set(others[look.mass[others].topk(4).indices].tolist())
+    counts = [0, 5, 3] + [0] * (len(chunks) - 3)
+    plan = RecomputePlan(tuple(ChunkPlan(f"c{i}", "v", None, n, len(c)) for i, (n, c) in enumerate(zip(counts, chunks))))
+    place_plan_tokens(tiny_llama.adapter, segments, plan, check_layer=2, sink_tokens=2)
+    picked = {i: segments[1 + i].recompute for i in range(len(chunks))}
+    assert not segments[1].fixable and picked[0] is None
+    assert picked[1][:2].tolist() == [0, 1] and picked[2][:2].tolist() == [0, 1]
+    assert len(picked[1]) + len(picked[2]) == 8
+    chosen = {starts[i] + int(t) for i in (1, 2) for t in picked[i] if int(t) >= 2}
+    assert chosen == expected
+
+
+def test_sink_tokens_alone_need_no_look_ahead(tiny_llama):
+    from cachecraft.methods.policy import place_plan_tokens
+    from cachecraft.policy.planner import ChunkPlan, RecomputePlan
+
+    prefix, chunks, question = make_prompt()
+    segments = cached_segments(tiny_llama, prefix, chunks, question)
+    plan = RecomputePlan(tuple(ChunkPlan(f"c{i}", "v", None, 3, len(c)) for i, c in enumerate(chunks)))
+    place_plan_tokens(tiny_llama.adapter, segments, plan, check_layer=2, sink_tokens=4)
+    assert all(seg.recompute.tolist() == [0, 1, 2] for seg in segments[1:-1])

@@ -66,11 +66,13 @@ class FirstK(_Static):
 
 
 def select_question_guided(adapter, segments: list[Segment], check_layer: int, ratio: float | None = None,
-                           total: int | None = None) -> int:
+                           total: int | None = None, chosen_before=None) -> int:
     """Set each fixable cached chunk's recompute tokens from the question's look-ahead
-    at ``check_layer`` (cut to the model's depth); returns the layer used."""
+    at ``check_layer`` (cut to the model's depth; ``chosen_before``: tokens chosen another
+    way, kept); returns the layer used."""
     layer = min(check_layer, adapter.num_layers - 1)
-    for seg, picked in zip(segments, question_guided(adapter, segments, layer, ratio=ratio, total=total)):
+    for seg, picked in zip(segments, question_guided(adapter, segments, layer, ratio=ratio, total=total,
+                                                     chosen_before=chosen_before)):
         if picked is not None:
             seg.recompute = picked
     return layer

@@ -31,19 +31,25 @@ class CacheCraft(Method):
     takes_ratio = True
     default_ratio = PolicyParams.alpha
 
-    def __init__(self, ratio: float | None = None, check_layer: int | None = None):
+    def __init__(self, ratio: float | None = None, check_layer: int | None = None, floor: float | None = None,
+                 sink_tokens: int | None = None):
         super().__init__(ratio)
-        self.check_layer = check_layer  # None: the pipeline's (calibration tries others)
+        # None: the pipeline's (calibration tries others)
+        self.check_layer, self.floor, self.sink_tokens = check_layer, floor, sink_tokens
 
     @property
     def label(self) -> str:
-        """``cachecraft@alpha``, with ``/L<layer>`` when the method sets its own check layer."""
-        return super().label + ("" if self.check_layer is None else f"/L{self.check_layer}")
+        """``cachecraft@alpha``, with ``/L<layer>``, ``/F<floor>`` and ``/S<sink tokens>`` where
+        the method sets its own."""
+        return (super().label + ("" if self.check_layer is None else f"/L{self.check_layer}")
+                + ("" if self.floor is None else f"/F{self.floor:g}")
+                + ("" if self.sink_tokens is None else f"/S{self.sink_tokens}"))
 
     def params(self, request: RequestContext) -> PolicyParams:
-        """The request's policy parameters with this method's alpha (and check layer)."""
-        params = replace(request.policy, alpha=self.ratio)
-        return params if self.check_layer is None else replace(params, check_layer=self.check_layer)
+        """The request's policy parameters with this method's alpha (and check layer, floor,
+        sink tokens where it sets them)."""
+        own = {"check_layer": self.check_layer, "floor": self.floor, "sink_tokens": self.sink_tokens}
+        return replace(request.policy, alpha=self.ratio, **{k: v for k, v in own.items() if v is not None})
 
     def load_plan(self, request: RequestContext) -> LoadPlan:
         lookup, keys = request.lookup, request.keys
@@ -57,7 +63,7 @@ class CacheCraft(Method):
     def prepare(self, request: RequestContext, segments: list[Segment], load: LoadPlan | None) -> PrefillHooks:
         assert load is not None and load.plan is not None, "cachecraft prepares a request it planned"
         params = self.params(request)
-        place_plan_tokens(request.adapter, segments, load.plan, params.check_layer)
+        place_plan_tokens(request.adapter, segments, load.plan, params.check_layer, params.sink_tokens)
         hooks = PrefillHooks(lookahead_layer=min(params.check_layer, request.adapter.num_layers - 1)
                              if any(s.cached is not None for s in segments) else None)
         if params.early_stop_layers:
@@ -79,15 +85,34 @@ def _observe_for_early_stop(hooks: PrefillHooks, segments: list[Segment], params
     hooks.layer_hooks.append(QuestionAttention(params.early_stop_layers, on_mass=decide))
 
 
-def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, check_layer: int) -> None:
-    """Give the plan's token counts to the chunks where the question looks: chunks the
-    plan leaves alone are not candidates; the total is placed over the rest."""
+def sink_counts(counts: list[int], sink_tokens: int) -> list[int]:
+    """Of each chunk's planned count, how many go to its first tokens: ``min(count, sink_tokens)``."""
+    return [min(count, sink_tokens) for count in counts]
+
+
+def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, check_layer: int,
+                      sink_tokens: int = 0) -> None:
+    """Give the plan's token counts to the chunks: each chunk's first ``sink_tokens`` of its
+    count to its first tokens, the rest, in total, where the question looks. Chunks the
+    plan leaves alone are not candidates."""
     chunk_segments = segments[1:-1]
     for seg, chunk_plan in zip(chunk_segments, plan.chunks):
         seg.fixable = seg.cached is not None and chunk_plan.count > 0
-    total = sum(p.count for p, seg in zip(plan.chunks, chunk_segments) if seg.fixable)
-    if total:
+    counts = [p.count if seg.fixable else 0 for p, seg in zip(plan.chunks, chunk_segments)]
+    sinks = sink_counts(counts, sink_tokens)
+    total = sum(counts) - sum(sinks)
+    if not sum(counts):
+        return
+    if not sum(sinks):
         select_question_guided(adapter, segments, check_layer, total=total)
+        return
+    before = [None, *(torch.arange(n) if seg.fixable else None for n, seg in zip(sinks, chunk_segments)), None]
+    if total:
+        select_question_guided(adapter, segments, check_layer, total=total, chosen_before=before)
+    else:  # the counts are all sinks: no look-ahead needed
+        for seg, picked in zip(segments, before):
+            if picked is not None:
+                seg.recompute = picked
 
 
 def variant_info(kv: ChunkKV) -> VariantInfo:

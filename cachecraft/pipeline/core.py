@@ -418,7 +418,8 @@ class Pipeline:
     def policy_report(self) -> dict:
         """The policy's settings in use (layers resolved for this model) and where each came
         from (config, calibrated, default), for ``explain`` and ``config show``."""
-        return {"alpha": self.policy.alpha, "check_layer": self.policy.check_layer,
+        return {"alpha": self.policy.alpha, "check_layer": self.policy.check_layer, "floor": self.policy.floor,
+                "sink_tokens": self.policy.sink_tokens,
                 "early_stop_layers": list(self.policy.early_stop_layers), "num_layers": self.lm.adapter.num_layers,
                 "sources": dict(self.policy_sources)}
 

@@ -1,7 +1,9 @@
 """Choosing the policy's parameters from measured candidates (pure decisions).
 
-A candidate is an alpha and a check layer (a whole number names a layer, a fraction
-below 1 a depth; see :func:`cachecraft.policy.rules.layer_at`). What is optimised is
+A candidate is an alpha, a check layer (a whole number names a layer, a fraction
+below 1 a depth; see :func:`cachecraft.policy.planner.layer_at`), a floor (the least
+share of each reused chunk recomputed) and a number of sink tokens (each chunk's first
+tokens, recomputed first). What is optimised is
 the yardstick's answer-level divergence: the mean per-token KL(full || candidate) along
 full's greedy answer. Two goals:
 
@@ -41,6 +43,8 @@ class CandidateRow:
     agreement: float
     kl: float
     ttft_s: float
+    floor: float = 0.0
+    sink_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ class CalibrationResult:
         """The fitted parameters as the catalog keeps them (``about``: model, dataset,
         items... recorded beside them)."""
         return {"policy_alpha": self.chosen.alpha, "policy_check_layer": self.chosen.check_layer,
+                "policy_floor": self.chosen.floor, "policy_sink_tokens": self.chosen.sink_tokens,
                 "fitted": {**about, "goal": asdict(self.goal), "reached": self.reached,
                            "answer_kl": self.chosen.answer_kl, "recompute": self.chosen.recompute,
                            "token_agreement": self.chosen.token_agreement}}
@@ -84,7 +89,8 @@ class CalibrationResult:
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly: goal, chosen parameters and every row."""
         return {"goal": asdict(self.goal), "reached": self.reached, "policy_alpha": self.chosen.alpha,
-                "policy_check_layer": self.chosen.check_layer, "full_ttft_s_median": self.full_ttft_s,
+                "policy_check_layer": self.chosen.check_layer, "policy_floor": self.chosen.floor,
+                "policy_sink_tokens": self.chosen.sink_tokens, "full_ttft_s_median": self.full_ttft_s,
                 "rows": [asdict(r) for r in self.rows]}
 
 
@@ -120,13 +126,27 @@ def parse_check_layers(text: str) -> list[float]:
     return values
 
 
+def parse_floors(text: str) -> list[float]:
+    """Candidate floors: shares of a chunk's tokens, each within [0, 1]."""
+    return parse_numbers(text, "floors", 0.0, 1.0)
+
+
+def parse_sink_tokens(text: str) -> list[int]:
+    """Candidate sink-token counts: whole numbers >= 0."""
+    values = parse_numbers(text, "sink tokens", 0.0, 4096.0)
+    bad = [v for v in values if v != int(v)]
+    if bad:
+        raise CalibrationError(f"sink tokens: {bad[0]:g} is not a whole number")
+    return [int(v) for v in values]
+
+
 def choose(rows: Sequence[CandidateRow], goal: Goal) -> tuple[CandidateRow, bool]:
     """The candidate ``goal`` asks for, and whether it met it (ties: lower recompute, then
-    lower alpha, then shallower check layer)."""
+    lower alpha, shallower check layer, lower floor, fewer sink tokens)."""
     assert rows, "no candidate to choose from"
 
     def cheaper(r: CandidateRow) -> tuple:
-        return (r.recompute, r.alpha, r.check_layer)
+        return (r.recompute, r.alpha, r.check_layer, r.floor, r.sink_tokens)
 
     if goal.budget is not None:
         within = [r for r in rows if r.recompute <= goal.budget]

@@ -9,6 +9,7 @@ few layers.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Sequence
 
 import torch
 
@@ -34,11 +35,14 @@ class TokenAttention(LayerHook):
 
 
 def question_guided(adapter, segments, check_layer: int, ratio: float | None = None,
-                    total: int | None = None) -> list[torch.Tensor | None]:
+                    total: int | None = None,
+                    chosen_before: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
     """Local indices to recompute per segment, chosen by where the question looks at
     ``check_layer``: the top tokens over all fixable cached chunks together, ``ratio``
     of them or ``total`` tokens. Segments with ``fixable=False`` are neither probed
-    for nor given tokens (None)."""
+    for nor given tokens (None). ``chosen_before`` (per segment, local indices or None):
+    tokens already chosen another way; they are not candidates (``ratio`` and ``total``
+    count the new picks), and each segment's result holds them as well as its new picks."""
     assert (ratio is None) != (total is None), "give either ratio or total"
     probe_segments = [replace(s, recompute=None, stop_layer=None, save=False, collect_stats=False)
                       for s in segments]
@@ -53,11 +57,19 @@ def question_guided(adapter, segments, check_layer: int, ratio: float | None = N
             spans.append((start, end))
         start = end
     picks: list[torch.Tensor | None] = [None] * len(segments)
-    if not spans or (ratio is not None and ratio <= 0) or total == 0:
+    if not spans:
         return picks
-    candidates = torch.cat([torch.arange(a, b) for a, b in spans])
+    taken = torch.zeros(mass.numel(), dtype=torch.bool, device=mass.device)
+    start = 0
+    for seg, before in zip(segments, chosen_before or [None] * len(segments)):
+        if before is not None and len(before):
+            taken[start + torch.as_tensor(before, dtype=torch.long, device=mass.device)] = True
+        start += len(seg.token_ids)
+    candidates = torch.cat([torch.arange(a, b, device=mass.device) for a, b in spans])
     count = count_for(ratio, candidates.numel()) if ratio is not None else min(total, candidates.numel())
-    chosen = candidates[mass[candidates].topk(count).indices]
+    candidates = candidates[~taken[candidates]]
+    count = max(0, min(count, candidates.numel()))
+    chosen = torch.cat([candidates[mass[candidates].topk(count).indices], taken.nonzero().squeeze(1)])
     start = 0
     for i, seg in enumerate(segments):
         end = start + len(seg.token_ids)
