@@ -11,7 +11,7 @@ from sqlalchemy import JSON, case, cast, func, or_, select, type_coerce
 
 from cachecraft.catalog.db import Catalog
 from cachecraft.catalog.models import Chunk, Entry, Request, Variant
-from cachecraft.catalog.records import HIT_TIERS, SHARED_TIER, TIERS
+from cachecraft.catalog.records import HIT_TIERS, TIERS
 from cachecraft.warm_context import SOURCE as WARM_CONTEXT_SOURCE
 
 
