@@ -41,7 +41,7 @@ def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[floa
                                               sink_tokens=s)
                   for spec in specs for f in floor_list for s in sink_list for a in alphas}
     unique = list({m.label: m for m in candidates.values()}.values())  # two depths may name one layer
-    with scratch_pipeline(lm, config) as pipeline:
+    with scratch_pipeline(lm, config, fitted=False) as pipeline:  # candidates as given, nothing fitted before
         rows = evaluate_items(pipeline, items, [Full(), *unique], max_new_tokens=max_new_tokens,
                               on_item=on_item, on_answer=on_answer)
 

@@ -28,6 +28,9 @@ from cachecraft.engine import teacher_forced_logits
 from cachecraft.methods import Full, Method
 from cachecraft.metrics import answer_divergence, best_f1, exact_match, first_line, kl_divergence, token_f1
 from cachecraft.pipeline import Answer, Pipeline, PrefillTrace
+from cachecraft.policy.calibrate import ANY_DEVICE, POLICY_PROFILE
+from cachecraft.policy.planner import params_from_config
+from cachecraft.policy.shipped import shipped_fit
 from cachecraft.prompt import PromptBuilder
 from cachecraft.store import TieredStore
 
@@ -35,16 +38,36 @@ Meter = Callable[[], ContextManager]
 OnAnswer = Callable[[QAItem, Answer, PrefillTrace], None]
 
 
+def query_fit(lm, config: Config) -> dict | None:
+    """The fitted policy ``query`` would use for ``lm`` under ``config``: the one ``calibrate``
+    stored in the catalog for its fingerprint, else the one shipped for a bundled model."""
+    from cachecraft.catalog import Catalog, CatalogError, catalog_path
+
+    if config.catalog_url or catalog_path(config.cache_dir).is_file():
+        try:
+            with Catalog(config.cache_dir, url=config.catalog_url or None) as catalog:
+                found = catalog.profile(lm.fingerprint, ANY_DEVICE, POLICY_PROFILE)
+        except CatalogError:
+            found = None
+        if found:
+            return found
+    return shipped_fit(config.model)
+
+
 @contextmanager
-def scratch_pipeline(lm, config: Config, tier: str = "cpu") -> Iterator[Pipeline]:
+def scratch_pipeline(lm, config: Config, tier: str = "cpu", *, fitted: bool = True) -> Iterator[Pipeline]:
     """A pipeline over a throw-away store and catalog (one ``tier``) in a temporary
-    directory under the cache directory; it keeps no variant its requests make."""
+    directory under the cache directory; it keeps no variant its requests make. Its
+    policy is the one ``query`` would use (``fitted``: with the model's fitted parameters
+    where the config leaves the defaults), or the config's alone (``fitted=False``, for
+    ``calibrate``, which measures its candidates as given)."""
     Path(config.cache_dir).mkdir(parents=True, exist_ok=True)
+    policy = params_from_config(config, lm.adapter.num_layers, query_fit(lm, config) if fitted else None)
     scratch = Path(tempfile.mkdtemp(prefix="scratch-", dir=config.cache_dir))
     scratch_config = config.replace(cache_dir=scratch)
     try:
         with TieredStore(scratch_config, tiers=(tier,)) as store:
-            yield Pipeline(scratch_config, lm=lm, store=store, keep_new_variants=False)
+            yield Pipeline(scratch_config, lm=lm, store=store, keep_new_variants=False, policy=policy)
             store.close(persist=False)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -653,7 +653,9 @@ def config_show_cmd(ctx: typer.Context,
         for key, origin in fitted_sources.items():
             if origin == "calibrated":
                 values[key] = fitted_values[key]
-                sources[key] = f"calibrated for {config.model}" + (f" on {when[:10]}" if when else "")
+                shipped = (fitted.get("fitted") or {}).get("source") == "shipped"
+                sources[key] = (f"calibrated for {config.model}" + (f" on {when[:10]}" if when else "")
+                                + (" (shipped with cachecraft)" if shipped else ""))
     if as_json:
         print(json.dumps({"values": values, "sources": sources}, indent=2))
         return
@@ -668,19 +670,22 @@ def config_show_cmd(ctx: typer.Context,
 
 def _fitted_policy(config) -> dict | None:
     """The newest policy profile `calibrate` stored for ``config.model`` (by name: showing
-    the configuration loads no model), or None; an unreadable catalog is skipped."""
+    the configuration loads no model), else the one shipped for a bundled model, or None;
+    an unreadable catalog is skipped."""
     from cachecraft.catalog import Catalog, CatalogError, catalog_path
     from cachecraft.policy.calibrate import POLICY_PROFILE
+    from cachecraft.policy.shipped import shipped_fit
 
     if not config.catalog_url and not catalog_path(config.cache_dir).is_file():
-        return None  # nothing calibrated, and showing the configuration creates no catalog
+        return shipped_fit(config.model)  # nothing calibrated, and showing the configuration creates no catalog
     try:
         with Catalog(config.cache_dir, url=config.catalog_url or None) as catalog, catalog.read() as tx:
             found = [value for _, _, kind, value in tx.profiles() if kind == POLICY_PROFILE
                      and (value.get("fitted") or {}).get("model") == config.model]
     except CatalogError:
-        return None
-    return max(found, key=lambda v: str((v.get("fitted") or {}).get("date", "")), default=None)
+        found = []
+    return max(found, key=lambda v: str((v.get("fitted") or {}).get("date", "")), default=None) or \
+        shipped_fit(config.model)
 
 
 summarize_commands(app, config_app, bench_app)

@@ -219,3 +219,36 @@ def test_calibrate_on_a_tiny_model_measures_floors_and_sinks(tiny_llama, dataset
     assert rows[(1.0, 0)].recompute == rows[(1.0, 2)].recompute > 0.5  # the floor recomputes every reused chunk
     assert rows[(1.0, 0)].answer_kl == pytest.approx(0.0, abs=1e-5)
     assert result.profile()["policy_floor"] == result.chosen.floor
+
+
+def test_a_shipped_fit_applies_until_the_model_is_calibrated_here(monkeypatch, cache_dir):
+    """A bundled model's shipped parameters are used where the config keeps the defaults;
+    a calibration stored in the catalog wins over them; benchmarks' scratch pipelines use
+    what query would, and calibrate's use the config alone."""
+    import cachecraft.policy.shipped as shipped
+    from cachecraft.evaluation import scratch_pipeline
+
+    monkeypatch.setitem(shipped.SHIPPED_FITS, "smollm2", {
+        "policy_alpha": 0.08, "policy_check_layer": 8, "policy_floor": 0.2, "policy_sink_tokens": 3,
+        "fitted": {"model": "smollm2", "source": "shipped", "date": "2026-11-24"}})
+    lm = tiny_model("llama")
+    config = Config.load(environ={"CACHECRAFT_CACHE_DIR": str(cache_dir)})
+    shown = json.loads(runner.invoke(app, ["config", "show", "--json"]).output)
+    assert shown["values"]["policy_floor"] == 0.2
+    assert shown["sources"]["policy_floor"] == "calibrated for smollm2 on 2026-11-24 (shipped with cachecraft)"
+    with TieredStore(config, tiers=("cpu",)) as store:
+        pipe = Pipeline(config, lm=lm, store=store)
+        assert (pipe.policy.floor, pipe.policy.sink_tokens) == (0.2, 3)
+        assert pipe.policy_sources["policy_floor"] == "calibrated"
+    with scratch_pipeline(lm, config) as pipe:
+        assert pipe.policy.floor == 0.2
+    with Catalog(cache_dir) as catalog:
+        catalog.save_profile(lm.fingerprint, ANY_DEVICE, POLICY_PROFILE,
+                             {"policy_alpha": 0.1, "policy_check_layer": 2, "policy_floor": 0.05,
+                              "policy_sink_tokens": 0, "fitted": {"model": "smollm2"}})
+    with TieredStore(config, tiers=("cpu",)) as store:
+        assert Pipeline(config, lm=lm, store=store).policy.floor == 0.05
+    with scratch_pipeline(lm, config) as pipe:
+        assert (pipe.policy.floor, pipe.policy.alpha) == (0.05, 0.1)
+    with scratch_pipeline(lm, config, fitted=False) as pipe:
+        assert (pipe.policy.floor, pipe.policy.alpha) == (0.0, 0.08)

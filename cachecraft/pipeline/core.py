@@ -36,6 +36,7 @@ from cachecraft.pipeline.cost import COST_PROFILE, cost_model_from_profile, cost
 from cachecraft.pipeline.reports import Answer, ChunkReport, PrefillTrace, Source, WarmReport
 from cachecraft.policy.loading import DEFAULT_BANDWIDTHS, CostModel
 from cachecraft.policy.calibrate import ANY_DEVICE, POLICY_PROFILE
+from cachecraft.policy.shipped import shipped_fit
 from cachecraft.policy.planner import (FITTED_KEYS, PolicyParams, RecomputePlan, VariantInfo, expected_reuse,
                                        params_from_config, policy_settings)
 from cachecraft.prefix_cache import PrefixCache
@@ -424,13 +425,15 @@ class Pipeline:
                 "sources": dict(self.policy_sources)}
 
     def _fitted_policy(self) -> dict | None:
-        """The policy parameters ``calibrate`` stored for this model (None: none, or the
-        catalog cannot be read, which is only worth a warning)."""
+        """The policy parameters ``calibrate`` stored for this model, else those shipped for
+        it when it is a bundled model (None: neither; an unreadable catalog is only worth
+        a warning)."""
         try:
-            return self.catalog.profile(self.lm.fingerprint, ANY_DEVICE, POLICY_PROFILE)
+            found = self.catalog.profile(self.lm.fingerprint, ANY_DEVICE, POLICY_PROFILE)
         except CatalogError as exc:
             log.warning("cannot read the calibrated policy (%s); using the config's", exc)
-            return None
+            found = None
+        return found or shipped_fit(self.config.model)
 
     def _cost_profile(self) -> dict | None:
         try:
