@@ -26,7 +26,8 @@ from cachecraft.config import Config
 from cachecraft.dataset import QAItem
 from cachecraft.engine import teacher_forced_logits
 from cachecraft.methods import Full, Method
-from cachecraft.metrics import answer_divergence, best_f1, exact_match, first_line, kl_divergence, token_f1
+from cachecraft.metrics import (answer_divergence, best_f1, degenerate_repetition, exact_match, first_line,
+                                kl_divergence, token_f1)
 from cachecraft.pipeline import Answer, Pipeline, PrefillTrace
 from cachecraft.policy.calibrate import ANY_DEVICE, POLICY_PROFILE
 from cachecraft.policy.planner import params_from_config
@@ -115,6 +116,7 @@ def compare(item: QAItem, answer: Answer, trace: PrefillTrace, forced: torch.Ten
             "agreement_f1": token_f1(first_line(answer.text), first_line(ref.text)),
             "exact_match": float(exact_match(answer.text, ref.text)),
             "gold_f1": best_f1(answer.text, item.answers), "kv_mb": trace.kv_bytes / 2**20,
+            "repetition": float(degenerate_repetition(answer.text)),
             "answer": answer.text}
 
 

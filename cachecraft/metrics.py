@@ -67,3 +67,20 @@ def best_f1(prediction: str, references: Iterable[str]) -> float:
 def exact_match(prediction: str, reference: str) -> bool:
     """Whether two answers are equal after normalisation (first lines)."""
     return normalize_answer(first_line(prediction)) == normalize_answer(first_line(reference))
+
+
+def degenerate_repetition(text: str) -> bool:
+    """Whether an answer has degenerated into repetition: a non-empty line three times or
+    more, or a run of words repeated back to back (one word four times in a row, a phrase
+    of two to eight words three times)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if any(lines.count(line) >= 3 for line in set(lines)):
+        return True
+    words = text.split()
+    for n in range(1, 9):
+        needed = 4 if n == 1 else 3
+        for start in range(0, len(words) - n * needed + 1):
+            unit = words[start:start + n]
+            if all(words[start + k * n:start + (k + 1) * n] == unit for k in range(1, needed)):
+                return True
+    return False

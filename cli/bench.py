@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -138,6 +139,44 @@ def bench_diagnose_cmd(
                           f"{m['token_agreement']:.3f}", f"{m['kl']:.4f}")
     console.print(table)
     console.print(f"wrote {out}")
+
+
+@bench_app.command("dataset")
+@friendly
+def bench_dataset_cmd(
+    ctx: typer.Context,
+    questions: Path = typer.Option(..., help="Text file of questions, one per line (blank lines and lines "
+                                             "starting with # are skipped)."),
+    out: Path = typer.Option(..., help="Where to write the MuSiQue-format JSON file."),
+    top_k: Optional[int] = typer.Option(None, min=1, help="Chunks retrieved per question (default: config "
+                                                          "top_k, as `query` retrieves)."),
+) -> None:
+    """Turn questions about your ingested corpus into a MuSiQue-format file, each with the
+    chunks `query` would retrieve for it (no gold answers), so `bench quality --dataset`
+    measures the methods on your own documents, e.g. after `cachecraft ingest DOCS`:
+    cachecraft bench dataset --questions questions.txt --out mine.json"""
+    from cachecraft.retrieval.corpus import Corpus
+
+    if not questions.is_file():
+        raise UserError(f"--questions: no file at {questions}")
+    try:
+        asked = [line.strip() for line in questions.read_text(encoding="utf-8").splitlines()
+                 if line.strip() and not line.strip().startswith("#")]
+    except UnicodeDecodeError:
+        raise UserError(f"--questions: {questions} is not UTF-8 text") from None
+    if not asked:
+        raise UserError(f"--questions: {questions} holds no question")
+    config = load_config(ctx)
+    corpus = Corpus(config.corpus_dir, config.embedder)
+    if not len(corpus):
+        raise UserError(f"the corpus in {config.corpus_dir} is empty: run `cachecraft ingest PATH` first")
+    k = config.top_k if top_k is None else top_k
+    items = [{"question": q, "answers": [],
+              "ctxs": [{"title": hit.chunk.title or "", "text": hit.chunk.text, "source": hit.chunk.source}
+                       for hit in corpus.search(q, k)]} for q in asked]
+    ensure_dir(out.parent)
+    out.write_text(json.dumps(items, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    console.print(f"wrote {out}: {len(items)} question(s), top-{k} chunks each from {len(corpus)} in the corpus")
 
 
 @bench_app.command("workload")
@@ -285,17 +324,18 @@ def print_quality_table(methods: dict[str, dict]) -> None:
     """The aggregates of ``bench quality`` as a table (means with 95% intervals)."""
     table = Table(title="quality vs full prefill (same requests; [95% bootstrap interval])")
     for column in ("method", "TTFT median (s)", "speedup", "recompute", "first-token KL", "answer KL",
-                   "token agreement", "agreement F1", "exact match", "gold F1"):
+                   "token agreement", "agreement F1", "exact match", "gold F1", "repeats (full does not)"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for label, m in methods.items():
         if not m:
             continue
+        repeats = (f"{m['repetitions']} ({m['repetitions_where_full_does_not']})" if "repetitions" in m else "-")
         table.add_row(label, f"{m['ttft_s_median']:.2f}", f"{m['speedup_vs_full_median']:.1f}x",
                       f"{m['recompute_fraction_mean']:.3f}", _with_interval(m, "kl", "kl_mean", 4),
                       _with_interval(m, "answer_kl", "answer_kl_mean", 4),
                       _with_interval(m, "token_agreement", "token_agreement_mean", 3),
                       _with_interval(m, "agreement_f1", "agreement_f1_mean", 3),
-                      f"{m['exact_match_rate']:.2f}", _with_interval(m, "gold_f1", "gold_f1_mean", 3))
+                      f"{m['exact_match_rate']:.2f}", _with_interval(m, "gold_f1", "gold_f1_mean", 3), repeats)
     console.print(table)
 
 

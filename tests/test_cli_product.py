@@ -209,3 +209,30 @@ def test_concurrent_queries_and_warm_leave_a_consistent_cache(env, docs, cache_d
     assert json.loads(invoke("warm", "--json").output)["made"] == 0
     with Catalog(cache_dir) as catalog, catalog.read() as tx:
         assert len(tx.request_ids()) == 2
+
+
+def test_bench_dataset_turns_questions_about_the_corpus_into_items_quality_runs_on(env, docs, tmp_path):
+    """Each question gets the chunks `query` retrieves for it; `bench quality` then runs on
+    the file, and every answer carries its repetition flag."""
+    from cachecraft.dataset import load_items
+
+    invoke("ingest", str(docs))
+    questions = tmp_path / "questions.txt"
+    questions.write_text(f"# about the docs\n{words(10, 3)}\n\n{words(60, 3)}\n", encoding="utf-8")
+    out = tmp_path / "mine.json"
+    assert "2 question(s), top-2 chunks" in invoke("bench", "dataset", "--questions", str(questions), "--out",
+                                                   str(out), "--top-k", "2").output
+    items = load_items(out)
+    assert [i.question for i in items] == [words(10, 3), words(60, 3)]
+    assert all(len(i.passages) == 2 and i.answers == () for i in items)
+    assert words(10, 12) in items[0].passages[0][1]  # the best chunk for its words
+    invoke("bench", "quality", "--dataset", str(out), "--methods", "full,reuse", "--max-new-tokens", "4",
+           "--out", str(tmp_path / "q.json"))
+    data = json.loads((tmp_path / "q.json").read_text())
+    assert all(r["repetition"] in (0.0, 1.0) for r in data["items"])
+    assert data["methods"]["reuse"]["repetitions_where_full_does_not"] >= 0
+    one_line_error(runner.invoke(app, ["bench", "dataset", "--questions", str(tmp_path / "none.txt"), "--out",
+                                       str(out)]), "no file at")
+    questions.write_text("# nothing\n\n", encoding="utf-8")
+    one_line_error(runner.invoke(app, ["bench", "dataset", "--questions", str(questions), "--out", str(out)]),
+                   "holds no question")

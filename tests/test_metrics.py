@@ -34,3 +34,16 @@ def test_kl_by_hand():
     expected = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
     assert kl_divergence(p, q) == pytest.approx(expected, rel=1e-5)
     assert kl_divergence(p, p) == 0.0
+
+
+def test_degenerate_repetition_by_hand():
+    from cachecraft.metrics import degenerate_repetition
+
+    assert degenerate_repetition("[verse]\n[verse]\n[verse]\n")  # a line three times
+    assert degenerate_repetition("The answer is:\n\nThe answer is:\n\nThe answer is:\n\nThe answer")
+    assert degenerate_repetition("+ + + + +")  # one word four times in a row
+    assert degenerate_repetition("use git bisect git bisect git bisect to find it")  # a phrase three times
+    assert not degenerate_repetition("use git bisect, then git bisect good or git bisect bad")  # not back to back
+    assert not degenerate_repetition("a a a b")  # three is not yet a degenerate run of one word
+    assert not degenerate_repetition("The command `git bisect` is used to find which commit introduced a bug.")
+    assert not degenerate_repetition("")

@@ -65,6 +65,11 @@ def aggregate(rows: list[dict], label: str) -> dict:
         "rss_growth_mb_max": max(r["rss_growth_mb"] for r in mine),
         "kv_mb_mean": mean("kv_mb"),
     }
+    if all("repetition" in r for r in rows):  # rows of runs before repetition was detected lack it
+        full = {r["item"]: r["repetition"] for r in rows if r["method"] == "full"}
+        summary["repetitions"] = int(sum(r["repetition"] for r in mine))
+        summary["repetitions_where_full_does_not"] = int(sum(
+            1 for r in mine if r["repetition"] and not full.get(r["item"], 0.0)))
     summary["intervals"] = {key: bootstrap([r[key] for r in mine]).to_dict()
                             for key in (*QUALITY_METRICS, "recompute_fraction", "speedup_vs_full")}
     return summary
