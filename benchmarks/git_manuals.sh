@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The git-manuals benchmark: everyday questions asked of git's own manuals (Debian package
+# git-doc, GPL-2.0, not redistributed here), answered by the default method and by `full`.
+#
+#   apt-get install git-doc           # once, as root
+#   bash benchmarks/git_manuals.sh    # MODELS="smollm2 qwen2.5-coder-0.5b" by default
+#
+# It gathers 41 files (git's howtos, the first 20 technical notes, four HTML guides and
+# the README) into benchmarks/data/git-docs, ingests them, turns the questions in
+# benchmarks/data/git_questions.txt into a MuSiQue-format file of the chunks `query`
+# retrieves for each (benchmarks/data/git_manuals.json), and runs `bench quality` on it
+# per model, with the chunk-caches made as `warm` makes them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DOC=/usr/share/doc/git
+[ -d "$DOC/html/howto" ] || { echo "git's manuals are missing: apt-get install git-doc" >&2; exit 1; }
+DOCS=benchmarks/data/git-docs
+rm -rf "$DOCS" && mkdir -p "$DOCS"
+cp "$DOC"/html/howto/*.txt "$DOCS"/
+ls "$DOC"/html/technical/*.txt | head -20 | xargs -I{} cp {} "$DOCS"/
+for page in gittutorial gitcore-tutorial giteveryday user-manual; do cp "$DOC/html/$page.html" "$DOCS"/; done
+cp "$DOC/README.md" "$DOCS"/
+cachecraft ingest "$DOCS"
+cachecraft bench dataset --questions benchmarks/data/git_questions.txt --out benchmarks/data/git_manuals.json
+for model in ${MODELS:-smollm2 qwen2.5-coder-0.5b}; do
+  cachecraft bench quality --model "$model" --dataset benchmarks/data/git_manuals.json --limit 24 \
+    --warm-context builtin --methods full,cachecraft,cacheblend@0.15 \
+    --out "benchmarks/results/git_manuals_${model%%-*}.json"
+done
