@@ -190,10 +190,34 @@ def serve_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def diagnose_table(data: dict) -> str:
+    """``bench diagnose``: answer KL (token agreement) of each run, one column per cache
+    context, then where the values deviate most and by how much per position."""
+    summary = data["summary"]
+    contexts = list(summary)
+    lines = [_made(data, f"{data['limit']} items from #{data['skip']}") + "; means over items)", "",
+             "| run | " + " | ".join(f"made after: {c}" for c in contexts) + " |", "|---" * (len(contexts) + 1) + "|"]
+    for label in summary[contexts[0]]["runs"]:
+        cells = [f"{summary[c]['runs'][label]['answer_kl']:.3f} ({summary[c]['runs'][label]['token_agreement']:.3f})"
+                 for c in contexts]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    lines += ["", "Answer KL (token agreement) against full. Relative deviation of the reused values from "
+                  "full's:", "", "| made after | layer 1 | layer with most (value) | mean over layers | "
+                  + " | ".join(f"position {b}" for b in summary[contexts[0]]["positions_v"]) + " |",
+              "|---" * (4 + len(summary[contexts[0]]["positions_v"])) + "|"]
+    for c in contexts:
+        v = summary[c]["layers_v"]
+        peak = max(range(len(v)), key=v.__getitem__)
+        lines.append(f"| {c} | {v[1]:.3f} | {peak} ({v[peak]:.3f}) | {sum(v) / len(v):.3f} | "
+                     + " | ".join(f"{x:.3f}" for x in summary[c]["positions_v"].values()) + " |")
+    return "\n".join(lines)
+
+
 QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_heldout", "quality_alpha",
-                   "quality_warm", "quality_warm_heldout", "quality_40", "yardstick_qwen", "yardstick_smollm2")
+                   "quality_warm", "quality_warm_heldout", "quality_40", "yardstick_qwen", "yardstick_smollm2",
+                   "yardstick_qwen_policy", "git_manuals_smollm2", "git_manuals_qwen2.5")
 RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
-             "cluster": cluster_table, "serve": serve_table, "workload": workload_table,
+             "cluster": cluster_table, "diagnose_qwen": diagnose_table, "serve": serve_table, "workload": workload_table,
              "workload_eviction": workload_table, "store": store_table,
              "eviction_replay": eviction_table, "scaling_8k_revisit": method_rows_table,
              "scaling_8k_sweep": method_rows_table,
