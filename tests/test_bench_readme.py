@@ -67,3 +67,19 @@ def test_store_block_names_its_command_when_the_result_has_one(tmp_path):
     for command, head in ((None, "| tier |"), ("cachecraft bench store", "`cachecraft bench store` (2026-11-21, 2 cores)")):
         text = render(tmp_path, "store", {**data, **({"command": command} if command else {})})
         assert text.splitlines()[1].startswith(head) and "| cpu | 2.00 | 3.00 | 4.00 | 8.00 |" in text
+
+
+def test_diagnose_block_has_a_column_per_cache_context_and_the_drift_profile(tmp_path):
+    run = lambda kl, agree: {"answer_kl": kl, "token_agreement": agree, "kl": kl, "recompute_fraction": 0.0}  # noqa: E731
+    summary = {c: {"layers_v": [0.0, 0.02, v, 0.1], "layers_k": [0.0, 0.01, 0.1, 0.1],
+                   "positions_v": {"1": v, "2-4": v / 2},
+                   "runs": {"reuse": run(kl, 0.9), "firstk@0.05": run(kl / 2, 0.95)}}
+               for c, v, kl in (("warm", 0.6, 0.2), ("previous", 0.3, 0.08))}
+    data = {"command": "cachecraft bench diagnose", "model": "m", "limit": 6, "skip": 30, "date": "2026-11-24T00:00",
+            "machine": {"cpu": "cpu", "cores": 2}, "summary": summary}
+    text = render(tmp_path, "diagnose_qwen", data)
+    assert "(m, 6 items from #30, 2026-11-24, cpu, 2 cores; means over items)" in text
+    assert "| run | made after: warm | made after: previous |" in text
+    assert "| firstk@0.05 | 0.100 (0.950) | 0.040 (0.950) |" in text
+    # layer 1; the layer with most (2, of mean (0 + .02 + .6 + .1) / 4); positions
+    assert "| warm | 0.020 | 2 (0.600) | 0.180 | 0.600 | 0.300 |" in text
