@@ -91,7 +91,7 @@ def test_the_policy_gives_each_chunk_its_sink_tokens_first_and_the_rest_where_th
     expected = set(others[look.mass[others].topk(4).indices].tolist())
     counts = [0, 5, 3] + [0] * (len(chunks) - 3)
     plan = RecomputePlan(tuple(ChunkPlan(f"c{i}", "v", None, n, len(c)) for i, (n, c) in enumerate(zip(counts, chunks))))
-    place_plan_tokens(tiny_llama.adapter, segments, plan, check_layer=2, sink_tokens=2)
+    assert place_plan_tokens(tiny_llama.adapter, segments, plan, check_layer=2, sink_tokens=2)  # looked ahead
     picked = {i: segments[1 + i].recompute for i in range(len(chunks))}
     assert not segments[1].fixable and picked[0] is None
     assert picked[1][:2].tolist() == [0, 1] and picked[2][:2].tolist() == [0, 1]
@@ -107,5 +107,5 @@ def test_sink_tokens_alone_need_no_look_ahead(tiny_llama):
     prefix, chunks, question = make_prompt()
     segments = cached_segments(tiny_llama, prefix, chunks, question)
     plan = RecomputePlan(tuple(ChunkPlan(f"c{i}", "v", None, 3, len(c)) for i, c in enumerate(chunks)))
-    place_plan_tokens(tiny_llama.adapter, segments, plan, check_layer=2, sink_tokens=4)
+    assert not place_plan_tokens(tiny_llama.adapter, segments, plan, check_layer=2, sink_tokens=4)
     assert all(seg.recompute.tolist() == [0, 1, 2] for seg in segments[1:-1])

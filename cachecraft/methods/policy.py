@@ -63,9 +63,9 @@ class CacheCraft(Method):
     def prepare(self, request: RequestContext, segments: list[Segment], load: LoadPlan | None) -> PrefillHooks:
         assert load is not None and load.plan is not None, "cachecraft prepares a request it planned"
         params = self.params(request)
-        place_plan_tokens(request.adapter, segments, load.plan, params.check_layer, params.sink_tokens)
+        looked = place_plan_tokens(request.adapter, segments, load.plan, params.check_layer, params.sink_tokens)
         hooks = PrefillHooks(lookahead_layer=min(params.check_layer, request.adapter.num_layers - 1)
-                             if any(s.cached is not None for s in segments) else None)
+                             if looked else None)
         if params.early_stop_layers:
             _observe_for_early_stop(hooks, segments, params)
         return hooks
@@ -91,10 +91,11 @@ def sink_counts(counts: list[int], sink_tokens: int) -> list[int]:
 
 
 def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, check_layer: int,
-                      sink_tokens: int = 0) -> None:
+                      sink_tokens: int = 0) -> bool:
     """Give the plan's token counts to the chunks: each chunk's first ``sink_tokens`` of its
     count to its first tokens, the rest, in total, where the question looks. Chunks the
-    plan leaves alone are not candidates."""
+    plan leaves alone are not candidates. Returns whether the question's look-ahead ran
+    (its work counts toward the request's)."""
     chunk_segments = segments[1:-1]
     for seg, chunk_plan in zip(chunk_segments, plan.chunks):
         seg.fixable = seg.cached is not None and chunk_plan.count > 0
@@ -102,17 +103,18 @@ def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, che
     sinks = sink_counts(counts, sink_tokens)
     total = sum(counts) - sum(sinks)
     if not sum(counts):
-        return
+        return False
     if not sum(sinks):
         select_question_guided(adapter, segments, check_layer, total=total)
-        return
+        return True
     before = [None, *(torch.arange(n) if seg.fixable else None for n, seg in zip(sinks, chunk_segments)), None]
     if total:
         select_question_guided(adapter, segments, check_layer, total=total, chosen_before=before)
-    else:  # the counts are all sinks: no look-ahead needed
-        for seg, picked in zip(segments, before):
-            if picked is not None:
-                seg.recompute = picked
+        return True
+    for seg, picked in zip(segments, before):  # the counts are all sinks: no look-ahead needed
+        if picked is not None:
+            seg.recompute = picked
+    return False
 
 
 def variant_info(kv: ChunkKV) -> VariantInfo:
