@@ -34,15 +34,18 @@ def _ci(m: dict, key: str, mean_key: str, digits: int) -> str:
 
 def yardstick_table(data: dict) -> str:
     """Markdown table of a ``bench quality`` result with intervals and paired verdicts."""
+    repeats = all("repetitions" in m for m in data["methods"].values())  # runs since repetition is detected
     lines = [_made(data, f"{data['limit']} items") + "; [95% bootstrap interval])", "",
              "| method | TTFT median (s) | speedup vs full | recompute | answer KL vs full | token agreement | "
-             "first-token KL | answer agreement F1 | exact match | gold F1 |", "|---" * 10 + "|"]
+             "first-token KL | answer agreement F1 | exact match | gold F1 |"
+             + (" repeats (where full does not) |" if repeats else ""), "|---" * (11 if repeats else 10) + "|"]
     for label, m in data["methods"].items():
         lines.append(f"| {label} | {m['ttft_s_median']:.2f} | {m['speedup_vs_full_median']:.1f}x | "
                      f"{m['recompute_fraction_mean']:.3f} | {_ci(m, 'answer_kl', 'answer_kl_mean', 4)} | "
                      f"{_ci(m, 'token_agreement', 'token_agreement_mean', 3)} | {_ci(m, 'kl', 'kl_mean', 4)} | "
                      f"{_ci(m, 'agreement_f1', 'agreement_f1_mean', 3)} | {m['exact_match_rate']:.2f} | "
-                     f"{_ci(m, 'gold_f1', 'gold_f1_mean', 3)} |")
+                     f"{_ci(m, 'gold_f1', 'gold_f1_mean', 3)} |"
+                     + (f" {m['repetitions']} ({m['repetitions_where_full_does_not']}) |" if repeats else ""))
     lines += ["", "Paired, item by item (method - baseline, [95% interval]); \"better\"/\"worse\" only where the "
               "interval excludes zero:", "",
               "| method | against | answer KL | token agreement | first-token KL | gold F1 |", "|---" * 6 + "|"]
