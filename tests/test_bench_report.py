@@ -144,7 +144,8 @@ def test_command(results, tmp_path):
                                       "--eviction", str(tmp_path / "no-eviction-run.json"),
                                       "--replay", str(tmp_path / "no-replay.json"),
                                       "--revisit", str(tmp_path / "no-revisit.json"),
-                                      "--tradeoff", str(tmp_path / "no-tradeoff.json")])
+                                      "--tradeoff", str(tmp_path / "no-tradeoff.json"),
+                                      "--diagnose", str(tmp_path / "no-diagnose.json")])
     assert result.exit_code == 0, result.output
     assert (out / "report.md").is_file() and "10 plots" in " ".join(result.output.split())
     missing = CliRunner().invoke(app, ["bench", "report", "--out", str(out), "--gpu-json", str(tmp_path / "no.json"),
@@ -321,8 +322,8 @@ def test_a_second_quality_result_gets_its_own_section_and_plots(tmp_path):
     first.write_text(json.dumps({**quality_result(), "model": "judge"}))
     second.write_text(json.dumps({**quality_result(), "model": "small"}))
     text = write_report(tmp_path / "r", {"quality": first, "quality:b": second}).read_text()
-    assert "## Quality and speed on the same requests (judge)" in text
-    assert "## Quality and speed on the same requests (small)" in text
+    assert "## Quality and speed on the same requests (judge: a)" in text
+    assert "## Quality and speed on the same requests (small: b)" in text
     assert (tmp_path / "r" / "quality_tradeoff.png").is_file()
     assert (tmp_path / "r" / "quality_tradeoff_b.png").is_file()
     assert "--also-quality " + str(second) in text

@@ -82,7 +82,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def quality_section(data: dict, source: Path, out: Path, tag: str = "") -> list[str]:
     """A ``bench quality`` result; ``tag`` tells its plots' file names apart from another
     quality section's (another model's)."""
-    title = "## Quality and speed on the same requests" + (f" ({data['model']})" if data.get("model") else "")
+    title = "## Quality and speed on the same requests" + (f" ({data['model']}: {Path(source).stem})"
+                                                           if data.get("model") else "")
     lines = [title, "", *provenance(data, source)]
     lines += _plots(out, data, [(f"quality_tradeoff{tag}.png", plots.quality_tradeoff, "quality against TTFT"),
                                 (f"quality_intervals{tag}.png", plots.quality_intervals,
