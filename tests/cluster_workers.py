@@ -36,7 +36,7 @@ def cluster_node(cache_dir: str, redis_url: str, catalog_url: str, seed: int, ro
     pool = [pool_kv(i) for i in range(POOL)]
     errors, tiers = [], {}
     with TieredStore(_config(cache_dir, redis_url, catalog_url), tiers=("cpu", "disk"), budgets=BUDGETS) as store:
-        barrier.wait()
+        barrier.wait(timeout=120)  # a sibling that died must not leave this one waiting for ever
         for _ in range(rounds):
             i = rng.randrange(POOL)
             tier = store.locate(pool[i].variant)

@@ -25,10 +25,10 @@ def node_worker(cache_dir: str, redis_url: str, budget: int, node: int, nodes: i
     config = Config(cache_dir=Path(cache_dir), redis_url=redis_url, redis_budget_bytes=budget)
     errors, hits = [], 0
     with TieredStore(config, tiers=("cpu",), budgets={"cpu": 10**9}, reconcile=False) as store:
-        barrier.wait()
+        barrier.wait(timeout=120)
         for j in range(count):
             store.put(node_kv(node, j))
-        barrier.wait()
+        barrier.wait(timeout=120)
         for other in range(nodes):
             for j in range(count):
                 kv = node_kv(other, j)

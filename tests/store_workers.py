@@ -101,7 +101,7 @@ def concurrent_worker(cache_dir: str, worker: int, n_own: int, n_shared: int, ba
     entry = entry_nbytes(conc_kv(0, 0).to(torch.float16))
     store = TieredStore(Config(cache_dir=Path(cache_dir)), tiers=("cpu", "disk"),
                         budgets={"cpu": 2 * entry, "disk": 2**34})
-    barrier.wait()
+    barrier.wait(timeout=120)  # a sibling that died must not leave this one waiting for ever
     errors, seen = [], 0
     for j in range(n_own):
         kv = conc_kv(worker, j)

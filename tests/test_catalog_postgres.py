@@ -97,19 +97,19 @@ def test_concurrent_hit_counters_lose_no_update(tmp_path, pg_url):  # noqa: F811
     def node() -> None:
         try:
             with Catalog(tmp_path, url=pg_url) as mine:
-                barrier.wait()
+                barrier.wait(timeout=120)  # a failed sibling must not leave the rest waiting
                 for _ in range(touches):
                     with mine.write(exclusive=False) as tx:
                         tx.touch("v1")
         except BaseException as exc:  # pragma: no cover - reported below
             errors.append(exc)
 
-    threads = [threading.Thread(target=node) for _ in range(nodes)]
+    threads = [threading.Thread(target=node, daemon=True) for _ in range(nodes)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    assert not errors
+        t.join(240)
+    assert not errors and not any(t.is_alive() for t in threads)
     with Catalog(tmp_path, url=pg_url) as cat:
         assert cat.variants("c1")[0].hits == nodes * touches
 

@@ -139,19 +139,25 @@ def test_four_nodes_share_redis_and_postgres_and_one_killed_mid_write_loses_noth
     ready = tmp_path / "writer-ready"
     writer = ctx.Process(target=cluster_writer, args=(str(tmp_path / "victim"), redis_server.url, pg_url,
                                                       str(ready)))
-    writer.start()
     procs = [ctx.Process(target=cluster_node, args=(str(tmp_path / f"node-{n}"), redis_server.url, pg_url, n,
                                                     rounds, barrier, str(outs[n]))) for n in range(readers)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 120
-    while not ready.exists() and time.monotonic() < deadline and writer.is_alive():
-        time.sleep(0.05)
-    time.sleep(0.5)  # well into its writes
-    os.kill(writer.pid, signal.SIGKILL)
-    writer.join(30)
-    for p in procs:
-        p.join(300)
+    try:
+        writer.start()
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + 120
+        while not ready.exists() and time.monotonic() < deadline and writer.is_alive():
+            time.sleep(0.05)
+        time.sleep(0.5)  # well into its writes
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(30)
+        for p in procs:
+            p.join(300)
+    finally:  # never leave a node behind: the interpreter would wait for it at exit
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
     assert [p.exitcode for p in procs] == [0] * readers
     assert writer.exitcode == -signal.SIGKILL
     results = [json.loads(o.read_text()) for o in outs]

@@ -11,6 +11,7 @@ from cachecraft.catalog import Catalog, stats
 from cachecraft.config import Config
 from cachecraft.store import TieredStore, verify
 
+from tests.process_helpers import run_to_end
 from tests.store_helpers import same_kv
 from tests.store_workers import conc_kv, concurrent_worker
 
@@ -24,11 +25,7 @@ def test_four_processes_share_one_cache_directory(cache_dir, tmp_path):
     outs = [tmp_path / f"worker-{w}.json" for w in range(WORKERS)]
     procs = [ctx.Process(target=concurrent_worker, args=(str(cache_dir), w, OWN, SHARED, barrier, str(outs[w])))
              for w in range(WORKERS)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    assert [p.exitcode for p in procs] == [0] * WORKERS
+    assert run_to_end(procs, 240) == [0] * WORKERS
     results = [json.loads(o.read_text()) for o in outs]
     assert [r["errors"] for r in results] == [[]] * WORKERS  # no damaged read, ever
     assert sum(r["seen"] for r in results) > 0  # and the workers did read each other's entries

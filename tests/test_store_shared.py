@@ -323,6 +323,7 @@ def test_several_node_processes_share_one_redis_within_its_budget(tmp_path, redi
     import json
     import multiprocessing as mp
 
+    from tests.process_helpers import run_to_end
     from tests.shared_workers import node_kv, node_worker
 
     nodes, count = 3, 12
@@ -334,11 +335,7 @@ def test_several_node_processes_share_one_redis_within_its_budget(tmp_path, redi
     outs = [tmp_path / f"node-{n}.json" for n in range(nodes)]
     procs = [ctx.Process(target=node_worker, args=(str(tmp_path / f"node-{n}"), redis_server.url, budget, n,
                                                    nodes, count, barrier, str(outs[n]))) for n in range(nodes)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    assert [p.exitcode for p in procs] == [0] * nodes
+    assert run_to_end(procs, 240) == [0] * nodes
     results = [json.loads(o.read_text()) for o in outs]
     assert [r["errors"] for r in results] == [[]] * nodes
     assert all(r["counters"]["corrupt"] == 0 and r["counters"]["errors"] == 0 for r in results)

@@ -114,6 +114,27 @@ def translate_server_error(exc: BaseException, url: str) -> CatalogError | None:
     return None
 
 
+def _ensure_wal(cur: sqlite3.Cursor, timeout_s: float) -> None:
+    """Put the SQLite file in WAL mode (a setting the file keeps), waiting out other processes.
+
+    Switching the journal mode needs the file to itself, and SQLite can answer "database is
+    locked" at once, without its busy handler, while other processes open, write or close the
+    same file (seen with four processes sharing one cache directory). The file keeps the mode, so
+    read it first and only switch a file not yet in WAL; retry either step until the catalog's
+    own lock timeout.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if str(cur.execute("PRAGMA journal_mode").fetchone()[0]).lower() != "wal":
+                cur.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.02)
+
+
 class CatalogOutage:
     """The catalog's server lost mid-run: when, why, and when to try it again."""
 
@@ -552,7 +573,7 @@ class Catalog:
             dbapi_conn.isolation_level = None  # we emit BEGIN ourselves
             cur = dbapi_conn.cursor()
             cur.execute(f"PRAGMA busy_timeout={timeout_ms}")
-            cur.execute("PRAGMA journal_mode=WAL")
+            _ensure_wal(cur, timeout_s)
             cur.execute("PRAGMA synchronous=NORMAL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.close()
