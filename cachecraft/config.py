@@ -132,6 +132,7 @@ class Config:
     top_k: int = 3
     warm_context: str = "builtin"  # text chunk-caches are warmed after: builtin, none, or a text file
     warm_context_tokens: int = 1024
+    warm_neighbours: int = 0  # also make each chunk's cache after each of its N nearest chunks in the index
     # beyond one machine (both optional; empty: SQLite in cache_dir and local tiers only)
     catalog_url: str = ""  # postgresql+psycopg://user:password@host:port/database
     redis_url: str = ""  # redis://[:password@]host:port/db (rediss:// for TLS): a shared tier after disk
@@ -181,6 +182,7 @@ class Config:
         check(self.warm_context in ("builtin", "none") or Path(self.warm_context).expanduser().is_file(),
               f"warm_context must be 'builtin', 'none' or an existing text file, got {self.warm_context!r}")
         check(self.warm_context_tokens >= 0, f"warm_context_tokens must be >= 0, got {self.warm_context_tokens}")
+        check(0 <= self.warm_neighbours <= 8, f"warm_neighbours must be 0 to 8, got {self.warm_neighbours}")
         check(not self.catalog_url or self.catalog_url.startswith(_CATALOG_SCHEMES),
               f"catalog_url must be empty (SQLite in cache_dir) or start with one of {_CATALOG_SCHEMES}, "
               f"got {hide_password(self.catalog_url)!r}")

@@ -74,6 +74,41 @@ def scratch_pipeline(lm, config: Config, tier: str = "cpu", *, fitted: bool = Tr
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+class InContext:
+    """A method run again once the item's in-context variants exist: each passage's cache
+    made after each of its ``neighbours`` nearest passages by embedding (what ``warm`` with
+    ``warm_neighbours`` makes from the index), labelled ``method+nbN``. Run after the plain
+    methods, which therefore never see those variants."""
+
+    SUFFIX = "+nb"
+
+    def __init__(self, method: Method, neighbours: int, embed: Callable[[Sequence[str]], "object"]):
+        if neighbours < 1:
+            raise ValueError(f"neighbours must be at least 1, got {neighbours}")
+        self.method, self.neighbours, self.embed = method, neighbours, embed
+
+    @property
+    def label(self) -> str:
+        """The inner method's label with ``+nbN``."""
+        return f"{self.method.label}{self.SUFFIX}{self.neighbours}"
+
+    @staticmethod
+    def base_label(label: str) -> str | None:
+        """The plain method a ``method+nbN`` label was run against (None for other labels)."""
+        head, sep, tail = label.rpartition(InContext.SUFFIX)
+        return head if sep and tail.isdigit() else None
+
+    def make_variants(self, pipeline: Pipeline, chunks: Sequence[str]) -> int:
+        """Make every passage's variants after its nearest passages; returns how many."""
+        from cachecraft.retrieval.index import ChunkIndex
+
+        vectors = self.embed(list(chunks))
+        index = ChunkIndex(vectors.shape[1])
+        index.add(vectors, list(chunks), [str(i) for i in range(len(chunks))])
+        near = index.neighbours(self.neighbours)
+        return pipeline.warm_after([(chunks[j], chunks[i]) for i, others in enumerate(near) for j in others])
+
+
 def item_chunks(item: QAItem) -> list[str]:
     """An item's passages as chunk texts, in order."""
     return [PromptBuilder.chunk_text(text, title) for title, text in item.passages]
@@ -128,7 +163,7 @@ def evaluate_items(pipeline: Pipeline, items: Sequence[QAItem], methods: Sequenc
     ``meter``: a context manager factory wrapped around each request (its ``peak_mb``
     and ``growth_mb`` go into the row); ``on_answer`` sees every answer with its trace;
     ``on_rows`` gets each item's rows as soon as the item is done."""
-    order = [Full()] + [m for m in methods if not isinstance(m, Full)]
+    order = method_order(methods)
     pipeline.ensure_cost_model()  # measured once, outside every timed request
     rows: list[dict] = []
     for index, item in enumerate(items):
@@ -142,20 +177,33 @@ def evaluate_items(pipeline: Pipeline, items: Sequence[QAItem], methods: Sequenc
     return rows
 
 
-def evaluate_item(pipeline: Pipeline, item: QAItem, order: Sequence[Method], *, max_new_tokens: int,
+def method_order(methods: Sequence[Method | InContext]) -> list[Method | InContext]:
+    """``full`` first (the reference), then the plain methods, then the in-context runs."""
+    plain = [m for m in methods if not isinstance(m, (Full, InContext))]
+    return [Full(), *plain, *(m for m in methods if isinstance(m, InContext))]
+
+
+def evaluate_item(pipeline: Pipeline, item: QAItem, order: Sequence[Method | InContext], *, max_new_tokens: int,
                   meter: Meter | None = None, on_answer: OnAnswer | None = None) -> list[dict]:
     """Every method of ``order`` (the reference first) on one item; its caches are made
-    by ``warm`` first and removed at the end."""
+    by ``warm`` first (the in-context variants just before the first :class:`InContext`
+    run) and removed at the end."""
     chunks = item_chunks(item)
     start = time.perf_counter()
     pipeline.warm(chunks)
     warm_s = time.perf_counter() - start
     reference: Reference | None = None
     rows = []
+    in_context = None
     for method in order:
         gc.collect()
+        if isinstance(method, InContext) and in_context is None:
+            start = time.perf_counter()
+            in_context = method.make_variants(pipeline, chunks)
+            in_context_s = time.perf_counter() - start
+        inner = method.method if isinstance(method, InContext) else method
         with (meter() if meter else nullcontext()) as mem:
-            answer, trace = answer_traced(pipeline, chunks, item.question, method, max_new_tokens=max_new_tokens)
+            answer, trace = answer_traced(pipeline, chunks, item.question, inner, max_new_tokens=max_new_tokens)
         if on_answer:
             on_answer(item, answer, trace)
         if reference is None:
@@ -168,6 +216,8 @@ def evaluate_item(pipeline: Pipeline, item: QAItem, order: Sequence[Method], *, 
         row = compare(item, answer, trace, forced, reference)
         if mem is not None:
             row.update(peak_rss_mb=mem.peak_mb, rss_growth_mb=mem.growth_mb)
+        if isinstance(method, InContext):
+            row.update(method=method.label, in_context_variants=in_context, in_context_warm_s=in_context_s)
         rows.append({**row, "warm_s": warm_s})
     pipeline.forget(chunks)  # no later item reads them; left there, they would crowd its caches out
     return rows

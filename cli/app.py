@@ -258,6 +258,12 @@ def warm_cmd(
     ctx: typer.Context,
     workers: int = typer.Option(1, "--workers", "-w", min=1, help="Processes, each warming a disjoint share of "
                                 "the chunks with cores // N torch threads."),
+    neighbours: Optional[int] = typer.Option(None, "--neighbours", "-n", min=0, max=8,
+                                             help="Also make each chunk's cache after each of its N nearest "
+                                                  "chunks in the index (in-context variants: a query that "
+                                                  "retrieves both reuses it with its real context). Default: "
+                                                  "config warm_neighbours (0). Costs N more prefills and "
+                                                  "caches per chunk."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
@@ -267,20 +273,25 @@ def warm_cmd(
     made, so an interrupted warm resumes where it stopped; run it again after each ingest.
 
     Example: cachecraft warm --workers 2
+    Example: cachecraft warm --neighbours 1
     """
     from .product import count_kept, warm_in_process, warm_in_workers, warm_mark
     config = load_config(ctx, model=model)
+    if neighbours is not None:
+        config = config.replace(warm_neighbours=neighbours)
     _require_corpus(config)  # before the model loads
     mark = warm_mark(config)
     totals = warm_in_process(config) if workers == 1 else warm_in_workers(config, workers)
-    totals.kept = count_kept(config, mark, totals.made)
+    made = totals.made + totals.in_context
+    totals.kept = count_kept(config, mark, made)
     if as_json:
         print(json.dumps(totals.__dict__, indent=2))
     else:
+        extra = f"; in-context variants made {totals.in_context}" if config.warm_neighbours else ""
         console.print(f"chunk-caches made {totals.made}, skipped {totals.skipped} (already cached), "
-                      f"of {totals.total} chunks", highlight=False)
-    if totals.kept < totals.made:
-        err_console.print(f"[yellow]warning:[/yellow] only {totals.kept} of the {totals.made} chunk-caches made are "
+                      f"of {totals.total} chunks{extra}", highlight=False)
+    if totals.kept < made:
+        err_console.print(f"[yellow]warning:[/yellow] only {totals.kept} of the {made} chunk-caches made are "
                           f"still stored: the disk tier's budget ({_size(config.disk_budget_bytes)}) evicted the "
                           "others; raise disk_budget_bytes (CACHECRAFT_DISK_BUDGET_BYTES) and warm again",
                           highlight=False, soft_wrap=True)

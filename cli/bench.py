@@ -41,6 +41,12 @@ def bench_quality_cmd(
                                                    "finishes (default: OUT with the suffix .rows.jsonl)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: items already in the rows "
                                 "file are not run again (same settings required)."),
+    in_context: str = typer.Option("", "--in-context", help="Comma-separated methods run again once each "
+                                   "passage also has in-context variants (its cache made after each of its "
+                                   "--neighbours nearest passages by embedding, as `warm --neighbours` makes "
+                                   "them), labelled METHOD+nbN and paired with the plain run."),
+    neighbours: int = typer.Option(1, "--neighbours", min=1, max=8, help="Nearest passages per passage for "
+                                                                         "--in-context."),
 ) -> None:
     """Compare methods on the same requests: time to first token, recompute fraction,
     first-token KL, the answer-level divergence along full's answer (per-token KL and
@@ -59,6 +65,13 @@ def bench_quality_cmd(
     specs = parse_methods(methods, config.cacheblend_ratio if ratio is None else ratio, config.policy_alpha)
     items = load_items(dataset, limit, skip)
     rows = rows or out.with_suffix(".rows.jsonl")
+    if in_context.strip():
+        from cachecraft.evaluation import InContext
+        from cachecraft.retrieval.embed import Embedder
+
+        again = parse_methods(in_context, config.cacheblend_ratio if ratio is None else ratio, config.policy_alpha)
+        embed = Embedder(config.embedder).embed
+        specs += [InContext(m, neighbours, embed) for m in again]
     lm = load_model_quietly(config)
     settings = {"model": lm.name, "fingerprint": lm.fingerprint, "dataset": str(dataset),
                 "config": {k: str(getattr(config, k)) for k in RUN_SETTINGS}}
@@ -73,7 +86,8 @@ def bench_quality_cmd(
     payload = {"benchmark": "quality", "command": _invocation(ctx, "quality"), "model": lm.name,
                "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""),
                "kv_dtype": config.kv_dtype, "warm_context": config.warm_context, "dataset": str(dataset),
-               "limit": len(items), "skip": skip, "rows": str(rows), **result}
+               "limit": len(items), "skip": skip, "rows": str(rows),
+               "in_context_neighbours": neighbours if in_context.strip() else 0, **result}
     write_result(out, payload)
     print_quality_table(result["methods"])
     print_comparisons(result["comparisons"])

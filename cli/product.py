@@ -41,6 +41,7 @@ class WarmTotals:
     made: int = 0
     skipped: int = 0
     total: int = 0
+    in_context: int = 0  # variants made after a neighbouring chunk (warm_neighbours)
     kept: int | None = None
 
 
@@ -76,7 +77,7 @@ def warm_in_process(config: Config) -> WarmTotals:
     with open_pipeline(config, tiers=("disk",)) as pipe, progress_bar() as bar:
         task = bar.add_task("warming chunks", total=None)
         report = pipe.warm_corpus(progress=lambda done, total: bar.update(task, completed=done, total=total))
-    return WarmTotals(report.made, report.skipped, report.total)
+    return WarmTotals(report.made, report.skipped, report.total, report.in_context)
 
 
 def warm_in_workers(config: Config, workers: int) -> WarmTotals:
@@ -115,6 +116,7 @@ def _collect(procs: list, messages) -> WarmTotals:
                 finished.add(shard)
                 totals.made, totals.skipped = totals.made + rest[0], totals.skipped + rest[1]
                 totals.total += rest[2]
+                totals.in_context += rest[3]
             known = len(seen) == len(procs)
             bar.update(task, completed=sum(d for d, _ in seen.values()),
                        total=sum(t for _, t in seen.values()) if known else None)
@@ -145,7 +147,7 @@ def _warm_worker(config: Config, shard: tuple[int, int], threads: int, messages)
         with Pipeline(config, lm=load_model(None, config), store=TieredStore(config, tiers=("disk",))) as pipe:
             report = pipe.warm_corpus(progress=lambda done, total: messages.put(("progress", index, done, total)),
                                       shard=shard)
-        messages.put(("done", index, report.made, report.skipped, report.total))
+        messages.put(("done", index, report.made, report.skipped, report.total, report.in_context))
     except _user_errors() as exc:
         messages.put(("error", index, str(exc)))
     except Exception as exc:  # the parent shows one line; the worker's traceback goes to its stderr

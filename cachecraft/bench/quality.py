@@ -30,7 +30,7 @@ from cachecraft.bench.common import PeakRSS
 from cachecraft.bench.intervals import bootstrap, paired, verdict
 from cachecraft.config import Config
 from cachecraft.dataset import QAItem
-from cachecraft.evaluation import OnAnswer, evaluate_items, scratch_pipeline
+from cachecraft.evaluation import InContext, OnAnswer, evaluate_items, method_order, scratch_pipeline
 from cachecraft.methods import Full, Method
 
 # Quality figures per row, and whether lower is better.
@@ -76,7 +76,8 @@ def aggregate(rows: list[dict], label: str) -> dict:
 
 
 def compare_methods(rows: list[dict], labels: Sequence[str]) -> dict:
-    """Per method, per baseline present (:data:`BASELINES`), per quality figure: the mean
+    """Per method, per baseline present (:data:`BASELINES`, and for ``method+nbN`` its
+    plain ``method``), per quality figure: the mean
     paired difference (method - baseline) over the items both answered, its interval and
     the verdict."""
     by = {}
@@ -84,7 +85,8 @@ def compare_methods(rows: list[dict], labels: Sequence[str]) -> dict:
         by.setdefault(r["method"], {})[r["item"]] = r
     out: dict[str, dict] = {}
     for label in labels:
-        for base in BASELINES:
+        own = InContext.base_label(label)  # an in-context run is also paired with its plain run
+        for base in (*BASELINES, *([own] if own and own not in BASELINES else [])):
             if base not in by or base == label or label not in by:
                 continue
             items = [i for i in by[label] if i in by[base]]
@@ -108,7 +110,7 @@ def run_quality(lm, config: Config, items: Sequence[QAItem], methods: Sequence[M
     first line holding ``settings``; with ``resume`` the items already there are not run
     again (the file must hold the same settings). ``on_answer`` sees every answer and its
     prefill trace, as :func:`~cachecraft.evaluation.evaluate_items` says."""
-    order = [Full()] + [m for m in methods if not isinstance(m, Full)]
+    order = method_order(methods)
     labels = [m.label for m in order]
     settings = {**(settings or {}), "methods": labels, "items": [item.index for item in items],
                 "max_new_tokens": max_new_tokens}

@@ -183,6 +183,36 @@ class Pipeline:
             made += 1
         return made
 
+    def warm_after(self, pairs: Sequence[tuple[str, str]], sources: Sequence[str] | None = None) -> int:
+        """In-context variants: for each ``(before, chunk)`` text pair, make ``chunk``'s cache
+        right after the system prefix and ``before`` (both computed afresh), as a request that
+        puts ``before`` just ahead of it would see it; such a request then reuses it exactly,
+        and one that holds ``before`` elsewhere finds most of its context there. Returns how
+        many were made (those already stored are skipped). ``sources`` name the chunks'
+        files, one per pair."""
+        if not pairs:
+            return 0
+        pieces = self.builder.build([text for pair in pairs for text in pair], "warm")
+        prefix_key = chunk_key(self.lm.fingerprint, pieces.prefix)
+        prefix = Segment(pieces.prefix, "prefix", cached=self._prefix_kv(pieces, prefix_key), key=prefix_key)
+        keys = [chunk_key(self.lm.fingerprint, ids) for ids in pieces.chunks]
+        self._note_sources(keys[1::2], sources)
+        made = 0
+        for i in range(0, len(keys), 2):
+            before_ids, ids = pieces.chunks[i], pieces.chunks[i + 1]
+            before_key, key = keys[i], keys[i + 1]
+            if before_key == key or self.store.contains(variant_key(key, (prefix_key, before_key))):
+                continue
+            if len(pieces.prefix) + len(before_ids) + len(ids) > self.lm.max_context:
+                continue
+            segments = [prefix, Segment(before_ids, "chunk", key=before_key),
+                        Segment(ids, "chunk", save=True, collect_stats=True, key=key)]
+            kv = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint,
+                                 hooks=[ChunkStatistics(self.stats_layers)]).saved[2]
+            self._put(kv)
+            made += 1
+        return made
+
     def ingest(self, paths: Iterable[str | Path], progress: StageProgress | None = None) -> IngestOutcome:
         """Read text, Markdown, HTML, PDF and docx files and directories, chunk them in the
         generator's tokens (large files streamed) and add them to the corpus (a changed
@@ -196,18 +226,23 @@ class Pipeline:
 
     def warm_corpus(self, progress: Progress | None = None, shard: tuple[int, int] = (0, 1)) -> WarmReport:
         """Make the chunk-cache of every ingested chunk not cached yet (after the system prefix
-        alone). ``shard=(i, n)`` takes the i-th of n disjoint parts, for parallel workers."""
+        and the warm context), and with ``config.warm_neighbours`` = N also its in-context
+        variants after each of its N nearest chunks in the index (:meth:`warm_after`).
+        ``shard=(i, n)`` takes the i-th of n disjoint parts, for parallel workers."""
         index, count = shard
         if not 0 <= index < count:
             raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {shard}")
         self._require_corpus()
         chunks = [c for c in self.corpus.chunks() if int(c.id[:12], 16) % count == index]
-        made = 0
+        near = self.corpus.neighbours(self.config.warm_neighbours) if self.config.warm_neighbours else {}
+        made = in_context = 0
         for i, chunk in enumerate(chunks):
             made += self.warm([chunk.prompt_text], sources=[chunk.source])
+            pairs = [(other.prompt_text, chunk.prompt_text) for other in near.get(chunk.id, ())]
+            in_context += self.warm_after(pairs, sources=[chunk.source] * len(pairs))
             if progress:
                 progress(i + 1, len(chunks))
-        return WarmReport(made, len(chunks) - made, len(chunks))
+        return WarmReport(made, len(chunks) - made, len(chunks), in_context)
 
     def query(self, question: str, top_k: int | None = None, method: str = "cachecraft", streamer=None,
               **options) -> Answer:

@@ -49,6 +49,7 @@ class WarmReport:
     made: int
     skipped: int
     total: int
+    in_context: int = 0  # variants made after a neighbouring chunk (config warm_neighbours)
 
 
 @dataclass

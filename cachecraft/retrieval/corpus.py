@@ -98,6 +98,16 @@ class Corpus:
         hits = snap.index.search(self.embed([question.strip()])[0], min(k, len(snap)))
         return [SearchHit(snap.chunks[h.source], h.score) for h in hits]
 
+    def neighbours(self, k: int) -> dict[str, list[CorpusChunk]]:
+        """Every chunk's ``k`` nearest other chunks in the index (by embedding), most similar
+        first: the chunks a retrieval is likely to return beside it."""
+        snap = self.snapshot()
+        if snap.index is None or not snap.chunks:
+            return {}
+        rows = snap.index.neighbours(k)
+        ids = snap.index.sources
+        return {ids[row]: [snap.chunks[ids[j]] for j in near] for row, near in enumerate(rows)}
+
     # -- writing ---------------------------------------------------------------------------
     def ingest(self, files: Mapping[str, Sequence[TextChunk]], *, scopes: Iterable[str | Path] = (),
                settings: Mapping | None = None, progress: Progress | None = None,

@@ -54,6 +54,25 @@ class ChunkIndex:
         scores, ids = self.index.search(np.ascontiguousarray(query.reshape(1, -1), dtype=np.float32), k)
         return [Hit(int(i), float(s), self.texts[i], self.sources[i]) for s, i in zip(scores[0], ids[0]) if i >= 0]
 
+    def neighbours(self, k: int) -> list[list[int]]:
+        """For every row, the rows of its ``k`` most similar other chunks, most similar first
+        (fewer when the index holds fewer); identical texts are not each other's neighbours."""
+        if k < 1 or len(self) < 2:
+            return [[] for _ in range(len(self))]
+        vectors = np.ascontiguousarray(self.index.reconstruct_n(0, len(self)), dtype=np.float32)
+
+        def others(row: int, found) -> list[int]:
+            return [int(i) for i in found if i >= 0 and i != row and self.texts[i] != self.texts[row]][:k]
+
+        want = min(k + 1, len(self))
+        _, ids = self.index.search(vectors, want)
+        out = [others(row, found) for row, found in enumerate(ids)]
+        for row, near in enumerate(out):
+            if len(near) < k and want < len(self):  # copies of its text took places: look further
+                _, wider = self.index.search(vectors[row:row + 1], len(self))
+                out[row] = others(row, wider[0])
+        return out
+
     def save(self, directory: Path) -> None:
         """Write index and chunk list (each to a temporary file, then renamed)."""
         import faiss

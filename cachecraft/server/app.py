@@ -129,7 +129,8 @@ def create_app(service: Service) -> FastAPI:
         shard = body.shard if body is not None and body.shard is not None else (0, 1)
         report = await _queued(service, lambda: service.pipeline.warm_corpus(shard=shard),
                                timeout_s=max(service.config.server_timeout_s, 24 * 3600.0))
-        return {"made": report.made, "skipped": report.skipped, "total": report.total}
+        return {"made": report.made, "skipped": report.skipped, "total": report.total,
+                "in_context": report.in_context}
 
     @app.get("/v1/stats")
     async def stats() -> dict:

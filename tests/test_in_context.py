@@ -1,0 +1,146 @@
+"""In-context variants: each chunk's cache made after its nearest chunks in the index."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from cachecraft.bench.quality import compare_methods, run_quality
+from cachecraft.config import Config
+from cachecraft.dataset import load_items
+from cachecraft.engine import Segment, blended_prefill
+from cachecraft.evaluation import InContext, item_chunks
+from cachecraft.kv import chunk_key, variant_key
+from cachecraft.methods import parse_methods
+from cachecraft.pipeline import Pipeline
+from cachecraft.policy.planner import PolicyParams
+from cachecraft.retrieval.index import ChunkIndex
+from cachecraft.store import TieredStore
+from tests.conftest import tiny_model
+
+CHUNKS = [" ".join(f"w{i}" for i in range(10 + 20 * j, 30 + 20 * j)) + "\n\n" for j in range(3)]
+QUESTION = "w200 w201 w202"
+
+
+def _at(degrees: float) -> list[float]:
+    return [math.cos(math.radians(degrees)), math.sin(math.radians(degrees))]
+
+
+def test_index_neighbours_are_the_nearest_others_and_never_the_same_text():
+    # unit vectors on a circle: similarity falls with the angle between them
+    angles, texts = [0, 10, 30, 70, 1], ["a", "b", "c", "d", "a"]  # row 4 repeats row 0's text
+    index = ChunkIndex(2)
+    index.add(np.array([_at(a) for a in angles], dtype=np.float32), texts, [f"s{i}" for i in range(5)])
+    assert index.neighbours(2) == [[1, 2],  # 0 deg: 10 (10 away), 30 (30); never row 4, the same text
+                                   [4, 0],  # 10 deg: 1 (9 away), 0 (10)
+                                   [1, 4],  # 30 deg: 10 (20 away), 1 (29)
+                                   [2, 1],  # 70 deg: 30 (40 away), 10 (60)
+                                   [1, 2]]  # 1 deg: 10 (9 away), 30 (29)
+    assert index.neighbours(0) == [[]] * 5
+    assert ChunkIndex(2).neighbours(3) == []
+
+
+@pytest.fixture
+def pipeline(cache_dir):
+    config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 4, "kv_dtype": "float32",
+                                    "warm_context": "none"}, environ={})
+    with TieredStore(config, tiers=("cpu",)) as store:
+        yield Pipeline(config, lm=tiny_model("llama"), store=store, policy=PolicyParams(alpha=0.5, check_layer=2))
+
+
+def test_a_variant_made_after_its_neighbour_is_that_prefill_and_is_reused_exactly(pipeline):
+    pipe = pipeline
+    assert pipe.warm(CHUNKS) == 3
+    assert pipe.warm_after([(CHUNKS[0], CHUNKS[1])]) == 1
+    assert pipe.warm_after([(CHUNKS[0], CHUNKS[1])]) == 0  # already stored
+    pieces = pipe.builder.build(CHUNKS, "warm")
+    prefix_key = chunk_key(pipe.lm.fingerprint, pieces.prefix)
+    key0, key1 = (chunk_key(pipe.lm.fingerprint, ids) for ids in pieces.chunks[:2])
+    name = variant_key(key1, (prefix_key, key0))
+    assert {tuple(r.prefix) for r in pipe.store.variants_of(key1)} == {(prefix_key,), (prefix_key, key0)}
+    by_hand = blended_prefill(pipe.lm.adapter, [Segment(pieces.prefix, "prefix"), Segment(pieces.chunks[0]),
+                                                Segment(pieces.chunks[1], save=True)]).saved[2]
+    stored = pipe.store.get(name, dtype=torch.float32, device=torch.device("cpu"), fingerprint=pipe.lm.fingerprint)
+    assert (stored.keys - by_hand.keys).abs().max() < 1e-5 and (stored.values - by_hand.values).abs().max() < 1e-5
+
+    # a request that puts chunk 0 right before chunk 1 reuses both exactly: a full prefill's answer
+    traces = []
+    answer = pipe.answer(CHUNKS[:2], QUESTION, observer=traces.append, record=False)
+    full_traces = []
+    full = pipe.answer(CHUNKS[:2], QUESTION, method="full", observer=full_traces.append, record=False)
+    assert [c.variant for c in answer.chunks] == [variant_key(key0, (prefix_key,)), name]
+    assert answer.recompute_fraction == 0.0 and all(c.cfo == 0.0 for c in answer.chunks)
+    assert (traces[0].logits - full_traces[0].logits).abs().max() < 1e-4 and answer.text == full.text
+
+    # with chunk 0 further ahead, chunk 1 still takes the variant that saw it (its whole context is there)
+    apart = pipe.answer([CHUNKS[0], CHUNKS[2], CHUNKS[1]], QUESTION, record=False)
+    assert apart.chunks[2].variant == name and apart.chunks[2].cfo == 0.0
+    # and without chunk 0, the variant made after the system prompt alone
+    alone = pipe.answer([CHUNKS[2], CHUNKS[1]], QUESTION, record=False)
+    assert alone.chunks[1].variant == variant_key(key1, (prefix_key,))
+
+
+def test_warm_with_neighbours_makes_each_chunk_after_its_nearest_chunks(cache_dir, tmp_path):
+    from tests.test_pipeline import _write_docs
+
+    config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32", "chunk_tokens": 24,
+                                    "warm_context": "none", "warm_neighbours": 1}, environ={})
+    with TieredStore(config, tiers=("cpu", "disk")) as store:
+        pipe = Pipeline(config, lm=tiny_model("llama"), store=store)
+        pipe.ingest([_write_docs(tmp_path / "docs")])
+        chunks = pipe.corpus.chunks()
+        near = pipe.corpus.neighbours(1)
+        assert set(near) == {c.id for c in chunks} and all(len(v) == 1 and v[0].id != k for k, v in near.items())
+        report = pipe.warm_corpus()
+        assert (report.made, report.in_context) == (len(chunks), len(chunks))
+        again = pipe.warm_corpus()
+        assert (again.made, again.in_context, again.skipped) == (0, 0, len(chunks))
+        key_of = lambda text: chunk_key(pipe.lm.fingerprint, pipe.builder.build([text], "w").chunks[0])  # noqa: E731
+        prefix_key = chunk_key(pipe.lm.fingerprint, pipe.builder.build([chunks[0].prompt_text], "w").prefix)
+        for chunk in chunks:
+            other = near[chunk.id][0]
+            assert pipe.store.contains(variant_key(key_of(chunk.prompt_text), (prefix_key, key_of(other.prompt_text))))
+            assert pipe.catalog.chunk(key_of(chunk.prompt_text)).source == chunk.source
+
+
+def test_warm_neighbours_is_a_checked_config_key(cache_dir):
+    from cachecraft.config import ConfigError
+
+    with pytest.raises(ConfigError, match="warm_neighbours must be 0 to 8"):
+        Config.load(overrides={"cache_dir": cache_dir, "warm_neighbours": 9}, environ={})
+    assert Config.load(overrides={"cache_dir": cache_dir}, environ={"CACHECRAFT_WARM_NEIGHBOURS": "2"}).warm_neighbours == 2
+
+
+def test_in_context_runs_come_last_and_are_paired_with_their_plain_run(tiny_llama, dataset, tmp_path):
+    item = load_items(dataset, limit=1)[0]
+    config = Config.load(overrides={"cache_dir": tmp_path / "bench", "max_new_tokens": 3, "warm_context": "none",
+                                    "policy_check_layer": 2}, environ={})
+    chunks = item_chunks(item)
+    angles = [20.0 * i for i in range(len(chunks))]  # passage i's nearest is i - 1 (i + 1 for the first)
+    embed = lambda texts: np.array([_at(angles[chunks.index(t)]) for t in texts], dtype=np.float32)  # noqa: E731
+    plain = parse_methods("cachecraft@0.5,reuse")
+    methods = [InContext(plain[0], 1, embed), *plain]
+    result = run_quality(tiny_llama, config, [item], methods, max_new_tokens=3)
+    labels = [r["method"] for r in result["items"]]
+    assert labels == ["full", "cachecraft@0.5", "reuse", "cachecraft@0.5+nb1"]
+    row = result["items"][-1]
+    assert row["in_context_variants"] == len(chunks)  # one per passage
+    # passages 1.. are preceded by their nearest passage: the in-context variants serve them exactly
+    assert row["recompute_fraction"] < result["items"][1]["recompute_fraction"]
+    assert set(result["comparisons"]["cachecraft@0.5+nb1"]) == {"vs full", "vs cachecraft@0.5"}
+
+
+def test_compare_methods_pairs_an_in_context_run_with_its_plain_run():
+    rows = []
+    for item, (full, plain, nb) in enumerate([(0.0, 0.4, 0.1), (0.0, 0.2, 0.1), (0.0, 0.3, 0.2)]):
+        for method, kl in (("full", full), ("qguided@0.05", plain), ("qguided@0.05+nb2", nb)):
+            rows.append({"item": item, "method": method, "kl": kl, "answer_kl": kl, "token_agreement": 1.0,
+                         "agreement_f1": 1.0, "exact_match": 1.0, "gold_f1": 0.5})
+    out = compare_methods(rows, ["full", "qguided@0.05", "qguided@0.05+nb2"])
+    diff = out["qguided@0.05+nb2"]["vs qguided@0.05"]["answer_kl"]
+    assert diff["mean"] == pytest.approx(((0.1 - 0.4) + (0.1 - 0.2) + (0.2 - 0.3)) / 3)
+    assert InContext.base_label("cachecraft+nb1") == "cachecraft" and InContext.base_label("cachecraft") is None
+    assert InContext.base_label("x+nbz") is None
