@@ -120,6 +120,21 @@ def test_warm_says_when_the_disk_budget_did_not_keep_what_it_made(env, docs, cac
     assert "still stored" not in invoke("warm").output
 
 
+def test_warm_neighbours_makes_in_context_variants_once(env, docs, cache_dir):
+    chunks = json.loads(invoke("ingest", str(docs), "--json").output)["chunks"]
+    shown = " ".join(invoke("warm", "--neighbours", "1").output.split())  # the console wraps long lines
+    assert f"chunk-caches made {chunks}," in shown and f"in-context variants made {chunks}" in shown
+    again = json.loads(invoke("warm", "--neighbours", "1", "--json").output)
+    assert (again["made"], again["in_context"], again["skipped"]) == (0, 0, chunks)
+    with Catalog(cache_dir) as catalog, catalog.read() as tx:
+        prefixes = [len(tx.variant(e.variant_key).prefix) for e in tx.entries(tier="disk")]
+    # the system prompt, the warm context and the corpus chunks, each chunk twice: after the
+    # warm context (system, context) and after its nearest chunk (system, neighbour)
+    assert sorted(prefixes) == [0, 1] + [2] * (2 * chunks)
+    refused = runner.invoke(app, ["warm", "--neighbours", "9"])
+    assert refused.exit_code == 2 and "--neighbours" in refused.output and "less than or equal" in refused.output
+
+
 def test_evict_and_clear(env, docs, cache_dir):
     invoke("ingest", str(docs))
     invoke("warm")
