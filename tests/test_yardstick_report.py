@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from cachecraft.bench.findings import paired_losses
-from cachecraft.bench.plots import quality_intervals
+from cachecraft.bench.plots import family, quality_intervals, ratio
 from cachecraft.bench.quality import aggregate, compare_methods
 from tests.test_bench_readme import render
 
@@ -53,3 +53,9 @@ def test_readme_table_plot_and_losses(tmp_path):
     losses = paired_losses(data)
     assert any("`cachecraft@0.08` is worse than `cacheblend@0.15` on answer_kl" in line for line in losses)
     assert not any("token_agreement" in line and "cacheblend" in line for line in losses)
+
+
+def test_in_context_runs_are_their_own_series_in_the_plots():
+    assert (family("cachecraft@0.08+nb1"), ratio("cachecraft@0.08+nb1")) == ("cachecraft+nb1", 0.08)
+    assert (family("qguided+nb2"), ratio("qguided+nb2")) == ("qguided+nb2", None)
+    assert (family("cacheblend@0.15"), family("cachecraft[lru]")) == ("cacheblend", "cachecraft")

@@ -27,9 +27,15 @@ MARKERS = "osD^vPX*"
 EVICTION = re.compile(r"^(?P<method>[\w-]+)\[(?P<policy>[\w-]+)\]$")
 
 
+IN_CONTEXT = re.compile(r"\+nb\d+$")
+
+
 def family(label: str) -> str:
-    """``cacheblend@0.15`` -> ``cacheblend``; ``cachecraft[lru]`` -> ``cachecraft``; ``prefix revisit`` -> ``prefix``."""
-    return re.split(r"[@\[ ]", label, maxsplit=1)[0]
+    """``cacheblend@0.15`` -> ``cacheblend``; ``cachecraft[lru]`` -> ``cachecraft``; ``prefix revisit`` -> ``prefix``;
+    an in-context run keeps its suffix (``cachecraft@0.08+nb1`` -> ``cachecraft+nb1``), a series of its own."""
+    base = re.split(r"[@\[ ]", label, maxsplit=1)[0]
+    suffix = IN_CONTEXT.search(label)
+    return base + suffix.group(0) if suffix and not base.endswith(suffix.group(0)) else base
 
 
 def color(label: str) -> str:
@@ -38,7 +44,7 @@ def color(label: str) -> str:
 
 def ratio(label: str) -> float | None:
     """The ``@ratio`` of a label, if any."""
-    _, sep, value = label.partition("@")
+    _, sep, value = IN_CONTEXT.sub("", label).partition("@")
     try:
         return float(value) if sep else None
     except ValueError:
