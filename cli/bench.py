@@ -47,6 +47,9 @@ def bench_quality_cmd(
                                    "them), labelled METHOD+nbN and paired with the plain run."),
     neighbours: int = typer.Option(1, "--neighbours", min=1, max=8, help="Nearest passages per passage for "
                                                                          "--in-context."),
+    early_stop: str = typer.Option("", "--early-stop", help="Also run cachecraft with these early-stop layers "
+                                   "(layers or depths below 1, as config early_stop_layers, e.g. 0.5 or 12,18), "
+                                   "labelled cachecraft@ALPHA/E... and paired with the plain cachecraft run."),
 ) -> None:
     """Compare methods on the same requests: time to first token, recompute fraction,
     first-token KL, the answer-level divergence along full's answer (per-token KL and
@@ -65,6 +68,16 @@ def bench_quality_cmd(
     specs = parse_methods(methods, config.cacheblend_ratio if ratio is None else ratio, config.policy_alpha)
     items = load_items(dataset, limit, skip)
     rows = rows or out.with_suffix(".rows.jsonl")
+    if early_stop.strip():
+        from cachecraft.methods import CacheCraft
+
+        try:
+            stops = tuple(float(x) for x in early_stop.split(",") if x.strip())
+        except ValueError:
+            raise UserError(f"--early-stop takes comma-separated layers or depths, got {early_stop!r}") from None
+        if not stops or any(x < 0 or (x >= 1 and x != int(x)) for x in stops):
+            raise UserError(f"--early-stop takes whole layers or depths below 1, got {early_stop!r}")
+        specs.append(CacheCraft(config.policy_alpha, early_stop=stops))
     if in_context.strip():
         from cachecraft.evaluation import InContext
         from cachecraft.retrieval.embed import Embedder

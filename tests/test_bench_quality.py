@@ -76,3 +76,23 @@ def test_a_run_longer_than_the_budget_keeps_the_caches_of_the_item_it_measures(t
     assert [(r["item"], r["method"]) for r in result["items"]] == [(0, "full"), (0, "reuse"), (1, "full"), (1, "reuse")]
     assert result["methods"]["reuse"]["recompute_fraction_mean"] == 0.0  # every chunk-cache was found
     assert list((tmp_path / "run").iterdir()) == []  # the scratch store is gone
+
+
+def test_an_early_stop_run_is_labelled_and_paired_with_the_plain_policy(tiny_llama, dataset, tmp_path):
+    from cachecraft.bench.quality import plain_label
+    from cachecraft.methods import CacheCraft
+
+    item = load_items(dataset, limit=1)[0]
+    config = _config(tmp_path / "bench", early_stop_share=1.0)  # every chunk below an even share may stop
+    plain, stopping = CacheCraft(0.5), CacheCraft(0.5, early_stop=(0.5,))
+    assert (stopping.label, CacheCraft(0.5, early_stop=()).label) == ("cachecraft@0.5/E0.5", "cachecraft@0.5/Eoff")
+    seen = {}
+    result = run_quality(tiny_llama, config, [item], [plain, stopping], max_new_tokens=3,
+                         on_answer=lambda item, answer, trace: seen.setdefault(answer.method, answer))
+    assert [r["method"] for r in result["items"]] == ["full", "cachecraft@0.5", "cachecraft@0.5/E0.5"]
+    assert set(result["comparisons"]["cachecraft@0.5/E0.5"]) == {"vs full", "vs cachecraft@0.5"}
+    assert plain_label("cachecraft@0.08/E0.5,0.75") == "cachecraft@0.08" and plain_label("reuse") is None
+    layers = tiny_llama.adapter.num_layers
+    stops = [c.stop_layer for c in seen["cachecraft@0.5/E0.5"].chunks if c.stop_layer is not None]
+    assert stops and all(s == round(0.5 * layers) + 1 for s in stops)  # the depth resolved: stop after that layer
+    assert all(c.stop_layer is None for c in seen["cachecraft@0.5"].chunks)  # the config's early stop is off

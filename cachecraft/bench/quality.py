@@ -75,9 +75,18 @@ def aggregate(rows: list[dict], label: str) -> dict:
     return summary
 
 
+def plain_label(label: str) -> str | None:
+    """The run a variant of a method is paired with: ``method`` for ``method+nbN`` (in-context
+    variants) and for ``cachecraft@a/E...`` (its own early-stop layers); None for others."""
+    own = InContext.base_label(label)
+    if own is None and "/E" in label:
+        own = label.split("/E", 1)[0]
+    return own
+
+
 def compare_methods(rows: list[dict], labels: Sequence[str]) -> dict:
-    """Per method, per baseline present (:data:`BASELINES`, and for ``method+nbN`` its
-    plain ``method``), per quality figure: the mean
+    """Per method, per baseline present (:data:`BASELINES`, and the plain run of
+    :func:`plain_label`), per quality figure: the mean
     paired difference (method - baseline) over the items both answered, its interval and
     the verdict."""
     by = {}
@@ -85,7 +94,7 @@ def compare_methods(rows: list[dict], labels: Sequence[str]) -> dict:
         by.setdefault(r["method"], {})[r["item"]] = r
     out: dict[str, dict] = {}
     for label in labels:
-        own = InContext.base_label(label)  # an in-context run is also paired with its plain run
+        own = plain_label(label)  # an in-context or early-stop run is also paired with its plain run
         for base in (*BASELINES, *([own] if own and own not in BASELINES else [])):
             if base not in by or base == label or label not in by:
                 continue

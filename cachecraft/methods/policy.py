@@ -18,7 +18,7 @@ from cachecraft.engine import Segment
 from cachecraft.kv import ChunkKV
 from cachecraft.methods.base import LoadPlan, Method, PrefillHooks, RequestContext
 from cachecraft.methods.experimental import select_question_guided
-from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, plan_request
+from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, layer_at, plan_request
 from cachecraft.policy.rules import early_stop_decision, hide_loading, keep_in_full
 from cachecraft.selection import QuestionAttention
 
@@ -32,23 +32,28 @@ class CacheCraft(Method):
     default_ratio = PolicyParams.alpha
 
     def __init__(self, ratio: float | None = None, check_layer: int | None = None, floor: float | None = None,
-                 sink_tokens: int | None = None):
+                 sink_tokens: int | None = None, early_stop: tuple[float, ...] | None = None):
         super().__init__(ratio)
-        # None: the pipeline's (calibration tries others)
+        # None: the pipeline's (calibration and the benchmarks try others)
         self.check_layer, self.floor, self.sink_tokens = check_layer, floor, sink_tokens
+        self.early_stop = early_stop  # layers or depths (as config early_stop_layers); () turns it off
 
     @property
     def label(self) -> str:
-        """``cachecraft@alpha``, with ``/L<layer>``, ``/F<floor>`` and ``/S<sink tokens>`` where
-        the method sets its own."""
+        """``cachecraft@alpha``, with ``/L<layer>``, ``/F<floor>``, ``/S<sink tokens>`` and
+        ``/E<early-stop layers>`` where the method sets its own."""
         return (super().label + ("" if self.check_layer is None else f"/L{self.check_layer}")
                 + ("" if self.floor is None else f"/F{self.floor:g}")
-                + ("" if self.sink_tokens is None else f"/S{self.sink_tokens}"))
+                + ("" if self.sink_tokens is None else f"/S{self.sink_tokens}")
+                + ("" if self.early_stop is None else "/E" + (",".join(f"{x:g}" for x in self.early_stop) or "off")))
 
     def params(self, request: RequestContext) -> PolicyParams:
         """The request's policy parameters with this method's alpha (and check layer, floor,
-        sink tokens where it sets them)."""
+        sink tokens, early-stop layers where it sets them)."""
         own = {"check_layer": self.check_layer, "floor": self.floor, "sink_tokens": self.sink_tokens}
+        if self.early_stop is not None:
+            layers = request.adapter.num_layers
+            own["early_stop_layers"] = tuple(sorted({layer_at(x, layers) for x in self.early_stop}))
         return replace(request.policy, alpha=self.ratio, **{k: v for k, v in own.items() if v is not None})
 
     def load_plan(self, request: RequestContext) -> LoadPlan:
