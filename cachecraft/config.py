@@ -121,6 +121,7 @@ class Config:
     early_stop_layers: str = ""  # comma-separated layers or depths, e.g. "12,20" or "0.4,0.67"; empty: off
     early_stop_share: float = 0.25
     stats_layer_step: int = 4  # attention statistics at every 4th layer (1: every layer)
+    miss_stats_stride: int = 8  # on a request, a missed chunk's statistics from every 8th token (1: all; warm reads all)
     stream_kv: bool = True  # read chunk-caches layer by layer while the prefill runs (false: whole, first)
     gpu_budget_bytes: int = 2 * 2**30
     cpu_budget_bytes: int = 4 * 2**30
@@ -174,6 +175,7 @@ class Config:
         check(ok, "early_stop_layers must be comma-separated layer numbers or depths below 1 (e.g. 12,20 or "
                   f"0.4,0.67), got {self.early_stop_layers!r}")
         check(self.stats_layer_step >= 1, f"stats_layer_step must be >= 1, got {self.stats_layer_step}")
+        check(self.miss_stats_stride >= 1, f"miss_stats_stride must be >= 1, got {self.miss_stats_stride}")
         check(bool(str(self.embedder).strip()), "embedder must not be empty")
         check(self.chunk_tokens >= 16, f"chunk_tokens must be >= 16, got {self.chunk_tokens}")
         check(0 <= self.chunk_overlap <= self.chunk_tokens // 2,

@@ -178,3 +178,35 @@ def test_fused_segment_mass_equals_explicit_probabilities(tiny_llama):
     blended_prefill(tiny_llama.adapter, cached_segments(prefix, chunks, question, prefix_kv, kvs,
                                                         recompute=[0, 3, 8]), hooks=[Compare()])
     assert len(seen) == 3 * tiny_llama.adapter.num_layers and max(seen) < 1e-5
+
+
+def test_strided_statistics_by_hand():
+    from cachecraft.selection.statistics import stats_from_rows
+
+    # one layer; a chunk of 5 tokens after one prefix segment, sampled at tokens 0, 2 and 4
+    rows = [torch.tensor([[0.25, 0.75], [0.5, 0.5], [1.0, 0.0]])]
+    stats = stats_from_rows(rows, 1, tokens=5, stride=2)
+    assert stats.outside.tolist() == [[0.25, 0.25, 0.5, 0.5, 1.0]]  # each sample stands for the tokens after it
+    assert stats.inter.tolist() == [[0.25 * 2 + 0.5 * 2 + 1.0]]  # weights 2, 2 and 1 (what is left)
+    assert stats.intra.tolist() == [0.75 * 2 + 0.5 * 2]
+    assert float(stats.inter.sum() + stats.intra.sum()) == 5.0  # still one unit of mass per token
+
+
+def test_strided_statistics_read_the_sampled_tokens_rows_exactly(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    prefix_kv, _ = caches_after_prefix_alone(tiny_llama, prefix, [])
+
+    def made(stride: int):
+        segments = [Segment(prefix, "prefix", cached=prefix_kv, key="p"), Segment(chunks[0], key="c0"),
+                    Segment(chunks[1], save=True, collect_stats=True, key="c1")]
+        return blended_prefill(tiny_llama.adapter, segments, hooks=[ChunkStatistics(None, stride)],
+                               fingerprint="f").saved[2].stats
+
+    every, strided = made(1), made(3)
+    tokens = len(chunks[1])
+    assert strided.outside.shape == every.outside.shape == (tiny_llama.adapter.num_layers, tokens)
+    sampled = list(range(0, tokens, 3))
+    assert torch.allclose(strided.outside[:, sampled], every.outside[:, sampled], atol=1e-6)
+    assert torch.allclose(strided.inter.sum(dim=1) + strided.intra, torch.full_like(strided.intra, tokens), atol=1e-4)
+    with pytest.raises(ValueError, match="stride"):
+        ChunkStatistics(None, 0)

@@ -360,7 +360,10 @@ class Pipeline:
             try:
                 with ExitStack() as loading:  # chunk-caches stream in while the layers compute
                     prepared = self._prepare(method, request, loading, count_hits=attempt == 0)
-                    hooks = [ChunkStatistics(self.stats_layers), *prepared.hooks.layer_hooks]
+                    # a chunk computed here reads every miss_stats_stride-th token's attention only:
+                    # a first-time request then costs about what a plain prefill does
+                    hooks = [ChunkStatistics(self.stats_layers, self.config.miss_stats_stride),
+                             *prepared.hooks.layer_hooks]
                     result = blended_prefill(self.lm.adapter, prepared.segments, hooks=hooks,
                                              fingerprint=self.lm.fingerprint)
                 return prepared, result

@@ -18,11 +18,17 @@ class ChunkStatistics(LayerHook):
     :class:`AttentionStats` to that segment's saved ChunkKV. Each layer costs about one
     more attention pass (through the fused kernel)."""
 
-    def __init__(self, layers: Sequence[int] | None = None):
+    def __init__(self, layers: Sequence[int] | None = None, stride: int = 1):
+        """``stride``: read the attention of every ``stride``-th token of a segment only (its
+        first token, then every ``stride``-th): the extra attention pass costs ``1/stride``
+        as much, and the sums are scaled back up (see :func:`stats_from_rows`)."""
+        if stride < 1:
+            raise ValueError(f"stride must be at least 1, got {stride}")
         self.layers = None if layers is None else tuple(int(x) for x in layers)
-        self._rows: dict[int, list[torch.Tensor]] = {}  # per collect_stats segment: [T, S] per layer
+        self.stride = int(stride)
+        self._rows: dict[int, list[torch.Tensor]] = {}  # per collect_stats segment: [T / stride, S] per layer
         self._bounds: list[tuple[int, int]] = []
-        self._inside: torch.Tensor | None = None  # [N] bool: in a collect_stats segment
+        self._inside: torch.Tensor | None = None  # [N] bool: a sampled token of a collect_stats segment
 
     def start(self, layout: Layout) -> None:
         self._bounds = layout.bounds
@@ -33,7 +39,8 @@ class ChunkStatistics(LayerHook):
                               f"model's {layout.num_layers}")
         self._inside = torch.zeros(layout.n_total, dtype=torch.bool, device=layout.token_ids.device)  # [N]
         for i in self._rows:
-            self._inside[slice(*layout.bounds[i])] = True
+            lo, hi = layout.bounds[i]
+            self._inside[lo:hi:self.stride] = True
 
     def observe(self, view: LayerView) -> None:
         if not self._rows:
@@ -49,14 +56,29 @@ class ChunkStatistics(LayerHook):
     def finish(self, result: BlendResult) -> None:
         for i, rows in self._rows.items():
             if i in result.saved:
-                result.saved[i] = replace(result.saved[i], stats=stats_from_rows(rows, i))
+                lo, hi = self._bounds[i]
+                result.saved[i] = replace(result.saved[i], stats=stats_from_rows(rows, i, hi - lo, self.stride))
         self._rows = {}
 
 
-def stats_from_rows(rows: list[torch.Tensor], index: int) -> AttentionStats:
-    """Turn the per-layer ``[T, S]`` masses of segment ``index`` into its :class:`AttentionStats`."""
+def stats_from_rows(rows: list[torch.Tensor], index: int, tokens: int | None = None,
+                    stride: int = 1) -> AttentionStats:
+    """Turn the per-layer ``[T, S]`` masses of segment ``index`` into its :class:`AttentionStats`.
+
+    With ``stride`` > 1 the rows are those of tokens 0, stride, 2*stride, ... of the
+    segment's ``tokens``: each sampled token stands for the ``stride`` tokens from it on
+    (its ``outside`` repeated over them), and the sums count it that many times, so a
+    segment's ``inter`` and ``intra`` still add up to its ``tokens`` per layer."""
     assert rows, "statistics were requested but not gathered"
-    mass = torch.stack(rows).float().cpu()  # [L, T, S]
+    mass = torch.stack(rows).float().cpu()  # [L, r, S]
+    if stride > 1:
+        assert tokens is not None and mass.shape[1] == -(-tokens // stride), "one row per sampled token"
+        weight = torch.full((mass.shape[1],), float(stride))
+        weight[-1] = tokens - stride * (mass.shape[1] - 1)  # the last sample stands for what is left
+        outside = mass[:, :, :index].sum(dim=-1).repeat_interleave(weight.long(), dim=1)
+        weighted = mass * weight[None, :, None]
+        return AttentionStats(outside=outside, inter=weighted[:, :, :index].sum(dim=1),
+                              intra=weighted[:, :, index].sum(dim=1))
     return AttentionStats(outside=mass[:, :, :index].sum(dim=-1), inter=mass[:, :, :index].sum(dim=1),
                           intra=mass[:, :, index].sum(dim=1))
 
