@@ -71,12 +71,8 @@ def bench_quality_cmd(
     if early_stop.strip():
         from cachecraft.methods import CacheCraft
 
-        try:
-            stops = tuple(float(x) for x in early_stop.split(",") if x.strip())
-        except ValueError:
-            raise UserError(f"--early-stop takes comma-separated layers or depths, got {early_stop!r}") from None
-        if not stops or any(x < 0 or (x >= 1 and x != int(x)) for x in stops):
-            raise UserError(f"--early-stop takes whole layers or depths below 1, got {early_stop!r}")
+        # parsed and checked as the config's early_stop_layers is (a bad value: one ConfigError line)
+        stops = config.replace(early_stop_layers=early_stop).early_stop_layer_list
         specs.append(CacheCraft(config.policy_alpha, early_stop=stops))
     if in_context.strip():
         from cachecraft.evaluation import InContext
