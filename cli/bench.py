@@ -219,10 +219,21 @@ def bench_workload_cmd(
     max_new_tokens: int = typer.Option(32, min=1, help="Answer length."),
     evictions: str = typer.Option("", help="Also replay `cachecraft` under these eviction policies, e.g. "
                                           "lru,lfu,pgdsf,cachecraft (labelled cachecraft[lru] ...)."),
+    warm: bool = typer.Option(False, "--warm", help="Fill each chunk-cache method's store first as `cachecraft "
+                                                    "warm` does (every passage, under the budgets)."),
+    neighbours: int = typer.Option(0, min=0, max=8, help="With --warm, also make each passage's cache after "
+                                   "each of its N nearest passages (in-context variants, as `warm "
+                                   "--neighbours N`), so the eviction policy chooses among several variants "
+                                   "per chunk."),
 ) -> None:
     """Replay a RAG trace (Zipf popularity, top-k retrieval over the pooled corpus) with
-    each method: TTFT mean/p95, throughput, recompute, hit rate per tier, and compute
-    saved against `full` and `prefix`."""
+    each method: TTFT mean/p95, throughput, recompute, hit rate per tier, compute saved
+    against `full` and `prefix`, and the variants each store kept, e.g.
+
+        cachecraft bench workload --dataset ../shared/data/musique_dev.json --limit 4 --top-k 3
+            --methods full --evictions pgdsf,cachecraft --warm --neighbours 1 --cpu-budget 16MiB
+            --disk-budget 48MiB
+    """
     from rich.progress import Progress
 
     from cachecraft.bench.common import write_result
@@ -240,7 +251,10 @@ def bench_workload_cmd(
     budgets = {"cpu": parse_bytes(cpu_budget), "disk": parse_bytes(disk_budget)}
     items = load_items(dataset, limit)
     ensure_dir(config.cache_dir)
+    if neighbours and not warm:
+        raise UserError("--neighbours makes in-context variants during the warm-up: add --warm")
     trace, corpus = _trace(items, requests, top_k, zipf, seed)
+    warm_up = _warm_up(items, neighbours) if warm else None
     lm = load_model_quietly(config)
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task("requests", total=requests * (len(set(names) | {"full"}) + len(policies)))
@@ -251,21 +265,24 @@ def bench_workload_cmd(
             progress.update(task, completed=done["n"], description=f"{method} {n}/{total}")
 
         result = run_workload(lm, config, trace, names, budgets=budgets, max_new_tokens=max_new_tokens,
-                              evictions=policies, on_request=tick)
+                              evictions=policies, on_request=tick, warm=warm_up)
     write_result(out, {"benchmark": "workload", "command": _invocation(ctx, "workload"), "model": lm.name,
-                       "dataset": str(dataset),
+                       "dataset": str(dataset), "warm": warm, "neighbours": neighbours,
                        "items": len(items), "corpus_chunks": corpus, "unique_requests": len(set(trace)),
                        "top_k": top_k, "budgets": budgets, **result})
     table = Table(title=f"workload: {requests} requests, corpus of {corpus} chunks, top-{top_k}")
     for column in ("method", "TTFT mean (s)", "TTFT p95 (s)", "req/s", "recompute", "hit rate",
-                   "compute saved vs full", "vs prefix", "agreement F1"):
+                   "compute saved vs full", "vs prefix", "agreement F1", "whole-prefix reuse",
+                   "chunks with 2+ variants"):
         table.add_column(column, justify="left" if column == "method" else "right")
     for name, m in result["methods"].items():
+        census = m.get("variants") or {}
         table.add_row(name, f"{m['ttft_s_mean']:.2f}", f"{m['ttft_s_p95']:.2f}", f"{m['throughput_rps']:.2f}",
                       f"{m['recompute_fraction_mean']:.3f}", f"{m['hit_rate']:.2f}",
                       f"{m['compute_reduction_vs_full']:.0%}",
                       f"{m['compute_reduction_vs_prefix']:.0%}" if "compute_reduction_vs_prefix" in m else "-",
-                      f"{m['agreement_f1_mean']:.3f}")
+                      f"{m['agreement_f1_mean']:.3f}", f"{m['whole_prefix_reuse_rate']:.2f}",
+                      f"{census.get('chunks_with_several', 0)}/{census.get('chunks', 0)}" if census else "-")
     console.print(table)
     console.print(f"wrote {out}")
 
@@ -566,6 +583,15 @@ def _trace(items, requests: int, top_k: int, zipf: float, seed: int):
             return build_trace(items, requests, top_k, zipf_s=zipf, seed=seed, embed=Embedder().embed)
         except ValueError as exc:
             raise UserError(str(exc)) from None
+
+
+def _warm_up(items, neighbours: int):
+    """What each store is filled with before the trace (see `bench workload --warm`)."""
+    from cachecraft.bench.workload import warm_up
+    from cachecraft.retrieval.embed import Embedder
+
+    with console.status("finding each passage's neighbours ..."):
+        return warm_up(items, neighbours, embed=Embedder().embed)
 
 
 def _num(value: float | None, digits: int, suffix: str = "") -> str:

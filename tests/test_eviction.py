@@ -6,7 +6,7 @@ import pytest
 
 from cachecraft.config import _EVICTION
 from cachecraft.store.eviction import (POLICIES, CacheCraftPolicy, EntryInfo, LFUPolicy, LRUPolicy,
-                                       PGDSFPolicy, estimate_cost_s, make_policy)
+                                       PGDSFPolicy, estimate_cost_s, make_policy, measured_quality)
 
 
 def info(key: str, chunk: str | None = None, nbytes: int = 1, cost: float = 1.0, quality: float = 1.0,
@@ -133,6 +133,36 @@ def test_cachecraft_weighs_compute_saved_per_byte():
     for key, hits in (("a1", 3), ("a2", 1), ("a3", 0)):
         q.on_put(info(key, chunk="A", hits=hits))  # freq = hits + 1: 4, 2, 1
     assert q.priorities() == {"a1": 4.0, "a2": 1.0, "a3": 0.25}
+
+
+def test_measured_quality_moves_halfway_to_what_a_use_saved():
+    assert measured_quality(0.9, 0.5) == pytest.approx(0.7)
+    assert measured_quality(0.7, 1.0) == pytest.approx(0.85)
+    assert measured_quality(0.4, 0.0, weight=0.25) == pytest.approx(0.3)
+    with pytest.raises(ValueError, match="within"):
+        measured_quality(0.9, 1.5)
+
+
+def test_a_measured_use_reorders_the_variants_of_a_chunk_without_counting_an_access():
+    p = CacheCraftPolicy()
+    p.on_put(info("a1", chunk="A", quality=0.9))
+    p.on_put(info("a2", chunk="A", quality=0.8))
+    # value = freq * cost * quality / bytes = quality here; a1 ranks first, a2 keeps half
+    assert p.priorities() == pytest.approx({"a1": 0.9, "a2": 0.4})
+    p.on_measure("a1", measured_quality(0.9, 0.1))  # requests mostly recompute a1: 0.5
+    assert p.priorities() == pytest.approx({"a1": 0.25, "a2": 0.8})
+    assert p.candidates() == ["a1", "a2"]
+    p.on_measure("nope", 0.3)  # unknown keys are ignored
+    assert p.keys() == {"a1", "a2"}
+    pg = PGDSFPolicy()  # the same order without quality: a measure changes nothing
+    pg.on_put(info("a1", chunk="A"))
+    pg.on_put(info("a2", chunk="A"))
+    pg.on_measure("a1", 0.1)
+    assert pg.priorities() == {"a1": 1.0, "a2": 1.0}
+    lru = LRUPolicy()
+    lru.on_put(info("x"))
+    lru.on_measure("x", 0.5)  # orders that ignore quality ignore it
+    assert lru.candidates() == ["x"]
 
 
 def test_entry_info_rejects_nonsense():

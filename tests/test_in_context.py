@@ -83,6 +83,31 @@ def test_a_variant_made_after_its_neighbour_is_that_prefill_and_is_reused_exactl
     assert alone.chunks[1].variant == variant_key(key1, (prefix_key,))
 
 
+def test_each_reused_variant_has_what_the_request_saved_folded_into_its_quality(pipeline):
+    pipe = pipeline
+    pipe.warm(CHUNKS)
+    pipe.warm_after([(CHUNKS[0], CHUNKS[1])])
+    order = [CHUNKS[2], CHUNKS[0], CHUNKS[1]]
+
+    def qualities() -> dict[str, float]:
+        with pipe.store.catalog.read() as tx:
+            return {r.key: r.quality for r in tx.stored_variants()}
+
+    stored = qualities()
+    pipe.keep_new_variants = False  # a benchmark's pipeline measures without teaching the store
+    first = pipe.answer(order, QUESTION, record=False)
+    assert qualities() == stored
+    chosen = [c.variant for c in first.chunks]
+    pipe.keep_new_variants = True
+    answer = pipe.answer(order, QUESTION, record=False)
+    assert [c.variant for c in answer.chunks] == chosen and answer.chunks[2].cfo == 0.0
+    assert [c.fraction for c in answer.chunks] == [c.fraction for c in first.chunks]
+    assert len({c.fraction for c in answer.chunks}) > 1  # the shares saved differ between chunks
+    for c in answer.chunks:  # halfway from the stored quality to 1 - the share recomputed
+        assert pipe.store.info(c.variant).quality == pytest.approx(stored[c.variant] + 0.5 * (1 - c.fraction
+                                                                                             - stored[c.variant]))
+
+
 def test_warm_with_neighbours_makes_each_chunk_after_its_nearest_chunks(cache_dir, tmp_path):
     from tests.test_pipeline import _write_docs
 

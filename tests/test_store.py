@@ -234,6 +234,27 @@ def test_hits_and_requests_reach_the_catalog(store_factory):
     assert top[0].chunk_key == kv.chunk and top[0].hits == 3
 
 
+def test_measured_use_moves_quality_in_memory_on_disk_and_in_the_catalog(store_factory):
+    near = make_kv(40, prefix=("s",), token_base=700)
+    far = make_kv(41, prefix=("s", "x"), token_base=700)  # a second variant of the same chunk
+    store = store_factory(budgets={"cpu": entry_nbytes(far.to(torch.float16))})  # room for one
+    store.put(near, quality=0.9)
+    store.put(far, quality=0.8)  # near -> disk
+    assert store.locate(near.variant) == "disk" and store.locate(far.variant) == "cpu"
+    new = store.record_use({near.variant: 0.1, far.variant: 1.0, "unknown": 0.5})
+    assert new == pytest.approx({near.variant: 0.5, far.variant: 0.9})  # halfway from 0.9 and 0.8
+    assert store.info(near.variant).quality == pytest.approx(0.5)
+    assert store.info(far.variant).quality == pytest.approx(0.9)
+    assert store._tiers[0].get(far.variant).info.quality == pytest.approx(0.9)
+    disk_policy = store._policies["disk"]
+    assert disk_policy._state[near.variant].info.quality == pytest.approx(0.5)
+    assert store.record_use({}) == {}
+    hits = store.info(far.variant).hits
+    store.record_use({far.variant: 0.0})  # a measure is no hit
+    assert store.info(far.variant).hits == hits
+    assert store.info(far.variant).quality == pytest.approx(0.45)
+
+
 @pytest.mark.parametrize("policy,steps", [("cachecraft", 1000), ("lru", 250), ("lfu", 250), ("pgdsf", 250)])
 def test_randomized_budgets_hold_and_only_the_last_tier_drops(store_factory, policy, steps):
     """Every tier stays within budget after every step; a key disappears only by a

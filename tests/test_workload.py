@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cachecraft.bench.workload import build_trace, run_workload
+from cachecraft.bench.workload import build_trace, pooled_corpus, run_workload, warm_up
 from cachecraft.config import Config
 from cachecraft.dataset import QAItem
 from tests.conftest import tiny_model
@@ -74,3 +74,28 @@ def test_eviction_policies_replay_cachecraft_under_each(cache_dir):
     for label in ("cachecraft[lru]", "cachecraft[pgdsf]"):
         m = result["methods"][label]
         assert m["requests"] == 6 and m["store_usage"]["cpu"]["bytes"] <= 1 << 18
+
+
+def test_warm_up_fills_each_store_with_every_passage_and_its_in_context_variants(cache_dir):
+    config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32", "warm_context": "none"},
+                         environ={})
+    cache_dir.mkdir(parents=True)
+    warm = warm_up(ITEMS, 1, embed=fake_embed)
+    corpus = pooled_corpus(ITEMS)
+    assert warm.texts == tuple(corpus) and len(warm.pairs) == len(corpus)
+    assert all(before != chunk and before in corpus for before, chunk in warm.pairs)
+    assert warm_up(ITEMS, 0, embed=fake_embed).pairs == ()
+    trace, _ = build_trace(ITEMS, 5, 3, embed=fake_embed, seed=4)
+    result = run_workload(tiny_model("llama"), config, trace, ["cachecraft"], evictions=["pgdsf"],
+                          budgets={"cpu": 1 << 24, "disk": 1 << 26}, max_new_tokens=2, warm=warm)
+    methods = result["methods"]
+    assert methods["full"]["warm"] == {} and methods["full"]["variants"]["variants"] == 0  # full starts empty
+    for label in ("cachecraft", "cachecraft[pgdsf]"):
+        m = methods[label]
+        # budgets far above the corpus: every passage once, and once more after its neighbour
+        assert (m["warm"]["made"], m["warm"]["in_context"]) == (len(corpus), len(corpus))
+        assert m["warm"]["variants_after"] == {"variants": 2 * len(corpus), "chunks": len(corpus),
+                                               "chunks_with_several": len(corpus)}
+        assert m["hit_rate"] == 1.0  # every retrieved chunk was warmed
+        rows = [r for r in result["requests"] if r["method"] == label]
+        assert m["whole_prefix_reuse_rate"] == sum(r["whole_prefix_reuses"] for r in rows) / (3 * len(rows))

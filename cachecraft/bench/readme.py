@@ -72,17 +72,27 @@ def quality_table(data: dict) -> str:
 
 
 def workload_table(data: dict) -> str:
-    """Markdown table of a ``bench workload`` result."""
+    """Markdown table of a ``bench workload`` result; with a warm-up, also how often a
+    request reused a variant whose whole old prefix it held and the variants each store kept."""
+    warm = bool(data.get("warm"))
     lines = [f"`{data['command']}` ({data['model']}, {len(data['requests']) // max(1, len(data['methods']))} "
              f"requests, {data['unique_requests']} distinct, corpus of {data['corpus_chunks']} chunks, "
              f"top-{data['top_k']}, {data['date'][:10]}{_commit(data)})", "",
              "| method | TTFT mean (s) | TTFT p95 (s) | requests/s | recompute | chunk hit rate | "
-             "compute saved vs full | vs prefix | agreement F1 vs full |", "|---|---|---|---|---|---|---|---|---|"]
+             "compute saved vs full | vs prefix | agreement F1 vs full |"
+             + (" whole-prefix reuse | chunks with 2+ variants, after warm-up / at the end |" if warm else ""),
+             "|---" * (11 if warm else 9) + "|"]
     for label, m in data["methods"].items():
         vs_prefix = f"{m['compute_reduction_vs_prefix']:.0%}" if "compute_reduction_vs_prefix" in m else "-"
-        lines.append(f"| {label} | {m['ttft_s_mean']:.2f} | {m['ttft_s_p95']:.2f} | {m['throughput_rps']:.3f} | "
-                     f"{m['recompute_fraction_mean']:.3f} | {m['hit_rate']:.2f} | "
-                     f"{m['compute_reduction_vs_full']:.0%} | {vs_prefix} | {m['agreement_f1_mean']:.3f} |")
+        line = (f"| {label} | {m['ttft_s_mean']:.2f} | {m['ttft_s_p95']:.2f} | {m['throughput_rps']:.3f} | "
+                f"{m['recompute_fraction_mean']:.3f} | {m['hit_rate']:.2f} | "
+                f"{m['compute_reduction_vs_full']:.0%} | {vs_prefix} | {m['agreement_f1_mean']:.3f} |")
+        if warm:
+            after, end = (m.get("warm") or {}).get("variants_after"), m.get("variants") or {}
+            kept = "-" if not after else (f"{after['chunks_with_several']}/{after['chunks']} / "
+                                          f"{end.get('chunks_with_several', 0)}/{end.get('chunks', 0)}")
+            line += f" {m.get('whole_prefix_reuse_rate', 0.0):.2f} | {kept} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -219,10 +229,11 @@ def diagnose_table(data: dict) -> str:
 QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_heldout", "quality_alpha",
                    "quality_warm", "quality_warm_heldout", "quality_40", "yardstick_qwen", "yardstick_smollm2",
                    "yardstick_qwen_policy", "git_manuals_smollm2", "git_manuals_qwen2.5", "in_context_qwen",
-                   "in_context_smollm2", "early_stop_qwen2.5", "early_stop_smollm2")
+                   "in_context_smollm2", "early_stop_qwen2.5", "early_stop_smollm2", "tradeoff_smollm2",
+                   "tradeoff_qwen2.5")
 RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
              "cluster": cluster_table, "diagnose_qwen": diagnose_table, "serve": serve_table, "workload": workload_table,
-             "workload_eviction": workload_table, "store": store_table,
+             "workload_eviction": workload_table, "workload_variants_qwen2.5": workload_table, "store": store_table,
              "eviction_replay": eviction_table, "scaling_8k_revisit": method_rows_table,
              "scaling_8k_sweep": method_rows_table,
              **{name: scaling_table

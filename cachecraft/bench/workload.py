@@ -10,6 +10,13 @@ compared with ``full``'s on the same request.
 
 Redundant compute is counted in token-layers (a token run through one layer); a
 method's reduction against ``full`` and ``prefix`` is ``1 - work(method) / work(other)``.
+
+With a warm-up (``WarmUp``), each chunk-cache method's store is first filled the way
+``cachecraft warm`` fills one: every passage after the warm context and, with
+neighbours, after each of its nearest passages too (in-context variants), all under
+the run's budgets, so the eviction policy decides which variants of a chunk to keep
+before and during the trace. Each run then reports how many chunks hold several
+variants and how often a request reused one whose whole old prefix it contained.
 """
 
 from __future__ import annotations
@@ -36,6 +43,35 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class WarmUp:
+    """What each chunk-cache method's store is filled with before the trace: ``texts`` (every
+    passage) and ``pairs`` (``(before, chunk)``: the in-context variants)."""
+
+    texts: tuple[str, ...] = ()
+    pairs: tuple[tuple[str, str], ...] = ()
+
+
+def pooled_corpus(items: Sequence[QAItem]) -> list[str]:
+    """Every passage of ``items`` as a chunk text, once, in order."""
+    return list(dict.fromkeys(PromptBuilder.chunk_text(text, title) for item in items for title, text in item.passages))
+
+
+def warm_up(items: Sequence[QAItem], neighbours: int, *, embed: Callable[[list[str]], np.ndarray]) -> WarmUp:
+    """The warm-up ``cachecraft warm --neighbours N`` would do on the pooled corpus: every
+    passage, and each passage after each of its ``neighbours`` nearest ones."""
+    from cachecraft.retrieval.index import ChunkIndex
+
+    corpus = pooled_corpus(items)
+    pairs: list[tuple[str, str]] = []
+    if neighbours > 0:
+        vectors = embed(corpus)
+        index = ChunkIndex(vectors.shape[1])
+        index.add(vectors, corpus, [str(i) for i in range(len(corpus))])
+        pairs = [(corpus[j], corpus[i]) for i, near in enumerate(index.neighbours(neighbours)) for j in near]
+    return WarmUp(tuple(corpus), tuple(pairs))
+
+
+@dataclass(frozen=True)
 class TraceRequest:
     """One request of the trace: the question asked and the retrieved chunks, in order."""
 
@@ -49,7 +85,7 @@ def build_trace(items: Sequence[QAItem], requests: int, top_k: int, *, zipf_s: f
     """The request trace and the corpus size; ``embed`` maps texts to unit vectors."""
     from cachecraft.retrieval.index import ChunkIndex
 
-    corpus = list(dict.fromkeys(PromptBuilder.chunk_text(text, title) for item in items for title, text in item.passages))
+    corpus = pooled_corpus(items)
     if top_k < 1 or top_k > len(corpus):
         raise ValueError(f"top_k must be within [1, {len(corpus)}] for this corpus, got {top_k}")
     vectors = embed(corpus)
@@ -77,8 +113,10 @@ def build_trace(items: Sequence[QAItem], requests: int, top_k: int, *, zipf_s: f
 
 def run_workload(lm: LoadedModel, config: Config, trace: Sequence[TraceRequest], methods: Sequence[str], *,
                  budgets: dict[str, int], max_new_tokens: int = 32, evictions: Sequence[str] = (),
-                 on_request: Callable[[str, int, int], None] | None = None) -> dict:
+                 on_request: Callable[[str, int, int], None] | None = None, warm: WarmUp | None = None) -> dict:
     """Replay ``trace`` with each method (``full`` first); per-request rows and aggregates.
+    ``warm``: what each chunk-cache method's store is filled with first (``full`` and
+    ``prefix`` use no chunk-caches and start empty).
 
     ``evictions`` adds a ``cachecraft`` run per eviction policy, labelled ``cachecraft[policy]``.
     A full prefill does not depend on what came before, so ``full`` runs each distinct
@@ -91,7 +129,8 @@ def run_workload(lm: LoadedModel, config: Config, trace: Sequence[TraceRequest],
     for label, method, eviction in runs:
         method_config = config.replace(cpu_budget_bytes=budgets["cpu"], disk_budget_bytes=budgets["disk"],
                                        max_new_tokens=max_new_tokens, eviction=eviction)
-        method_rows, usage[label] = _replay(lm, method_config, trace, label, method, reference, on_request)
+        method_rows, usage[label] = _replay(lm, method_config, trace, label, method, reference, on_request,
+                                            None if method in ("full", "prefix") else warm)
         rows += method_rows
     labels = [label for label, _, _ in runs]
     summary = {m: summarize([r for r in rows if r["method"] == m]) for m in labels}
@@ -100,13 +139,17 @@ def run_workload(lm: LoadedModel, config: Config, trace: Sequence[TraceRequest],
         summary[m]["compute_reduction_vs_full"] = 1 - work / summary["full"]["token_layers"]
         if "prefix" in summary:
             summary[m]["compute_reduction_vs_prefix"] = 1 - work / summary["prefix"]["token_layers"]
-        summary[m]["store_usage"] = usage.get(m, {})
+        summary[m]["store_usage"] = {t: u for t, u in usage.get(m, {}).items() if t in ("gpu", "cpu", "disk")}
+        summary[m]["variants"] = usage.get(m, {}).get("variants", {})
+        summary[m]["warm"] = usage.get(m, {}).get("warm", {})
     return {"requests": rows, "methods": summary}
 
 
 def _replay(lm: LoadedModel, config: Config, trace: Sequence[TraceRequest], label: str, method: str,
-            reference: dict[int, str], on_request: Callable[[str, int, int], None] | None) -> tuple[list[dict], dict]:
-    """One method's pass over the trace in a scratch store; its rows and final tier usage."""
+            reference: dict[int, str], on_request: Callable[[str, int, int], None] | None,
+            warm: WarmUp | None = None) -> tuple[list[dict], dict]:
+    """One method's pass over the trace in a scratch store (filled by ``warm`` first); its
+    rows, and its final tier usage with the variant census and the warm-up's cost."""
     from cachecraft.pipeline import Pipeline
 
     scratch = Path(tempfile.mkdtemp(prefix=f"workload-{method}-", dir=config.cache_dir))
@@ -115,6 +158,7 @@ def _replay(lm: LoadedModel, config: Config, trace: Sequence[TraceRequest], labe
     try:
         with TieredStore(config.replace(cache_dir=scratch), tiers=("cpu", "disk")) as store:
             pipeline = Pipeline(config.replace(cache_dir=scratch), lm=lm, store=store)
+            warmed = _warm(pipeline, warm) if warm is not None else {}
             for n, request in enumerate(trace):
                 if method == "full" and request in first_row:
                     row = {**first_row[request], "request": n, "replayed": True}
@@ -130,10 +174,34 @@ def _replay(lm: LoadedModel, config: Config, trace: Sequence[TraceRequest], labe
                     on_request(label, n + 1, len(trace))
             usage = {tier: {"entries": state.entries, "bytes": state.bytes, "budget": state.budget}
                      for tier, state in store.usage().items()}
+            usage["variants"] = variant_census(store)
+            usage["warm"] = warmed
             store.close(persist=False)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return rows, usage
+
+
+def _warm(pipeline, warm: WarmUp) -> dict:
+    """Fill the pipeline's store as ``cachecraft warm`` would; what was made, in how long."""
+    start = time.perf_counter()
+    made = pipeline.warm(list(warm.texts))
+    in_context = pipeline.warm_after(list(warm.pairs))
+    return {"made": made, "in_context": in_context, "seconds": time.perf_counter() - start,
+            "variants_after": variant_census(pipeline.store)}
+
+
+def variant_census(store: TieredStore) -> dict:
+    """How many variants the store holds, of how many chunks, and how many chunks hold
+    more than one."""
+    with store.catalog.read() as tx:
+        records = tx.stored_variants()
+    per_chunk: dict[str, int] = {}
+    for record in records:
+        if record.prefix:  # the system prefix alone is no chunk's variant
+            per_chunk[record.chunk_key] = per_chunk.get(record.chunk_key, 0) + 1
+    return {"variants": sum(per_chunk.values()), "chunks": len(per_chunk),
+            "chunks_with_several": sum(1 for n in per_chunk.values() if n > 1)}
 
 
 def _measure(pipeline, request: TraceRequest, method: str) -> dict:
@@ -144,7 +212,10 @@ def _measure(pipeline, request: TraceRequest, method: str) -> dict:
     answer, trace = answer_traced(pipeline, list(request.chunks), request.question, method)
     total = time.perf_counter() - start
     tiers = [c.tier for c in answer.chunks]
-    return {"prompt_tokens": answer.prompt_tokens, "ttft_s": answer.ttft_s, "request_s": total,
+    # a reused variant whose old prefix the request holds entirely (CFO 0): an in-context or
+    # exact variant, never the warm-context one (its context is no chunk of the request)
+    whole_prefix = sum(1 for c in answer.chunks if c.variant is not None and c.cfo == 0 and c.fraction < 1)
+    return {"whole_prefix_reuses": whole_prefix, "prompt_tokens": answer.prompt_tokens, "ttft_s": answer.ttft_s, "request_s": total,
             "recompute_fraction": answer.recompute_fraction, "token_layers": trace.token_layers,
             "hits": {t: tiers.count(t) for t in set(tiers)}, "chunks": len(tiers), "answer": answer.text}
 
@@ -168,4 +239,5 @@ def summarize(rows: list[dict]) -> dict:
         "hit_rate": 1 - hits.get("miss", 0) / chunks if chunks else 0.0,
         "hit_rate_by_tier": {t: hits.get(t, 0) / chunks for t in ("gpu", "cpu", "disk")} if chunks else {},
         "agreement_f1_mean": statistics.fmean(r["agreement_f1"] for r in rows),
+        "whole_prefix_reuse_rate": sum(r.get("whole_prefix_reuses", 0) for r in rows) / chunks if chunks else 0.0,
     }

@@ -253,6 +253,10 @@ class CatalogTx:
         self.session.execute(update(Variant).where(Variant.key == variant_key)
                              .values(hits=Variant.hits + hits, last_used=now or time.time()))
 
+    def set_quality(self, variant_key: str, quality: float) -> None:
+        """Record a variant's measured quality (the share of its prefill a reuse saves)."""
+        self.session.execute(update(Variant).where(Variant.key == variant_key).values(quality=quality))
+
     def refresh_tier(self, variant_key: str) -> str | None:
         """Set a variant's ``tier`` to the fastest tier holding it (None if none)."""
         tiers = self.session.scalars(select(Entry.tier).where(Entry.variant_key == variant_key))

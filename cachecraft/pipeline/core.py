@@ -10,8 +10,10 @@ first (``ingest`` fills it, ``warm_corpus`` makes its chunk-caches ahead of time
 Chunk-caches are keyed by (model fingerprint, token ids). A chunk computed in a
 request is saved as a variant under that request's prefix (the system prefix and the
 chunks before it), so a later request with the same chunks before it reuses it
-exactly (``keep_new_variants=False`` turns that off, for benchmarks that must measure
-each method on the same store).
+exactly; and each variant a request reused has its measured saving (the share of the
+chunk it did not recompute) folded into the quality the eviction policy ranks it by
+(``keep_new_variants=False`` turns both off, for benchmarks that must measure each
+method on the same store).
 """
 
 from __future__ import annotations
@@ -145,12 +147,13 @@ class Pipeline:
                                 options=generation)
         if trace is not None:
             trace.answer_ids = new_ids
+        reports = self._report(request, prepared, recomputed)
         if self.keep_new_variants:
             self._save(to_save)
+            self._learn_use(reports)
         text = self.lm.tokenizer.decode(new_ids, skip_special_tokens=True)
         answer = Answer(generation.cut(text) if generation is not None else text, chosen.label, ttft,
-                        request.pieces.num_tokens, len(new_ids), recompute,
-                        self._report(request, prepared, recomputed),
+                        request.pieces.num_tokens, len(new_ids), recompute, reports,
                         full_prefill_estimate_s=self._estimate_full(request.pieces.num_tokens))
         if record:
             answer.request_id = self._record(question, answer)
@@ -590,6 +593,18 @@ class Pipeline:
         for kv in kvs:
             if not self.store.contains(kv.variant):
                 self._put(kv)
+
+    def _learn_use(self, reports: Sequence[ChunkReport]) -> None:
+        """Tell the store what each reused variant saved this request (``1 -`` the share of
+        its chunk recomputed: a variant found but computed in full saved nothing), so that
+        eviction keeps the variants requests reuse nearly exactly."""
+        saved = {c.variant: 1.0 - c.fraction for c in reports if c.variant is not None and c.tier != MISS}
+        if not saved:
+            return
+        try:
+            self.store.record_use(saved)
+        except CatalogError as exc:  # advice for eviction: the answer stands without it
+            log.warning("could not record what the reused variants saved: %s", exc)
 
     def _put(self, kv: ChunkKV) -> None:
         text = self.lm.tokenizer.decode(list(kv.token_ids[:48]), skip_special_tokens=True)

@@ -20,6 +20,13 @@ Orders (ties are broken by the older access first, ``tick``):
   chunk are ranked by that value: the best keeps it, the next one half of it, the
   third a quarter, and so on. One good variant of a chunk is kept ahead of several
   redundant ones.
+
+Quality starts as the planner's estimate when an entry is stored and is then measured:
+each request that reuses a variant reports the share of the chunk's prefill it saved
+(``1 -`` the fraction it recomputed; 0 when the plan computed the chunk in full after
+all), and :func:`measured_quality` moves the entry's quality halfway there
+(``on_measure``). A second variant that requests reuse nearly exactly keeps its value;
+one they pass over, or must mostly recompute, loses it and goes first.
 """
 
 from __future__ import annotations
@@ -27,10 +34,21 @@ from __future__ import annotations
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable
 
 from cachecraft.policy.loading import DEFAULT_PREFILL_S_PER_TOKEN_LAYER
+
+
+MEASURE_WEIGHT = 0.5  # how far one measured use moves an entry's quality
+
+
+def measured_quality(previous: float, saved: float, weight: float = MEASURE_WEIGHT) -> float:
+    """An entry's quality after one more measured use: ``previous`` moved ``weight`` of the
+    way to ``saved``, the share of the chunk's prefill that use avoided (both in [0, 1])."""
+    if not (0.0 <= previous <= 1.0 and 0.0 <= saved <= 1.0 and 0.0 <= weight <= 1.0):
+        raise ValueError(f"quality, saved share and weight must be within [0, 1], got {previous}, {saved}, {weight}")
+    return previous + weight * (saved - previous)
 
 
 def estimate_cost_s(num_tokens: int, num_layers: int) -> float:
@@ -82,6 +100,9 @@ class EvictionPolicy(ABC):
     def on_evict(self, key: str) -> None:
         """An entry was pushed out of the tier to make room."""
         self.discard(key)
+
+    def on_measure(self, key: str, quality: float) -> None:
+        """A request measured the entry's quality anew (orders that ignore quality ignore it)."""
 
     @abstractmethod
     def candidates(self) -> list[str]:
@@ -195,6 +216,11 @@ class PGDSFPolicy(EvictionPolicy):
 
     def discard(self, key: str) -> None:
         self._state.pop(key, None)
+
+    def on_measure(self, key: str, quality: float) -> None:
+        s = self._state.get(key)
+        if s is not None:  # not an access: frequency and clock stay
+            s.info = replace(s.info, quality=quality)
 
     def on_evict(self, key: str) -> None:
         if key in self._state:

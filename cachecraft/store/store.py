@@ -43,7 +43,7 @@ from cachecraft.kv import AttentionStats, ChunkKV, chunk_key
 from cachecraft.store import disk_reads, maintenance, placement
 from cachecraft.store.codec import copy_to, encode
 from cachecraft.store.errors import StoreConfigError
-from cachecraft.store.eviction import EntryInfo, EvictionPolicy, estimate_cost_s, make_policy
+from cachecraft.store.eviction import EntryInfo, EvictionPolicy, estimate_cost_s, make_policy, measured_quality
 from cachecraft.store.locks import FileLock, OwnerLock
 from cachecraft.store.maintenance import EvictReport
 from cachecraft.store.nodes import join_catalog
@@ -500,6 +500,38 @@ class TieredStore:
                 tx.touch(key)
         except CatalogUnavailableError:
             self.unrecorded.hits[key] += 1
+
+    def record_use(self, saved: Mapping[str, float]) -> dict[str, float]:
+        """Measured reuse: for each variant key, the share of its chunk's prefill a request
+        saved by reusing it. Each one's quality (the eviction policy's estimate of that share)
+        moves halfway there, in the memory tiers, their policies and the catalog (where the
+        disk tier's policy reads it). Returns the new qualities. Advice only: while the catalog
+        is away a variant only in the disk tier keeps its old value."""
+        new: dict[str, float] = {}
+        with self._lock:
+            for key, share in saved.items():
+                entries = [(t, t.get(key)) for t in self._memory_tiers() if key in t]
+                if entries:
+                    new[key] = measured_quality(entries[0][1].info.quality, share)
+                    for tier, entry in entries:
+                        entry.info = dataclasses.replace(entry.info, quality=new[key])
+                        self._policies[tier.name].on_measure(key, new[key])
+            try:
+                with self.catalog.write(exclusive=False) as tx:
+                    for key, share in saved.items():
+                        if key not in new:
+                            row = tx.variant(key)
+                            if row is None:
+                                continue
+                            new[key] = measured_quality(1.0 if row.quality is None else row.quality, share)
+                        tx.set_quality(key, new[key])
+            except CatalogUnavailableError:
+                pass
+            disk = self._disk()
+            if disk is not None:
+                for key, quality in new.items():
+                    self._policies[disk.name].on_measure(key, quality)
+        return new
 
     def record_pending(self) -> bool:
         """Write the hit counts kept while the catalog was away; whether none is left
