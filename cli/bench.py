@@ -221,6 +221,8 @@ def bench_workload_cmd(
                                           "lru,lfu,pgdsf,cachecraft (labelled cachecraft[lru] ...)."),
     warm: bool = typer.Option(False, "--warm", help="Fill each chunk-cache method's store first as `cachecraft "
                                                     "warm` does (every passage, under the budgets)."),
+    model: Optional[str] = typer.Option(None, help="Model: smollm2, qwen2.5-coder-0.5b (the judge) or a path "
+                                                   "(default: config model)."),
     neighbours: int = typer.Option(0, min=0, max=8, help="With --warm, also make each passage's cache after "
                                    "each of its N nearest passages (in-context variants, as `warm "
                                    "--neighbours N`), so the eviction policy chooses among several variants "
@@ -230,9 +232,9 @@ def bench_workload_cmd(
     each method: TTFT mean/p95, throughput, recompute, hit rate per tier, compute saved
     against `full` and `prefix`, and the variants each store kept, e.g.
 
-        cachecraft bench workload --dataset ../shared/data/musique_dev.json --limit 4 --top-k 3
-            --methods full --evictions pgdsf,cachecraft --warm --neighbours 1 --cpu-budget 16MiB
-            --disk-budget 48MiB
+        cachecraft bench workload --model qwen2.5-coder-0.5b --dataset ../shared/data/musique_dev.json
+            --limit 4 --top-k 3 --methods full,cachecraft --evictions pgdsf,lru --warm --neighbours 1
+            --cpu-budget 64MiB --disk-budget 256MiB
     """
     from rich.progress import Progress
 
@@ -242,7 +244,7 @@ def bench_workload_cmd(
     from cachecraft.dataset import load_items
     from cachecraft.methods import parse_methods
 
-    config = load_config(ctx)
+    config = load_config(ctx, model=model)
     parse_methods(methods)  # unknown names fail here, before any work
     names = [m.strip() for m in methods.split(",") if m.strip()]
     policies = [e.strip() for e in evictions.split(",") if e.strip()]
