@@ -18,7 +18,8 @@ plt = pyplot()
 from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator  # noqa: E402
 
 COLORS = {"full": "#222222", "prefix": "#8c8c8c", "reuse": "#ff7f0e", "cacheblend": "#1f77b4",
-          "cachecraft": "#2ca02c", "qguided": "#9467bd", "inter": "#8c564b", "firstk": "#e377c2"}
+          "cachecraft": "#2ca02c", "qguided": "#9467bd", "inter": "#8c564b", "firstk": "#e377c2",
+          "cachecraft+nb1": "#bcbd22", "qguided+nb1": "#17becf"}
 TIER_COLORS = {"gpu": "#d62728", "cpu": "#1f77b4", "disk": "#ff7f0e", "all": "#222222"}
 STYLE = {"font.size": 12, "axes.titlesize": 14, "axes.labelsize": 12, "legend.fontsize": 10,
          "xtick.labelsize": 10, "ytick.labelsize": 10, "axes.grid": True, "grid.alpha": 0.3,
@@ -91,25 +92,35 @@ def _ratio_families(ax, points: list[tuple[float, float, str]]) -> None:
 
 
 def quality_tradeoff(data: dict, path: Path) -> Path | None:
-    """Agreement and first-token KL against median TTFT, one point per method and ratio."""
+    """Trade-off curves, one line per selector through its ratios: answer-level KL and token
+    agreement against the speedup over full where the result has them (the yardstick),
+    else answer agreement and first-token KL against median TTFT."""
     methods = {k: v for k, v in (data.get("methods") or {}).items() if v}
     if not methods:
         return None
+    yardstick = all("answer_kl_mean" in m for m in methods.values())
+    if yardstick:
+        x_key, x_label = "speedup_vs_full_median", "median speedup of the first token over full (log scale)"
+        panels = (("answer_kl_mean", "answer-level KL(full || method) (nats)", "Answer-level KL (lower is better)"),
+                  ("token_agreement_mean", "token agreement with full's answer", "Token agreement (higher is better)"))
+    else:
+        x_key, x_label = "ttft_s_median", "median time to first token (s, log scale)"
+        panels = (("agreement_f1_mean", "answer agreement with full (token F1)", "Answer agreement (higher is better)"),
+                  ("kl_mean", "first-token KL(full || method) (nats)", "First-token KL (lower is better)"))
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(1, 2, figsize=(14, 5.5))
-        for ax, key, ylabel in ((axes[0], "agreement_f1_mean", "answer agreement with full (token F1)"),
-                                (axes[1], "kl_mean", "first-token KL(full || method) (nats)")):
-            _ratio_families(ax, [(m["ttft_s_median"], m[key], label) for label, m in methods.items()])
+        for ax, (key, ylabel, title) in zip(axes, panels):
+            _ratio_families(ax, [(m[x_key], m[key], label) for label, m in methods.items()])
             _log_axis(ax, "x")
-            ax.set_xlabel("median time to first token (s, log scale)")
+            ax.set_xlabel(x_label)
             ax.set_ylabel(ylabel)
-        axes[0].set_title("Answer agreement (higher is better)")
-        axes[1].set_title("First-token KL (lower is better)")
+            ax.set_title(title)
         handles, names = axes[0].get_legend_handles_labels()
-        fig.legend(handles, names, loc="lower center", ncol=len(names), title="method (point labels: ratio / alpha)",
-                   bbox_to_anchor=(0.5, -0.01))
-        fig.suptitle(f"Quality against TTFT, {data.get('model', '?')}, {data.get('limit', '?')} requests", fontsize=15)
-        fig.tight_layout(rect=(0, 0.13, 1, 1))
+        fig.legend(handles, names, loc="lower center", ncol=min(len(names), 5),
+                   title="method (point labels: ratio / alpha)", bbox_to_anchor=(0.5, -0.01))
+        fig.suptitle(f"{'Trade-off curves' if yardstick else 'Quality against TTFT'}, {data.get('model', '?')}, "
+                     f"{data.get('limit', '?')} requests", fontsize=15)
+        fig.tight_layout(rect=(0, 0.17 if len(names) > 5 else 0.13, 1, 1))
         return _save(fig, path)
 
 
