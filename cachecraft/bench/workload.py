@@ -192,13 +192,17 @@ def _warm(pipeline, warm: WarmUp) -> dict:
 
 
 def variant_census(store: TieredStore) -> dict:
-    """How many variants the store holds, of how many chunks, and how many chunks hold
-    more than one."""
+    """How many variants of the corpus' chunks the store holds, of how many chunks, and how
+    many chunks hold more than one (the system prefix and the warm context are no chunks)."""
+    from cachecraft import warm_context
+
     with store.catalog.read() as tx:
         records = tx.stored_variants()
+        sources = {key: tx.chunk(key) for key in {r.chunk_key for r in records}}
+    context = {key for key, chunk in sources.items() if chunk is not None and chunk.source == warm_context.SOURCE}
     per_chunk: dict[str, int] = {}
     for record in records:
-        if record.prefix:  # the system prefix alone is no chunk's variant
+        if record.prefix and record.chunk_key not in context:
             per_chunk[record.chunk_key] = per_chunk.get(record.chunk_key, 0) + 1
     return {"variants": sum(per_chunk.values()), "chunks": len(per_chunk),
             "chunks_with_several": sum(1 for n in per_chunk.values() if n > 1)}
