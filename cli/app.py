@@ -599,10 +599,10 @@ def _print_stats(data: dict) -> None:
                         _fraction(row["recompute_mean"]),
                         seconds(row["ttft_s_mean"]), saved_text(row["saved_s"], 1))
     console.print(methods)
-    top = _table("top chunks", "chunk", "hits", "variants (stored)", "tokens", "source / preview")
+    top = _table("top chunks", "chunk", "hits", "variants (stored)", "saves per reuse", "tokens", "source / preview")
     for chunk in data["top_chunks"]:
         top.add_row(chunk["chunk_key"][:12], str(chunk["hits"]), f"{chunk['variants']} ({chunk['live_variants']})",
-                    str(chunk["num_tokens"]), _source_or_preview(chunk))
+                    _fraction(chunk.get("best_saving")), str(chunk["num_tokens"]), _source_or_preview(chunk))
     console.print(top)
     dist = data["recompute_fraction"]
     histogram = _table("recompute fraction per request", "range", "requests", "")

@@ -195,7 +195,11 @@ def test_statistics_match_hand_computed_values(catalog):
 
     top = stats.top_chunks(catalog, limit=2)
     assert [(c.chunk_key, c.hits, c.variants, c.live_variants) for c in top] == [("C", 9, 1, 0), ("A", 6, 2, 2)]
-    assert top[1].source == "doc-A"
+    assert top[1].source == "doc-A" and top[1].best_saving is None  # no saving measured or estimated yet
+    with catalog.write() as tx:  # measured savings: the best stored variant's counts, an evicted one's not
+        for key, quality in (("a1", 0.5), ("a2", 0.875), ("c1", 0.99)):
+            tx.set_quality(key, quality)
+    assert [c.best_saving for c in stats.top_chunks(catalog, limit=2)] == [None, 0.875]
 
     assert stats.variants_per_chunk(catalog) == {1: 1, 2: 1}  # B has one live, A two; C none
     assert stats.variants_per_chunk(catalog, live_only=False) == {1: 2, 2: 1}

@@ -66,6 +66,7 @@ class ChunkHits:
     num_tokens: int
     source: str | None
     preview: str | None
+    best_saving: float | None = None  # the highest measured share a stored variant saves per reuse
 
 
 @dataclass(frozen=True)
@@ -201,14 +202,16 @@ def top_chunks(catalog: Catalog, limit: int = 10) -> list[ChunkHits]:
     # cast; SQLite must not cast (its JSON type name has numeric affinity) and reads it as is.
     prefix = (cast if catalog.dialect == "postgresql" else type_coerce)(Variant.prefix, JSON)
     system = select(prefix[0].as_string()).where(Variant.prefix_len > 0).distinct()
-    query = (select(Chunk, func.sum(Variant.hits), func.count(Variant.key), live)
+    best = func.max(case((Variant.tier.is_not(None), Variant.quality), else_=None))
+    query = (select(Chunk, func.sum(Variant.hits), func.count(Variant.key), live, best)
              .join(Variant, Variant.chunk_key == Chunk.key)
              .where(Chunk.key.not_in(system), or_(Chunk.source.is_(None), Chunk.source != WARM_CONTEXT_SOURCE))
              .group_by(Chunk.key)
              .order_by(func.sum(Variant.hits).desc(), Chunk.key).limit(limit))
     with catalog.read() as tx:
-        return [ChunkHits(c.key, int(h or 0), int(n), int(lv or 0), c.num_tokens, c.source, c.preview)
-                for c, h, n, lv in tx.session.execute(query)]
+        return [ChunkHits(c.key, int(h or 0), int(n), int(lv or 0), c.num_tokens, c.source, c.preview,
+                          None if q is None else float(q))
+                for c, h, n, lv, q in tx.session.execute(query)]
 
 
 def variants_per_chunk(catalog: Catalog, *, live_only: bool = True) -> dict[int, int]:
