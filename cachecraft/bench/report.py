@@ -85,7 +85,7 @@ def quality_section(data: dict, source: Path, out: Path, tag: str = "") -> list[
     title = "## Quality and speed on the same requests" + (f" ({data['model']}: {Path(source).stem})"
                                                            if data.get("model") else "")
     lines = [title, "", *provenance(data, source)]
-    lines += _plots(out, data, [(f"quality_tradeoff{tag}.png", plots.quality_tradeoff, "quality against TTFT"),
+    lines += _plots(out, data, [(f"quality_tradeoff{tag}.png", plots.quality_tradeoff, "trade-off curves: quality against speed"),
                                 (f"quality_intervals{tag}.png", plots.quality_intervals,
                                  "answer-level divergence with 95% intervals"),
                                 (f"quality_bars{tag}.png", plots.quality_bars, "figures per method")])
