@@ -263,8 +263,8 @@ def bench_workload_cmd(
         done = {"n": 0}
 
         def tick(method: str, n: int, total: int) -> None:
-            done["n"] += 1
-            progress.update(task, completed=done["n"], description=f"{method} {n}/{total}")
+            done["n"] += 1 if n else 0  # n 0: a warm-up begins, no request done
+            progress.update(task, completed=done["n"], description=f"{method} {n}/{total}" if n else method)
 
         result = run_workload(lm, config, trace, names, budgets=budgets, max_new_tokens=max_new_tokens,
                               evictions=policies, on_request=tick, warm=warm_up)

@@ -86,8 +86,13 @@ def test_warm_up_fills_each_store_with_every_passage_and_its_in_context_variants
     assert all(before != chunk and before in corpus for before, chunk in warm.pairs)
     assert warm_up(ITEMS, 0, embed=fake_embed).pairs == ()
     trace, _ = build_trace(ITEMS, 5, 3, embed=fake_embed, seed=4)
+    calls = []
     result = run_workload(tiny_model("llama"), config, trace, ["cachecraft"], evictions=["pgdsf"],
-                          budgets={"cpu": 1 << 24, "disk": 1 << 26}, max_new_tokens=2, warm=warm)
+                          budgets={"cpu": 1 << 24, "disk": 1 << 26}, max_new_tokens=2, warm=warm,
+                          on_request=lambda *call: calls.append(call))
+    # one warm-up call (request 0) before each chunk-cache run's requests; full has none
+    assert [c for c in calls if c[1] == 0] == [("cachecraft: warm-up", 0, 5), ("cachecraft[pgdsf]: warm-up", 0, 5)]
+    assert len(calls) == 2 + 3 * 5
     methods = result["methods"]
     assert methods["full"]["warm"] == {} and methods["full"]["variants"]["variants"] == 0  # full starts empty
     for label in ("cachecraft", "cachecraft[pgdsf]"):

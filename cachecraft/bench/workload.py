@@ -119,6 +119,7 @@ def run_workload(lm: LoadedModel, config: Config, trace: Sequence[TraceRequest],
     ``prefix`` use no chunk-caches and start empty).
 
     ``evictions`` adds a ``cachecraft`` run per eviction policy, labelled ``cachecraft[policy]``.
+    ``on_request(label, n, total)`` follows the replay (``n`` 0: a warm-up begins).
     A full prefill does not depend on what came before, so ``full`` runs each distinct
     request once and repeats its measured row for the trace's repeats (``replayed``)."""
     runs = [(m, m, config.eviction) for m in ["full"] + [m for m in methods if m != "full"]]
@@ -158,6 +159,8 @@ def _replay(lm: LoadedModel, config: Config, trace: Sequence[TraceRequest], labe
     try:
         with TieredStore(config.replace(cache_dir=scratch), tiers=("cpu", "disk")) as store:
             pipeline = Pipeline(config.replace(cache_dir=scratch), lm=lm, store=store)
+            if warm is not None and on_request:
+                on_request(f"{label}: warm-up", 0, len(trace))  # request 0: nothing answered yet
             warmed = _warm(pipeline, warm) if warm is not None else {}
             for n, request in enumerate(trace):
                 if method == "full" and request in first_row:
@@ -219,8 +222,8 @@ def _measure(pipeline, request: TraceRequest, method: str) -> dict:
     # a reused variant whose old prefix the request holds entirely (CFO 0): an in-context or
     # exact variant, never the warm-context one (its context is no chunk of the request)
     whole_prefix = sum(1 for c in answer.chunks if c.variant is not None and c.cfo == 0 and c.fraction < 1)
-    return {"whole_prefix_reuses": whole_prefix, "prompt_tokens": answer.prompt_tokens, "ttft_s": answer.ttft_s, "request_s": total,
-            "recompute_fraction": answer.recompute_fraction, "token_layers": trace.token_layers,
+    return {"whole_prefix_reuses": whole_prefix, "prompt_tokens": answer.prompt_tokens, "ttft_s": answer.ttft_s,
+            "request_s": total, "recompute_fraction": answer.recompute_fraction, "token_layers": trace.token_layers,
             "hits": {t: tiers.count(t) for t in set(tiers)}, "chunks": len(tiers), "answer": answer.text}
 
 
