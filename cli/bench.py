@@ -116,7 +116,8 @@ def bench_diagnose_cmd(
     contexts: str = typer.Option("system,warm,previous",
                                  help="What each chunk's cache is made after: system (the system prompt "
                                       "alone), warm (and the warm context), previous (and the chunk before "
-                                      "it in the request)."),
+                                      "it in the request), other (and another chunk of the request, not "
+                                      "the one before it), foreign (and a passage of the next item)."),
     model: Optional[str] = typer.Option(None, help="Model: smollm2, qwen2.5-coder-0.5b (the judge) or a path "
                                                    "(default: config model)."),
 ) -> None:

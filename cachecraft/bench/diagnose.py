@@ -8,6 +8,11 @@ the setting a chunk's cache was made after:
 - ``warm``: the system prompt and the warm context (what ``warm`` does by default);
 - ``previous``: the system prompt and the chunk that comes right before it in this
   request (a variant made after a real neighbour: one chunk of prefix overlap);
+- ``other``: the system prompt and another chunk of the same request that does not come
+  right before it (the one after it; the first chunk for the last): a related passage
+  of the same kind, but not the real prefix;
+- ``foreign``: the system prompt and a passage of another item of the dataset (the next
+  item's chunk at the same place): a passage of the same kind on an unrelated topic;
 
 the caches are reused untouched and with token selections at each budget, and we
 record, against the full prefill of the same prompt:
@@ -44,7 +49,7 @@ from cachecraft.evaluation import answer_traced, item_chunks, scratch_pipeline
 from cachecraft.metrics import answer_divergence, kl_divergence
 from cachecraft.selection import DeviationCheck, count_for, first_tokens, question_guided
 
-CONTEXTS = ("system", "warm", "previous")
+CONTEXTS = ("system", "warm", "previous", "other", "foreign")
 SELECTORS = ("firstk", "cacheblend", "qguided", "sink+q", "oracle")
 POSITION_BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, None))  # [lo, hi) inside a chunk
 
@@ -114,15 +119,24 @@ class _Item:
     def prefix(self) -> Segment:
         return Segment(self.pieces.prefix, "prefix", cached=self.prefix_kv)
 
-    def make_caches(self, context: str, warm_kv=None, warm_ids=None, system=None) -> list:
-        """Each chunk's KV made after ``context`` (see the module doc)."""
+    def make_caches(self, context: str, warm_kv=None, warm_ids=None, system=None, foreign=None) -> list:
+        """Each chunk's KV made after ``context`` (see the module doc). ``system`` holds the
+        chunks' own caches made after the system prompt alone; ``foreign`` the (token ids,
+        cache) pairs of another item's chunks, made the same way."""
         caches = []
+        count = len(self.pieces.chunks)
         for i, ids in enumerate(self.pieces.chunks):
             before = []
             if context == "warm" and warm_kv is not None:
                 before = [Segment(warm_ids, "chunk", cached=warm_kv, fixable=False)]
             elif context == "previous" and i > 0:
                 before = [Segment(self.pieces.chunks[i - 1], "chunk", cached=system[i - 1], fixable=False)]
+            elif context == "other" and count > 1:
+                j = (i + 1) % count
+                before = [Segment(self.pieces.chunks[j], "chunk", cached=system[j], fixable=False)]
+            elif context == "foreign" and foreign:
+                other_ids, other_kv = foreign[i % len(foreign)]
+                before = [Segment(other_ids, "chunk", cached=other_kv, fixable=False)]
             run = blended_prefill(self.adapter, [self.prefix(), *before, Segment(ids, "chunk", save=True)])
             caches.append(run.saved[len(before) + 1])
         return caches
@@ -141,8 +155,9 @@ class _Item:
 
 
 def diagnose_item(pipeline, item: QAItem, budgets: Sequence[float], check_layer: int,
-                  contexts: Sequence[str] = CONTEXTS) -> dict:
-    """Every figure of the module doc for one item."""
+                  contexts: Sequence[str] = CONTEXTS, other_item: QAItem | None = None) -> dict:
+    """Every figure of the module doc for one item; ``other_item`` gives the ``foreign``
+    context its passages (without it that context is the system prompt alone)."""
     it = _Item(pipeline, item)
     adapter = it.adapter
     warm_ids, _ = pipeline._warm_context()
@@ -152,11 +167,17 @@ def diagnose_item(pipeline, item: QAItem, budgets: Sequence[float], check_layer:
         warm_kv = warm_run.saved[1]
     row: dict = {"item": item.index, "chunk_tokens": sum(b - a for a, b in it.spans),
                  "answer": it.answer_text, "contexts": {}}
-    system = None
+    system, foreign = None, None
+    if "foreign" in contexts and other_item is not None:
+        foreign = []
+        for text in item_chunks(other_item):
+            ids = pipeline.builder.encode(text)
+            run = blended_prefill(adapter, [it.prefix(), Segment(ids, "chunk", save=True)])
+            foreign.append((ids, run.saved[1]))
     for context in contexts:
-        if context == "previous" and system is None:
+        if context in ("previous", "other") and system is None:
             system = it.make_caches("system")
-        caches = it.make_caches(context, warm_kv, warm_ids, system)
+        caches = it.make_caches(context, warm_kv, warm_ids, system, foreign)
         if context == "system":
             system = caches
         reuse = blended_prefill(adapter, it.segments(caches))
@@ -237,7 +258,8 @@ def run_diagnose(lm, config: Config, items: Sequence[QAItem], budgets: Sequence[
     rows = []
     with scratch_pipeline(lm, config) as pipeline:
         for i, item in enumerate(items):
-            rows.append(diagnose_item(pipeline, item, budgets, check_layer, contexts))
+            other = items[(i + 1) % len(items)] if len(items) > 1 else None
+            rows.append(diagnose_item(pipeline, item, budgets, check_layer, contexts, other))
             if on_item:
                 on_item(i + 1, len(items))
     return {"check_layer": check_layer, "budgets": list(budgets), "contexts": list(contexts),
