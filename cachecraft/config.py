@@ -118,6 +118,9 @@ class Config:
     # tokens, and its first policy_sink_tokens tokens come first among them (0, 0: CFO alone)
     policy_floor: float = 0.0
     policy_sink_tokens: int = 0
+    # > 0: the rest of each fixed chunk's recomputed tokens are spread evenly over it, and its
+    # other tokens move by this share of the mean change those show, layer by layer (0: off)
+    policy_drift_shift: float = 0.0
     early_stop_layers: str = ""  # comma-separated layers or depths, e.g. "12,20" or "0.4,0.67"; empty: off
     early_stop_share: float = 0.25
     stats_layer_step: int = 4  # attention statistics at every 4th layer (1: every layer)
@@ -167,6 +170,8 @@ class Config:
               f"(e.g. 8 or 0.27), got {self.policy_check_layer}")
         check(0.0 <= self.policy_floor <= 1.0, f"policy_floor must be within [0, 1], got {self.policy_floor}")
         check(self.policy_sink_tokens >= 0, f"policy_sink_tokens must be >= 0, got {self.policy_sink_tokens}")
+        check(0.0 <= self.policy_drift_shift <= 2.0,
+              f"policy_drift_shift must be within [0, 2], got {self.policy_drift_shift}")
         check(0.0 <= self.early_stop_share <= 1.0, f"early_stop_share must be within [0, 1], got {self.early_stop_share}")
         try:
             ok = all(_is_layer(x) for x in self.early_stop_layer_list)

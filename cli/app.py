@@ -106,6 +106,13 @@ def calibrate_cmd(
                                               help="Comma-separated candidate counts of each chunk's first "
                                                    "tokens recomputed first (e.g. 0,4,16); default: the config's "
                                                    "policy_sink_tokens only."),
+    drift_shifts: Optional[str] = typer.Option(None, "--drift-shifts",
+                                               help="Comma-separated candidate drift shifts within [0, 2]: 0 "
+                                                    "gives the rest of a chunk's count to the question's "
+                                                    "choice, above 0 spreads it over the chunk and moves the "
+                                                    "other tokens by that share of the drift measured on "
+                                                    "them (e.g. 0,1); default: the config's "
+                                                    "policy_drift_shift only."),
     max_new_tokens: int = typer.Option(32, min=1, help="Answer length the divergence is measured along."),
     warm_context: Optional[str] = typer.Option(None, help="What the chunk-caches are made after, following the "
                                                         "system prompt: builtin, none or a text file (default: "
@@ -114,12 +121,12 @@ def calibrate_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Fit the policy to a model: run `full` and `cachecraft` with every candidate alpha
-    (and check layer, floor, sink tokens) on a MuSiQue-format file, measure the answer-level divergence from
+    (and check layer, floor, sink tokens, drift shift) on a MuSiQue-format file, measure the answer-level divergence from
     full prefill along full's answer, and keep the candidate with the lowest divergence
     within the recompute budget (or the least recompute that reaches --target-kl). The
     result is stored in the catalog against the model's fingerprint: `query` and the
     LlamaIndex engine use it wherever the config leaves policy_alpha, policy_check_layer,
-    policy_floor and policy_sink_tokens at their defaults; `config show` and `explain` say so. The chunk-caches are made the
+    policy_floor, policy_sink_tokens and policy_drift_shift at their defaults; `config show` and `explain` say so. The chunk-caches are made the
     way `warm` makes them.
 
     Example: cachecraft calibrate --dataset musique_dev.json --skip 30 --limit 20 --budget 0.05
@@ -131,13 +138,14 @@ def calibrate_cmd(
     from cachecraft.catalog import Catalog
     from cachecraft.dataset import load_items
     from cachecraft.policy.calibrate import (CalibrationError, Goal, parse_alphas, parse_check_layers, parse_floors,
-                                             parse_sink_tokens)
+                                             parse_drift_shifts, parse_sink_tokens)
 
     try:
         candidates = parse_alphas(alphas)
         layers = parse_check_layers(check_layers) if check_layers is not None else None
         floor_list = parse_floors(floors) if floors is not None else None
         sink_list = parse_sink_tokens(sink_tokens) if sink_tokens is not None else None
+        shift_list = parse_drift_shifts(drift_shifts) if drift_shifts is not None else None
         goal = Goal(budget=0.05 if budget is None and target_kl is None else budget, target_kl=target_kl)
     except CalibrationError as exc:
         raise UserError(str(exc)) from None
@@ -150,7 +158,7 @@ def calibrate_cmd(
     lm = load_model_quietly(config)
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task("items", total=len(items))
-        result = calibrate(lm, config, items, candidates, goal, layers, floor_list, sink_list,
+        result = calibrate(lm, config, items, candidates, goal, layers, floor_list, sink_list, shift_list,
                            max_new_tokens=max_new_tokens,
                            on_item=lambda done, total: progress.update(task, completed=done))
     with Catalog(config.cache_dir, url=config.catalog_url or None) as catalog:
@@ -161,12 +169,13 @@ def calibrate_cmd(
         return
     table = Table(title=f"calibrate {config.model} on {len(items)} item(s) from #{skip} ({result.goal.describe()}; "
                         f"full TTFT median {seconds(result.full_ttft_s)})")
-    for column in ("alpha", "check layer", "floor", "sink tokens", "recompute", "answer KL", "token agreement",
+    for column in ("alpha", "check layer", "floor", "sink tokens", "drift shift", "recompute", "answer KL", "token agreement",
                    "agreement F1", "first-token KL", "TTFT median (s)"):
         table.add_column(column, justify="right")
     for r in result.rows:
         mark = " *" if r is result.chosen else ""
         table.add_row(f"{r.alpha:g}{mark}", f"{r.check_layer:g}", f"{r.floor:g}", str(r.sink_tokens),
+                      f"{r.drift_shift:g}",
                       f"{r.recompute:.3f}", f"{r.answer_kl:.4f}",
                       f"{r.token_agreement:.3f}", f"{r.agreement:.3f}", f"{r.kl:.4f}", f"{r.ttft_s:.2f}")
     console.print(table)
@@ -504,7 +513,8 @@ def explain_cmd(ctx: typer.Context,
                       f"{policy.get('check_layer')} of {policy.get('num_layers')} "
                       f"({origin.get('policy_check_layer', '?')}), floor {policy.get('floor', 0)} "
                       f"({origin.get('policy_floor', '?')}), sink tokens {policy.get('sink_tokens', 0)} "
-                      f"({origin.get('policy_sink_tokens', '?')}), early stop at "
+                      f"({origin.get('policy_sink_tokens', '?')}), drift shift {policy.get('drift_shift', 0)} "
+                      f"({origin.get('policy_drift_shift', '?')}), early stop at "
                       f"{policy.get('early_stop_layers') or 'none'}", highlight=False)
 
 

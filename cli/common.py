@@ -18,7 +18,8 @@ METHODS_HELP = ("full: prefill everything; prefix: exact prefix reuse of earlier
                 "deviation check at a fixed ratio; cachecraft: the policy: per-chunk variant and recompute from "
                 "attention statistics; qguided (experimental): the tokens the question looks at most, at a fixed "
                 "ratio; inter (experimental): the tokens with the highest stored inter-attention; firstk "
-                "(experimental): the first tokens of every chunk (EPIC-like)")
+                "(experimental): the first tokens of every chunk (EPIC-like); spread (experimental): tokens "
+                "spread evenly over every chunk; the others move by the drift those show")
 
 
 from cachecraft.config import Config, ConfigError

@@ -79,7 +79,8 @@ def test_layers_are_named_by_number_or_by_depth():
 
 
 def test_fitted_settings_apply_where_the_config_keeps_the_default():
-    fitted = {"policy_alpha": 0.3, "policy_check_layer": 0.5, "policy_floor": 0.04, "policy_sink_tokens": 8}
+    fitted = {"policy_alpha": 0.3, "policy_check_layer": 0.5, "policy_floor": 0.04, "policy_sink_tokens": 8,
+              "policy_drift_shift": 1.0}
     default = Config.load(environ={})
     values, sources = policy_settings(default, fitted)
     assert values == fitted
@@ -88,9 +89,10 @@ def test_fitted_settings_apply_where_the_config_keeps_the_default():
     values, sources = policy_settings(own, fitted)
     assert values == {**fitted, "policy_alpha": 0.2, "policy_sink_tokens": 2}
     assert sources == {"policy_alpha": "config", "policy_check_layer": "calibrated", "policy_floor": "calibrated",
-                       "policy_sink_tokens": "config"}
+                       "policy_sink_tokens": "config", "policy_drift_shift": "calibrated"}
     params = params_from_config(own, 24, fitted)
-    assert (params.alpha, params.check_layer, params.floor, params.sink_tokens) == (0.2, 12, 0.04, 2)
+    assert (params.alpha, params.check_layer, params.floor, params.sink_tokens, params.drift_shift) == (
+        0.2, 12, 0.04, 2, 1.0)
     older = {"policy_alpha": 0.3, "policy_check_layer": 0.5}  # stored before floors and sinks were fitted
     assert policy_settings(default, older)[1]["policy_floor"] == "default"
     assert set(policy_settings(default, None)[1].values()) == {"default"}
@@ -106,9 +108,10 @@ def fake_result(alphas, goal, layers=None):
 def fake_calibration(monkeypatch):
     seen = []
 
-    def fake(lm, config, items, alphas, goal, check_layers=None, floors=None, sink_tokens=None, **kwargs):
+    def fake(lm, config, items, alphas, goal, check_layers=None, floors=None, sink_tokens=None, drift_shifts=None,
+             **kwargs):
         seen.append({"config": config, "items": items, "alphas": alphas, "goal": goal, "layers": check_layers,
-                     "floors": floors, "sinks": sink_tokens})
+                     "floors": floors, "sinks": sink_tokens, "shifts": drift_shifts})
         return fake_result(alphas, goal, check_layers)
 
     monkeypatch.setattr(calibrate_module, "calibrate", fake)
@@ -133,7 +136,8 @@ def test_calibrate_stores_the_fit_for_the_model_and_query_uses_it(fake_calibrati
         pipe = Pipeline(config, lm=lm, store=store)
         assert pipe.policy.alpha == 0.2 and pipe.policy.check_layer == layer_at(0.5, lm.adapter.num_layers)
         assert pipe.policy_sources == {"policy_alpha": "calibrated", "policy_check_layer": "calibrated",
-                                       "policy_floor": "calibrated", "policy_sink_tokens": "calibrated"}
+                                       "policy_floor": "calibrated", "policy_sink_tokens": "calibrated",
+                                       "policy_drift_shift": "calibrated"}
     own = config.replace(policy_alpha=0.4)
     with TieredStore(own, tiers=("cpu",)) as store:
         assert Pipeline(own, lm=lm, store=store).policy.alpha == 0.4  # the config's own value wins
@@ -196,11 +200,13 @@ def test_bad_input_is_one_line_and_exit_1(args, needle, dataset, cache_dir):
 
 def test_calibrate_searches_floors_and_sink_tokens_and_refuses_bad_ones(fake_calibration, dataset, cache_dir):
     result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.1", "--floors", "0.05,0",
-                                 "--sink-tokens", "8,0"])
+                                 "--sink-tokens", "8,0", "--drift-shifts", "1,0"])
     assert result.exit_code == 0, result.output
     assert fake_calibration[0]["floors"] == [0.0, 0.05] and fake_calibration[0]["sinks"] == [0, 8]
+    assert fake_calibration[0]["shifts"] == [0.0, 1.0]
     for flag, bad, message in (("--floors", "1.5", "floors must be within"), ("--sink-tokens", "2.5", "not a whole"),
-                               ("--sink-tokens", "x", "not a number")):
+                               ("--sink-tokens", "x", "not a number"),
+                               ("--drift-shifts", "3", "drift shifts must be within [0, 2]")):
         result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), flag, bad])
         assert result.exit_code != 0 and message in result.output, result.output
 
@@ -221,6 +227,20 @@ def test_calibrate_on_a_tiny_model_measures_floors_and_sinks(tiny_llama, dataset
     assert result.profile()["policy_floor"] == result.chosen.floor
 
 
+def test_calibrate_on_a_tiny_model_measures_drift_shifts(tiny_llama, dataset, tmp_path):
+    from cachecraft.calibration import calibrate
+    from cachecraft.dataset import load_items
+
+    config = Config.load(overrides={"cache_dir": tmp_path, "max_new_tokens": 3, "warm_context": "none"}, environ={})
+    result = calibrate(tiny_llama, config, load_items(dataset, 1), [0.0], Goal(budget=1.0), None, [0.2], None,
+                       [0.0, 1.0], max_new_tokens=3)
+    rows = {r.drift_shift: r for r in result.rows}
+    assert set(rows) == {0.0, 1.0}
+    assert rows[0.0].recompute == rows[1.0].recompute > 0  # the same counts, placed differently
+    assert rows[0.0].answer_kl != rows[1.0].answer_kl
+    assert result.profile()["policy_drift_shift"] == result.to_dict()["policy_drift_shift"] == result.chosen.drift_shift
+
+
 def test_a_shipped_fit_applies_until_the_model_is_calibrated_here(monkeypatch, cache_dir):
     """A bundled model's shipped parameters are used where the config keeps the defaults;
     a calibration stored in the catalog wins over them; benchmarks' scratch pipelines use
@@ -230,7 +250,7 @@ def test_a_shipped_fit_applies_until_the_model_is_calibrated_here(monkeypatch, c
 
     monkeypatch.setitem(shipped.SHIPPED_FITS, "smollm2", {
         "policy_alpha": 0.08, "policy_check_layer": 8, "policy_floor": 0.2, "policy_sink_tokens": 3,
-        "fitted": {"model": "smollm2", "source": "shipped", "date": "2026-11-24"}})
+        "policy_drift_shift": 1.0, "fitted": {"model": "smollm2", "source": "shipped", "date": "2026-11-24"}})
     lm = tiny_model("llama")
     config = Config.load(environ={"CACHECRAFT_CACHE_DIR": str(cache_dir)})
     shown = json.loads(runner.invoke(app, ["config", "show", "--json"]).output)
@@ -238,7 +258,8 @@ def test_a_shipped_fit_applies_until_the_model_is_calibrated_here(monkeypatch, c
     assert shown["sources"]["policy_floor"] == "calibrated for smollm2 on 2026-11-24 (shipped with cachecraft)"
     with TieredStore(config, tiers=("cpu",)) as store:
         pipe = Pipeline(config, lm=lm, store=store)
-        assert (pipe.policy.floor, pipe.policy.sink_tokens) == (0.2, 3)
+        assert (pipe.policy.floor, pipe.policy.sink_tokens, pipe.policy.drift_shift) == (0.2, 3, 1.0)
+        assert pipe.policy_report()["drift_shift"] == 1.0
         assert pipe.policy_sources["policy_floor"] == "calibrated"
     with scratch_pipeline(lm, config) as pipe:
         assert pipe.policy.floor == 0.2
@@ -247,7 +268,8 @@ def test_a_shipped_fit_applies_until_the_model_is_calibrated_here(monkeypatch, c
                              {"policy_alpha": 0.1, "policy_check_layer": 2, "policy_floor": 0.05,
                               "policy_sink_tokens": 0, "fitted": {"model": "smollm2"}})
     with TieredStore(config, tiers=("cpu",)) as store:
-        assert Pipeline(config, lm=lm, store=store).policy.floor == 0.05
+        pipe = Pipeline(config, lm=lm, store=store)
+        assert (pipe.policy.floor, pipe.policy.drift_shift) == (0.05, 0.0)  # a profile without it: the default
     with scratch_pipeline(lm, config) as pipe:
         assert (pipe.policy.floor, pipe.policy.alpha) == (0.05, 0.1)
     with scratch_pipeline(lm, config, fitted=False) as pipe:

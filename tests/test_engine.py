@@ -132,6 +132,77 @@ def test_recomputed_rows_are_fresh_and_others_keep_cached_kv(tiny_llama):
     assert result.context_tokens == sum(map(len, chunks))
 
 
+class _Stored:
+    """A stand-in cache for layout tests (never read)."""
+
+    def __init__(self, num_tokens: int):
+        self.num_tokens = num_tokens
+
+    def layer(self, index: int):
+        raise AssertionError("not read here")
+
+
+def test_drift_shift_by_hand():
+    """A chunk at positions 2-5 with shift 0.5, tokens 3 and 5 recomputed: every row of the
+    chunk moves by half the mean of their fresh - cached; the prefix and question rows and a
+    chunk without a shift stay as they were."""
+    from cachecraft.engine.blend import _shift_drift
+    from cachecraft.engine.layout import make_layout
+
+    segments = [Segment([1, 2], "prefix"), Segment([3, 4, 5, 6], cached=_Stored(4), drift_shift=0.5),
+                Segment([7, 8], cached=_Stored(2)), Segment([9], "question")]
+    lay = make_layout(segments, 2, 100, torch.device("cpu"))
+    assert lay.shifted.tolist() == [2, 3, 4, 5] and lay.segment_of.tolist() == [0, 0, 1, 1, 1, 1, 2, 2, 3]
+    keys, values = torch.zeros(1, 9, 2), torch.ones(1, 9, 2)
+    active = torch.tensor([0, 1, 3, 5, 7, 8])  # the prefix, tokens 3 and 5, token 7 of the other chunk, the question
+    k = torch.tensor([[[9., 9.], [9., 9.], [2., 0.], [4., 2.], [5., 5.], [9., 9.]]])
+    v = torch.tensor([[[9., 9.], [9., 9.], [3., 3.], [1., 1.], [5., 5.], [9., 9.]]])
+    _shift_drift(lay, active, keys, values, k, v)
+    # keys: drift ([2, 0] + [4, 2]) / 2 = [3, 1], half of it [1.5, 0.5]; values: ([2, 2] + [0, 0]) / 2 = [1, 1]
+    assert keys[0, 2:6].tolist() == [[1.5, 0.5]] * 4 and values[0, 2:6].tolist() == [[1.5, 1.5]] * 4
+    assert keys[0, [0, 1, 6, 7, 8]].eq(0).all() and values[0, [0, 1, 6, 7, 8]].eq(1).all()
+    assert make_layout(segments[:1] + segments[2:], 2, 100, torch.device("cpu")).shift is None
+
+
+def test_drift_shift_moves_the_other_rows_by_the_drift_of_the_recomputed_ones(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    prefix_kv, kvs = caches_after_prefix_alone(tiny_llama, prefix, chunks)
+    picked = [0, 5, 17]
+    segments = ([Segment(prefix, "prefix", cached=prefix_kv), Segment(chunks[0], cached=kvs[0]),
+                 Segment(chunks[1], cached=kvs[1], recompute=picked, drift_shift=0.5),
+                 Segment(chunks[2], cached=kvs[2])] + [Segment(question, "question")])
+    result = blended_prefill(tiny_llama.adapter, segments)
+    plain = blended_prefill(tiny_llama.adapter, [*segments[:2], Segment(chunks[1], cached=kvs[1], recompute=picked),
+                                                 *segments[3:]])
+    start = len(prefix) + len(chunks[0])
+    others = [i for i in range(len(chunks[1])) if i not in picked]
+    for layer in range(1, tiny_llama.adapter.num_layers):
+        values = result.values[layer][:, start:start + len(chunks[1])]
+        cached = kvs[1].values[layer]
+        drift = (values[:, picked] - cached[:, picked]).mean(dim=1, keepdim=True)
+        assert torch.allclose(values[:, others], cached[:, others] + 0.5 * drift, atol=1e-6)
+        assert drift.abs().max() > 1e-3
+        assert torch.equal(result.values[layer][:, len(prefix):start], kvs[0].values[layer])  # no shift asked
+    assert result.recomputed_tokens == plain.recomputed_tokens == len(picked)  # the shift recomputes nothing
+    assert (result.logits - plain.logits).abs().max() > 1e-4
+
+
+def test_drift_shift_with_every_token_recomputed_is_full_prefill_and_without_any_is_reuse(any_tiny):
+    prefix, chunks, question = make_prompt()
+    logits, _ = hf_forward(any_tiny, prefix, chunks, question)
+    prefix_kv, kvs = caches_after_prefix_alone(any_tiny, prefix, chunks)
+    every = blended_prefill(any_tiny.adapter, [Segment(prefix, "prefix", cached=prefix_kv)]
+                            + [Segment(c, cached=kv, recompute=range(len(c)), drift_shift=1.0)
+                               for c, kv in zip(chunks, kvs)] + [Segment(question, "question")])
+    assert (every.logits - logits).abs().max() < TOL and every.recompute_fraction == 1.0
+    none = blended_prefill(any_tiny.adapter, [Segment(prefix, "prefix", cached=prefix_kv)]
+                           + [Segment(c, cached=kv, drift_shift=1.0) for c, kv in zip(chunks, kvs)]
+                           + [Segment(question, "question")])
+    reuse = blended_prefill(any_tiny.adapter, [Segment(prefix, "prefix", cached=prefix_kv)]
+                            + [Segment(c, cached=kv) for c, kv in zip(chunks, kvs)] + [Segment(question, "question")])
+    assert torch.equal(none.logits, reuse.logits)
+
+
 def test_stop_layer_zero_equals_plain_reuse_and_partial_stop_keeps_cached_above(tiny_llama):
     prefix, chunks, question = make_prompt()
     prefix_kv, kvs = caches_after_prefix_alone(tiny_llama, prefix, chunks)
@@ -313,6 +384,8 @@ def test_bad_prompts_raise_prompt_error(tiny_llama):
         blended_prefill(adapter, [Segment(prefix, "prefix", cached=kv, recompute=[99]), Segment(question, "question")])
     with pytest.raises(PromptError, match="tokens but"):
         Segment(question, cached=kv)
+    with pytest.raises(PromptError, match="drift_shift must be >= 0"):
+        Segment(question, drift_shift=-0.5)
 
 
 def test_mistral_sliding_window_caps_the_context():

@@ -36,11 +36,11 @@ def test_parse_method_labels_ratios_and_errors():
 
 
 def test_every_method_is_its_own_registered_class_and_help_marks_the_experimental_ones():
-    assert METHODS == ("full", "prefix", "reuse", "cacheblend", "cachecraft", "qguided", "inter", "firstk")
+    assert METHODS == ("full", "prefix", "reuse", "cacheblend", "cachecraft", "qguided", "inter", "firstk", "spread")
     assert len(set(REGISTRY.values())) == len(METHODS) and all(issubclass(c, Method) for c in REGISTRY.values())
     experimental = {name for name, cls in REGISTRY.items() if cls.experimental}
-    assert experimental == {"qguided", "inter", "firstk"}
-    assert methods_help().count("(experimental)") == 3 and "qguided (experimental)" in methods_help()
+    assert experimental == {"qguided", "inter", "firstk", "spread"}
+    assert methods_help().count("(experimental)") == 4 and "qguided (experimental)" in methods_help()
     assert METHODS_HELP == methods_help()  # the CLI's copy, kept free of torch imports
 
 
@@ -64,7 +64,7 @@ def test_cachecraft_leaves_the_first_chunk_alone_and_fixes_the_rest(pipeline):
 
 
 @pytest.mark.parametrize("method,share", [("firstk@0.25", 0.25), ("inter@0.25", 0.25), ("qguided@0.25", 0.25),
-                                          ("cacheblend@0.25", 0.25), ("reuse", 0.0)])
+                                          ("spread@0.25", 0.25), ("cacheblend@0.25", 0.25), ("reuse", 0.0)])
 def test_fixed_ratio_methods_recompute_their_share(pipeline, method, share):
     pipeline.warm(CHUNKS)
     answer = pipeline.answer(CHUNKS, QUESTION, method=method)
@@ -83,7 +83,8 @@ def test_every_fraction_at_one_equals_a_full_prefill_through_the_pipeline(cache_
                         keep_new_variants=False)
         pipe.warm(CHUNKS)
         full, full_trace = answer_traced(pipe, reordered, QUESTION, "full")
-        for method in ("cachecraft", "cacheblend@1.0", "qguided@1.0", "firstk@1.0", "inter@1.0"):
+        for method in ("cachecraft", CacheCraft(None, drift_shift=1.0), "cacheblend@1.0", "qguided@1.0", "firstk@1.0",
+                       "inter@1.0", "spread@1.0"):
             answer, trace = answer_traced(pipe, reordered, QUESTION, method)
             assert answer.recompute_fraction == 1.0, method
             assert (trace.logits - full_trace.logits).abs().max() < 1e-4, method

@@ -281,7 +281,7 @@ def test_full_prefill_keeps_nothing_and_matches_the_first_miss(pipeline):
     assert (miss.logits - full.logits).abs().max() < 1e-4 and miss.text == full.text
 
 
-@pytest.mark.parametrize("method", ["firstk", "inter"])
+@pytest.mark.parametrize("method", ["firstk", "inter", "spread"])
 def test_static_selectors_recompute_their_share_of_each_warmed_chunk(pipeline, method):
     pipeline.warm(CHUNKS)
     answer = pipeline.answer(CHUNKS, QUESTION, method=method, ratio=0.25, record=False)

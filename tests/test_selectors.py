@@ -3,7 +3,8 @@
 import torch
 
 from cachecraft.engine import Segment, blended_prefill
-from cachecraft.selection import TokenAttention, count_for, first_tokens, question_guided, top_inter_attention
+from cachecraft.selection import (TokenAttention, count_for, first_tokens, question_guided, spread_tokens,
+                                  top_inter_attention)
 from cachecraft.kv import AttentionStats
 from tests.test_engine import caches_after_prefix_alone, hf_forward, make_prompt
 
@@ -21,6 +22,15 @@ def test_top_inter_attention_by_hand():
     assert top_inter_attention(stats, 2).tolist() == [1, 3]
     assert first_tokens(5, 3).tolist() == [0, 1, 2]
     assert first_tokens(2, 3).tolist() == [0, 1]
+
+
+def test_spread_tokens_by_hand():
+    # (2i + 1) * span // (2 * count): 10 tokens, 2 picks -> 10 // 4 = 2 and 30 // 4 = 7
+    assert spread_tokens(10, 2).tolist() == [2, 7]
+    assert spread_tokens(10, 5).tolist() == [1, 3, 5, 7, 9]
+    assert spread_tokens(10, 3, start=4).tolist() == [5, 7, 9]  # span 6: 4 + 1, 4 + 3, 4 + 5
+    assert spread_tokens(4, 9).tolist() == [0, 1, 2, 3]  # capped: every token once
+    assert spread_tokens(4, 0).tolist() == [] and spread_tokens(4, 2, start=4).tolist() == []
 
 
 def cached_segments(lm, prefix, chunks, question):
@@ -109,3 +119,20 @@ def test_sink_tokens_alone_need_no_look_ahead(tiny_llama):
     plan = RecomputePlan(tuple(ChunkPlan(f"c{i}", "v", None, 3, len(c)) for i, c in enumerate(chunks)))
     assert not place_plan_tokens(tiny_llama.adapter, segments, plan, check_layer=2, sink_tokens=4)
     assert all(seg.recompute.tolist() == [0, 1, 2] for seg in segments[1:-1])
+
+
+def test_with_a_drift_shift_the_policy_spreads_each_chunk_s_count_after_its_sink_tokens(tiny_llama):
+    """Counts 0, 5, 3 with 2 sink tokens and shift 1: chunk 0 untouched; chunk 1 (25 tokens)
+    gets 0, 1 and 3 tokens spread over 2-24 (span 23: 2 + 23 // 6, 2 + 69 // 6, 2 + 115 // 6);
+    chunk 2 (35 tokens) 0, 1 and one token in the middle of 2-34 (2 + 33 // 2); no look-ahead runs."""
+    from cachecraft.methods.policy import place_plan_tokens
+    from cachecraft.policy.planner import ChunkPlan, RecomputePlan
+
+    prefix, chunks, question = make_prompt()
+    segments = cached_segments(tiny_llama, prefix, chunks, question)
+    counts = [0, 5, 3] + [0] * (len(chunks) - 3)
+    plan = RecomputePlan(tuple(ChunkPlan(f"c{i}", "v", None, n, len(c)) for i, (n, c) in enumerate(zip(counts, chunks))))
+    assert not place_plan_tokens(tiny_llama.adapter, segments, plan, check_layer=2, sink_tokens=2, drift_shift=1.0)
+    assert segments[1].recompute is None and segments[1].drift_shift == 0.0
+    assert segments[2].recompute.tolist() == [0, 1, 5, 13, 21] and segments[2].drift_shift == 1.0
+    assert segments[3].recompute.tolist() == [0, 1, 18] and segments[3].drift_shift == 1.0

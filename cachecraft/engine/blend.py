@@ -133,6 +133,8 @@ def _layer(adapter: ArchAdapter, lay: Layout, run: _Running, hooks: Sequence[Lay
     q, k, v = adapter.qkv(layer, run.hidden)  # q [H, n, D]; k, v [H_kv, n, D]
     keys, values = _cached_kv(adapter, lay, layer)  # [H_kv, N, D], before RoPE
     keep = _select(hooks, LayerView(layer, lay, run.active, keys, values, k=k, v=v)) if hooks else None
+    if lay.shift is not None:
+        _shift_drift(lay, run.active, keys, values, k, v)
     keys[:, run.active] = k
     values[:, run.active] = v
     for i, (seg_keys, seg_values) in saved.items():
@@ -171,6 +173,27 @@ def _cached_kv(adapter: ArchAdapter, lay: Layout, layer: int) -> tuple[torch.Ten
             keys[:, lo:hi] = ck  # converted to the compute dtype and device in the copy
             values[:, lo:hi] = cv
     return keys, values
+
+
+def _shift_drift(lay: Layout, active: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 k: torch.Tensor, v: torch.Tensor) -> None:
+    """Move the cached rows of every segment that shifts by its share of the mean drift
+    (fresh minus cached) of its tokens running this layer. A cache made after another
+    context is off from full's by a change much of which its tokens share; the tokens
+    recomputed measure it for the rest. Running rows are overwritten with fresh K/V next,
+    so their own shift does not matter; a segment with no running token stays as stored."""
+    seg = lay.segment_of[active]
+    use = lay.shift[seg] > 0
+    if not bool(use.any()):
+        return
+    seg, pos = seg[use], active[use]
+    count = torch.bincount(seg, minlength=lay.shift.numel()).clamp_min(1)
+    scale = (lay.shift / count).to(keys.dtype)[None, :, None]  # [1, S, 1]
+    owner = lay.segment_of[lay.shifted]
+    for cached, fresh in ((keys, k[:, use]), (values, v[:, use])):
+        drift = torch.zeros(cached.shape[0], lay.shift.numel(), cached.shape[2], dtype=cached.dtype,
+                            device=cached.device).index_add_(1, seg, fresh - cached[:, pos])
+        cached[:, lay.shifted] += (drift * scale)[:, owner]
 
 
 def _select(hooks: Sequence[LayerHook], view: LayerView) -> torch.Tensor | None:

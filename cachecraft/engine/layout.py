@@ -33,7 +33,10 @@ class Segment:
     it keep the cached KV even for recomputed tokens. ``fixable``: whether a selector
     may pick tokens here (chunks only). ``save``: return this (uncached) segment's KV
     as a :class:`ChunkKV`; ``collect_stats``: a hook must attach its attention
-    statistics to it (``cachecraft.selection.ChunkStatistics``).
+    statistics to it (``cachecraft.selection.ChunkStatistics``). ``drift_shift``
+    (cached segments): at each layer, the cached tokens that are not recomputed move by
+    this share of the mean change its recomputed tokens show there (fresh minus cached,
+    K before RoPE and V); 0 keeps them as stored.
     """
 
     token_ids: Sequence[int]
@@ -45,6 +48,7 @@ class Segment:
     save: bool = False
     collect_stats: bool = False
     key: str = ""
+    drift_shift: float = 0.0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -57,6 +61,8 @@ class Segment:
                 f"{len(self.token_ids)}")
         if (self.save or self.collect_stats) and self.cached is not None:
             raise PromptError("save/collect_stats need a segment that is computed in full (not cached)")
+        if not self.drift_shift >= 0.0:
+            raise PromptError(f"drift_shift must be >= 0, got {self.drift_shift}")
 
 
 @dataclass
@@ -76,6 +82,11 @@ class Layout:
     context: torch.Tensor  # [N] bool: in a chunk (what recompute fractions count)
     stop_at: torch.Tensor  # [N] long: layer at which the token stops being recomputed
     recomputed: torch.Tensor  # [N] bool: computed fresh at layer 1 or above
+    # drift shift (None: no segment asks for it): each segment's share [S], the segment of
+    # every token [N], and the positions of the tokens in segments that shift [M]
+    shift: torch.Tensor | None = None
+    segment_of: torch.Tensor | None = None
+    shifted: torch.Tensor | None = None
     # made on first use by LayerView.segment_mass: the segment indicators, and the plan last
     # made for a subset of the running tokens, as (active, rows, plan)
     segment_mass: _SegmentMass | None = field(default=None, repr=False)
@@ -118,5 +129,12 @@ def make_layout(segments: Sequence[Segment], num_layers: int, limit: int, device
             forced[lo + local] = True
     stop_at[must] = num_layers
     starts = torch.tensor([b[0] for b in bounds], device=device)
-    return Layout(segments, bounds, starts, token_ids, num_layers, must, forced, fixable, context, stop_at,
-                  must | forced)
+    lay = Layout(segments, bounds, starts, token_ids, num_layers, must, forced, fixable, context, stop_at,
+                 must | forced)
+    shares = [float(s.drift_shift) if s.cached is not None else 0.0 for s in segments]
+    if any(shares):
+        lay.shift = torch.tensor(shares, device=device)
+        lay.segment_of = torch.repeat_interleave(torch.arange(len(segments), device=device),
+                                                 torch.tensor([hi - lo for lo, hi in bounds], device=device))
+        lay.shifted = (lay.shift[lay.segment_of] > 0).nonzero().squeeze(1)
+    return lay

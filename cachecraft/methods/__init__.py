@@ -13,7 +13,8 @@ method through the same steps (plan -> load -> blend -> generate -> record).
   and a token count from it; the tokens where the question looks).
 - experimental selectors, for comparisons: ``qguided`` (the tokens the question looks at
   most, at a fixed ratio), ``inter`` (the highest stored inter-attention), ``firstk``
-  (the first tokens of every chunk, EPIC-like).
+  (the first tokens of every chunk, EPIC-like), ``spread`` (tokens spread evenly over
+  every chunk, the rest moved by the drift those show).
 
 A name takes a ratio after ``@`` where the method has one (``cacheblend@0.3``; for
 ``cachecraft`` it is alpha): :func:`parse_method` is the one parser of method names.
@@ -24,11 +25,11 @@ from __future__ import annotations
 from cachecraft.methods.base import (LoadPlan, Method, PrefillHooks, RequestContext, UnknownMethod,
                                      VariantLookup, plain_segments)
 from cachecraft.methods.baselines import CacheBlend, Full, Prefix, Reuse, prefix_segments, remember_prefix
-from cachecraft.methods.experimental import FirstK, Inter, QuestionGuided
+from cachecraft.methods.experimental import FirstK, Inter, QuestionGuided, Spread
 from cachecraft.methods.policy import CacheCraft, variant_info
 
 REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (
-    Full, Prefix, Reuse, CacheBlend, CacheCraft, QuestionGuided, Inter, FirstK)}
+    Full, Prefix, Reuse, CacheBlend, CacheCraft, QuestionGuided, Inter, FirstK, Spread)}
 METHODS = tuple(REGISTRY)
 
 

@@ -1,11 +1,11 @@
-"""Experimental selectors, kept for comparisons: ``qguided``, ``inter``, ``firstk``.
+"""Experimental selectors, kept for comparisons: ``qguided``, ``inter``, ``firstk``, ``spread``.
 
 Each recomputes a fixed ratio of the cached chunk tokens on top of ``reuse``."""
 
 from __future__ import annotations
 
 from cachecraft.engine import Segment
-from cachecraft.selection import count_for, first_tokens, question_guided, top_inter_attention
+from cachecraft.selection import count_for, first_tokens, question_guided, spread_tokens, top_inter_attention
 from cachecraft.methods.base import LoadPlan, Method, PrefillHooks, RequestContext
 
 
@@ -63,6 +63,24 @@ class FirstK(_Static):
 
     def pick(self, segment: Segment, count: int):
         return first_tokens(len(segment.token_ids), count)
+
+
+class Spread(_Static):
+    """Tokens spread evenly over every chunk, and the chunk's other tokens moved by the mean
+    drift those show at each layer (the engine's drift shift at its full share)."""
+
+    name = "spread"
+    summary = "tokens spread evenly over every chunk; the others move by the drift those show"
+
+    def prepare(self, request: RequestContext, segments: list[Segment], load: LoadPlan | None) -> PrefillHooks:
+        hooks = super().prepare(request, segments, load)
+        for seg in segments[1:-1]:
+            if seg.cached is not None:
+                seg.drift_shift = 1.0
+        return hooks
+
+    def pick(self, segment: Segment, count: int):
+        return spread_tokens(len(segment.token_ids), count)
 
 
 def select_question_guided(adapter, segments: list[Segment], check_layer: int, ratio: float | None = None,

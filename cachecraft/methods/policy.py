@@ -4,7 +4,8 @@ Plan: per chunk, the stored variant with the lowest Cache Fix Overhead and a tok
 count from it (an exact prefix match recomputes nothing), raised where loading must be
 hidden; a chunk planned to be mostly recomputed is computed in full and kept as a new
 variant. Select: the planned counts go, in total, to the cached tokens the question
-looks at most at the check layer. Observe: with early termination on, chunks the
+looks at most at the check layer (with a drift shift: evenly over each chunk, whose other
+tokens then move by the drift those show). Observe: with early termination on, chunks the
 question ignores stop recomputing.
 """
 
@@ -20,7 +21,7 @@ from cachecraft.methods.base import LoadPlan, Method, PrefillHooks, RequestConte
 from cachecraft.methods.experimental import select_question_guided
 from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, layer_at, plan_request
 from cachecraft.policy.rules import early_stop_decision, hide_loading, keep_in_full
-from cachecraft.selection import QuestionAttention
+from cachecraft.selection import QuestionAttention, first_tokens, spread_tokens
 
 
 class CacheCraft(Method):
@@ -32,25 +33,29 @@ class CacheCraft(Method):
     default_ratio = PolicyParams.alpha
 
     def __init__(self, ratio: float | None = None, check_layer: int | None = None, floor: float | None = None,
-                 sink_tokens: int | None = None, early_stop: tuple[float, ...] | None = None):
+                 sink_tokens: int | None = None, early_stop: tuple[float, ...] | None = None,
+                 drift_shift: float | None = None):
         super().__init__(ratio)
         # None: the pipeline's (calibration and the benchmarks try others)
         self.check_layer, self.floor, self.sink_tokens = check_layer, floor, sink_tokens
+        self.drift_shift = drift_shift
         self.early_stop = early_stop  # layers or depths (as config early_stop_layers); () turns it off
 
     @property
     def label(self) -> str:
-        """``cachecraft@alpha``, with ``/L<layer>``, ``/F<floor>``, ``/S<sink tokens>`` and
-        ``/E<early-stop layers>`` where the method sets its own."""
+        """``cachecraft@alpha``, with ``/L<layer>``, ``/F<floor>``, ``/S<sink tokens>``,
+        ``/D<drift shift>`` and ``/E<early-stop layers>`` where the method sets its own."""
         return (super().label + ("" if self.check_layer is None else f"/L{self.check_layer}")
                 + ("" if self.floor is None else f"/F{self.floor:g}")
                 + ("" if self.sink_tokens is None else f"/S{self.sink_tokens}")
+                + ("" if self.drift_shift is None else f"/D{self.drift_shift:g}")
                 + ("" if self.early_stop is None else "/E" + (",".join(f"{x:g}" for x in self.early_stop) or "off")))
 
     def params(self, request: RequestContext) -> PolicyParams:
         """The request's policy parameters with this method's alpha (and check layer, floor,
-        sink tokens, early-stop layers where it sets them)."""
-        own = {"check_layer": self.check_layer, "floor": self.floor, "sink_tokens": self.sink_tokens}
+        sink tokens, drift shift, early-stop layers where it sets them)."""
+        own = {"check_layer": self.check_layer, "floor": self.floor, "sink_tokens": self.sink_tokens,
+               "drift_shift": self.drift_shift}
         if self.early_stop is not None:
             layers = request.adapter.num_layers
             own["early_stop_layers"] = tuple(sorted({layer_at(x, layers) for x in self.early_stop}))
@@ -68,7 +73,8 @@ class CacheCraft(Method):
     def prepare(self, request: RequestContext, segments: list[Segment], load: LoadPlan | None) -> PrefillHooks:
         assert load is not None and load.plan is not None, "cachecraft prepares a request it planned"
         params = self.params(request)
-        looked = place_plan_tokens(request.adapter, segments, load.plan, params.check_layer, params.sink_tokens)
+        looked = place_plan_tokens(request.adapter, segments, load.plan, params.check_layer, params.sink_tokens,
+                                   params.drift_shift)
         hooks = PrefillHooks(lookahead_layer=min(params.check_layer, request.adapter.num_layers - 1)
                              if looked else None)
         if params.early_stop_layers:
@@ -96,11 +102,13 @@ def sink_counts(counts: list[int], sink_tokens: int) -> list[int]:
 
 
 def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, check_layer: int,
-                      sink_tokens: int = 0) -> bool:
+                      sink_tokens: int = 0, drift_shift: float = 0.0) -> bool:
     """Give the plan's token counts to the chunks: each chunk's first ``sink_tokens`` of its
-    count to its first tokens, the rest, in total, where the question looks. Chunks the
-    plan leaves alone are not candidates. Returns whether the question's look-ahead ran
-    (its work counts toward the request's)."""
+    count to its first tokens, the rest, in total, where the question looks; with a
+    ``drift_shift``, the rest of each chunk's count evenly over the rest of the chunk
+    instead (a fair sample of its drift) and the chunk shifts by it. Chunks the plan leaves
+    alone are not candidates. Returns whether the question's look-ahead ran (its work
+    counts toward the request's)."""
     chunk_segments = segments[1:-1]
     for seg, chunk_plan in zip(chunk_segments, plan.chunks):
         seg.fixable = seg.cached is not None and chunk_plan.count > 0
@@ -108,6 +116,13 @@ def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, che
     sinks = sink_counts(counts, sink_tokens)
     total = sum(counts) - sum(sinks)
     if not sum(counts):
+        return False
+    if drift_shift > 0:
+        for seg, count, sink in zip(chunk_segments, counts, sinks):
+            if seg.fixable:
+                seg.recompute = torch.cat([first_tokens(len(seg.token_ids), sink),
+                                           spread_tokens(len(seg.token_ids), count - sink, start=sink)])
+                seg.drift_shift = drift_shift
         return False
     if not sum(sinks):
         select_question_guided(adapter, segments, check_layer, total=total)

@@ -2,8 +2,10 @@
 
 A candidate is an alpha, a check layer (a whole number names a layer, a fraction
 below 1 a depth; see :func:`cachecraft.policy.planner.layer_at`), a floor (the least
-share of each reused chunk recomputed) and a number of sink tokens (each chunk's first
-tokens, recomputed first). What is optimised is
+share of each reused chunk recomputed), a number of sink tokens (each chunk's first
+tokens, recomputed first) and a drift shift (0: the rest where the question looks; above
+0: the rest spread over the chunk, whose other tokens move by that share of the drift
+the spread ones show). What is optimised is
 the yardstick's answer-level divergence: the mean per-token KL(full || candidate) along
 full's greedy answer. Two goals:
 
@@ -45,6 +47,7 @@ class CandidateRow:
     ttft_s: float
     floor: float = 0.0
     sink_tokens: int = 0
+    drift_shift: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class CalibrationResult:
         items... recorded beside them)."""
         return {"policy_alpha": self.chosen.alpha, "policy_check_layer": self.chosen.check_layer,
                 "policy_floor": self.chosen.floor, "policy_sink_tokens": self.chosen.sink_tokens,
+                "policy_drift_shift": self.chosen.drift_shift,
                 "fitted": {**about, "goal": asdict(self.goal), "reached": self.reached,
                            "answer_kl": self.chosen.answer_kl, "recompute": self.chosen.recompute,
                            "token_agreement": self.chosen.token_agreement}}
@@ -90,7 +94,8 @@ class CalibrationResult:
         """JSON-friendly: goal, chosen parameters and every row."""
         return {"goal": asdict(self.goal), "reached": self.reached, "policy_alpha": self.chosen.alpha,
                 "policy_check_layer": self.chosen.check_layer, "policy_floor": self.chosen.floor,
-                "policy_sink_tokens": self.chosen.sink_tokens, "full_ttft_s_median": self.full_ttft_s,
+                "policy_sink_tokens": self.chosen.sink_tokens, "policy_drift_shift": self.chosen.drift_shift,
+                "full_ttft_s_median": self.full_ttft_s,
                 "rows": [asdict(r) for r in self.rows]}
 
 
@@ -140,13 +145,18 @@ def parse_sink_tokens(text: str) -> list[int]:
     return [int(v) for v in values]
 
 
+def parse_drift_shifts(text: str) -> list[float]:
+    """Candidate drift shifts: shares of the measured drift, each within [0, 2] (0: off)."""
+    return parse_numbers(text, "drift shifts", 0.0, 2.0)
+
+
 def choose(rows: Sequence[CandidateRow], goal: Goal) -> tuple[CandidateRow, bool]:
     """The candidate ``goal`` asks for, and whether it met it (ties: lower recompute, then
-    lower alpha, shallower check layer, lower floor, fewer sink tokens)."""
+    lower alpha, shallower check layer, lower floor, fewer sink tokens, smaller drift shift)."""
     assert rows, "no candidate to choose from"
 
     def cheaper(r: CandidateRow) -> tuple:
-        return (r.recompute, r.alpha, r.check_layer, r.floor, r.sink_tokens)
+        return (r.recompute, r.alpha, r.check_layer, r.floor, r.sink_tokens, r.drift_shift)
 
     if goal.budget is not None:
         within = [r for r in rows if r.recompute <= goal.budget]

@@ -30,6 +30,10 @@ class PolicyParams:
     budget: float | None = None  # max recomputed fraction of all cached chunk tokens
     check_layer: int = 8
     sink_tokens: int = 0  # of a chunk's count, its first tokens come first
+    # > 0: the rest of a chunk's count is spread evenly over it, and its other tokens move by
+    # this share of the drift those show (the engine's drift shift); 0: the rest goes where
+    # the question looks and the other tokens stay as stored
+    drift_shift: float = 0.0
     early_stop_layers: tuple[int, ...] = ()
     early_stop_share: float = 0.25
 
@@ -38,6 +42,7 @@ class PolicyParams:
         assert 0.0 <= self.floor <= self.ceiling <= 1.0, "need 0 <= floor <= ceiling <= 1"
         assert self.budget is None or 0.0 <= self.budget <= 1.0, "budget must be within [0, 1]"
         assert self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}"
+        assert self.drift_shift >= 0, f"drift_shift must be >= 0, got {self.drift_shift}"
 
 
 @dataclass(frozen=True)
@@ -96,7 +101,7 @@ def layer_at(spec: float, num_layers: int) -> int:
 
 
 # The policy's settings a calibration may fit for a model; explicit config values win.
-FITTED_KEYS = ("policy_alpha", "policy_check_layer", "policy_floor", "policy_sink_tokens")
+FITTED_KEYS = ("policy_alpha", "policy_check_layer", "policy_floor", "policy_sink_tokens", "policy_drift_shift")
 
 
 def policy_settings(config, fitted: dict | None = None) -> tuple[dict[str, float], dict[str, str]]:
@@ -122,6 +127,7 @@ def params_from_config(config, num_layers: int, fitted: dict | None = None) -> P
     stops = tuple(sorted({layer_at(s, num_layers) for s in config.early_stop_layer_list}))
     return PolicyParams(alpha=values["policy_alpha"], check_layer=layer_at(values["policy_check_layer"], num_layers),
                         floor=float(values["policy_floor"]), sink_tokens=int(values["policy_sink_tokens"]),
+                        drift_shift=float(values["policy_drift_shift"]),
                         early_stop_layers=stops, early_stop_share=config.early_stop_share)
 
 

@@ -28,3 +28,14 @@ def top_inter_attention(stats: AttentionStats, count: int) -> torch.Tensor:
 def first_tokens(num_tokens: int, count: int) -> torch.Tensor:
     """The first ``count`` tokens of a chunk (EPIC-style link fixing)."""
     return torch.arange(min(count, num_tokens))
+
+
+def spread_tokens(num_tokens: int, count: int, start: int = 0) -> torch.Tensor:
+    """``count`` tokens spread evenly over ``[start, num_tokens)``, each in the middle of its
+    share: token ``start + (2i + 1) * span // (2 * count)`` for ``i < count``. An even sample
+    of the chunk, which the drift shift measures the whole chunk's drift by."""
+    span = max(0, num_tokens - start)
+    count = min(count, span)
+    if count <= 0:
+        return torch.empty(0, dtype=torch.long)
+    return start + (2 * torch.arange(count) + 1) * span // (2 * count)
