@@ -83,3 +83,17 @@ def test_diagnose_block_has_a_column_per_cache_context_and_the_drift_profile(tmp
     assert "| firstk@0.05 | 0.100 (0.950) | 0.040 (0.950) |" in text
     # layer 1; the layer with most (2, of mean (0 + .02 + .6 + .1) / 4); positions
     assert "| warm | 0.020 | 2 (0.600) | 0.180 | 0.600 | 0.300 |" in text
+
+
+def test_calibrate_block_lists_every_candidate_and_marks_the_chosen_one(tmp_path):
+    row = lambda floor, shift, kl: {"alpha": 0.08, "check_layer": 8, "floor": floor, "sink_tokens": 0,  # noqa: E731
+                                    "drift_shift": shift, "recompute": floor, "answer_kl": kl,
+                                    "token_agreement": 0.9, "agreement": 0.8, "kl": 0.3, "ttft_s": 2.5}
+    data = {"command": "cachecraft calibrate --drift-shifts 0,1", "model": "m", "limit": 8, "skip": 36,
+            "date": "2026-11-25T00:00", "machine": {"cpu": "cpu", "cores": 2}, "full_ttft_s_median": 48.34,
+            "policy_floor": 0.03, "policy_sink_tokens": 0, "policy_drift_shift": 1.0,
+            "rows": [row(0.03, 0.0, 0.2), row(0.03, 1.0, 0.1)]}
+    text = render(tmp_path, "calibrate_qwen2.5", data)
+    assert "(m, 8 items from #36, 2026-11-25, cpu, 2 cores; full's TTFT median 48.3 s;" in text
+    assert "| 0.08 | 0.03 | 0 | 0 | 0.030 | 0.2000 | 0.900 | 0.3000 | 2.50 |" in text
+    assert "| 0.08 | 0.03 | 0 | 1 (chosen) | 0.030 | 0.1000 | 0.900 | 0.3000 | 2.50 |" in text

@@ -226,6 +226,21 @@ def diagnose_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def calibrate_table(data: dict) -> str:
+    """Markdown table of a ``calibrate`` result: every candidate, the chosen one marked."""
+    chosen = tuple(data[k] for k in ("policy_floor", "policy_sink_tokens", "policy_drift_shift"))
+    lines = [_made(data, f"{data['limit']} items from #{data['skip']}") + f"; full's TTFT median "
+             f"{data['full_ttft_s_median']:.1f} s; means over items, TTFT a median)", "",
+             "| alpha | floor | sink tokens | drift shift | recompute | answer KL | token agreement | first-token KL | "
+             "TTFT (s) |", "|---" * 9 + "|"]
+    for r in data["rows"]:
+        mark = " (chosen)" if (r["floor"], r["sink_tokens"], r.get("drift_shift", 0.0)) == chosen else ""
+        lines.append(f"| {r['alpha']:g} | {r['floor']:g} | {r['sink_tokens']} | {r.get('drift_shift', 0.0):g}{mark} | "
+                     f"{r['recompute']:.3f} | {r['answer_kl']:.4f} | {r['token_agreement']:.3f} | {r['kl']:.4f} | "
+                     f"{r['ttft_s']:.2f} |")
+    return "\n".join(lines)
+
+
 QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_heldout", "quality_alpha",
                    "quality_warm", "quality_warm_heldout", "quality_40", "yardstick_qwen", "yardstick_smollm2",
                    "yardstick_qwen_policy", "git_manuals_smollm2", "git_manuals_qwen2.5", "in_context_qwen",
@@ -233,7 +248,7 @@ QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_heldo
                    "tradeoff_qwen2.5", "git_manuals_in_context_smollm2", "yardstick_qwen_shift")
 RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
              "cluster": cluster_table, "diagnose_qwen": diagnose_table, "diagnose_contexts_qwen": diagnose_table,
-             "serve": serve_table, "workload": workload_table,
+             "serve": serve_table, "workload": workload_table, "calibrate_qwen2.5": calibrate_table,
              "workload_eviction": workload_table, "workload_variants_qwen2.5": workload_table, "store": store_table,
              "eviction_replay": eviction_table, "scaling_8k_revisit": method_rows_table,
              "scaling_8k_sweep": method_rows_table,
