@@ -44,8 +44,10 @@ def _flags_without_types() -> None:
 
 
 _flags_without_types()
-console = Console()
-err_console = Console(stderr=True)
+# Messages are not hard-wrapped: a line naming a long path stays one line for scripts that
+# read it (the terminal still wraps it on screen); tables keep the console's width.
+console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 
 class UserError(Exception):

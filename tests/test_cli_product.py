@@ -234,9 +234,10 @@ def test_bench_dataset_turns_questions_about_the_corpus_into_items_quality_runs_
     invoke("ingest", str(docs))
     questions = tmp_path / "questions.txt"
     questions.write_text(f"# about the docs\n{words(10, 3)}\n\n{words(60, 3)}\n", encoding="utf-8")
-    out = tmp_path / "mine.json"
-    assert "2 question(s), top-2 chunks" in invoke("bench", "dataset", "--questions", str(questions), "--out",
-                                                   str(out), "--top-k", "2").output
+    out = tmp_path / ("a-name-long-enough-to-pass-the-width-of-a-terminal-" * 2 + "mine.json")
+    said = invoke("bench", "dataset", "--questions", str(questions), "--out", str(out), "--top-k", "2").output
+    # One line however long the path: scripts read it (it once broke mid-sentence at 80 columns).
+    assert said == f"wrote {out}: 2 question(s), top-2 chunks each from 5 in the corpus\n"
     items = load_items(out)
     assert [i.question for i in items] == [words(10, 3), words(60, 3)]
     assert all(len(i.passages) == 2 and i.answers == () for i in items)
