@@ -119,6 +119,9 @@ def calibrate_cmd(
                                                         "config warm_context, as `warm` makes them)."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+    out: Optional[Path] = typer.Option(None, help="Also write the result (every candidate, the chosen one, the "
+                                                  "command, date, machine and code) to this JSON file, as the "
+                                                  "benchmarks do."),
 ) -> None:
     """Fit the policy to a model: run `full` and `cachecraft` with every candidate alpha
     (and check layer, floor, sink tokens, drift shift) on a MuSiQue-format file, measure the answer-level divergence from
@@ -164,8 +167,12 @@ def calibrate_cmd(
     with Catalog(config.cache_dir, url=config.catalog_url or None) as catalog:
         stored = store_fitted(catalog, lm.fingerprint, result, model=config.model, dataset=str(dataset),
                               skip=skip, items=len(items), warm_context=config.warm_context)
+    document = {**result.to_dict(), "stored": stored, "fingerprint": lm.fingerprint}
+    if out is not None:
+        _write_calibration(ctx, out, document, model=config.model, dataset=dataset, skip=skip, limit=len(items))
+        (err_console if as_json else console).print(f"wrote {out}", highlight=False)  # stdout stays one JSON
     if as_json:
-        print(json.dumps({**result.to_dict(), "stored": stored, "fingerprint": lm.fingerprint}, indent=2))
+        print(json.dumps(document, indent=2))
         return
     table = Table(title=f"calibrate {config.model} on {len(items)} item(s) from #{skip} ({result.goal.describe()}; "
                         f"full TTFT median {seconds(result.full_ttft_s)})")
@@ -180,16 +187,34 @@ def calibrate_cmd(
                       f"{r.token_agreement:.3f}", f"{r.agreement:.3f}", f"{r.kl:.4f}", f"{r.ttft_s:.2f}")
     console.print(table)
     chosen = result.chosen
-    if result.reached:
-        console.print(f"chosen: policy_alpha {chosen.alpha:g}, policy_check_layer {chosen.check_layer:g}, "
-                      f"policy_floor {chosen.floor:g}, policy_sink_tokens {chosen.sink_tokens} (recompute {chosen.recompute:.3f}, answer KL {chosen.answer_kl:.4f})", highlight=False)
-    else:
-        console.print(f"[yellow]no candidate met the {result.goal.describe()}[/yellow]; chosen: policy_alpha "
-                      f"{chosen.alpha:g}, policy_check_layer {chosen.check_layer:g}, policy_floor {chosen.floor:g}, "
-                      f"policy_sink_tokens {chosen.sink_tokens} (recompute "
-                      f"{chosen.recompute:.3f}, answer KL {chosen.answer_kl:.4f})", highlight=False)
+    picked = (f"chosen: policy_alpha {chosen.alpha:g}, policy_check_layer {chosen.check_layer:g}, policy_floor "
+              f"{chosen.floor:g}, policy_sink_tokens {chosen.sink_tokens}, policy_drift_shift {chosen.drift_shift:g} "
+              f"(recompute {chosen.recompute:.3f}, answer KL {chosen.answer_kl:.4f})")
+    missed = "" if result.reached else f"[yellow]no candidate met the {result.goal.describe()}[/yellow]; "
+    console.print(missed + picked, highlight=False)
     console.print(f"stored for {config.model} (fingerprint {lm.fingerprint}) in the catalog at {catalog.where}; "
                   "used where the config leaves these settings at their defaults", highlight=False)
+
+
+def _write_calibration(ctx: typer.Context, out: Path, document: dict, **about) -> None:
+    """Write a calibration as a result file: the command line that ran it (preceded by the
+    settings that differ from the defaults), then ``about`` and ``document``."""
+    import shlex
+
+    from cachecraft.bench.common import with_settings, write_result
+
+    # Rebuilt from the parsed options (those not at their defaults, in declaration order),
+    # so the line is the same however the command was invoked.
+    parts = ["cachecraft calibrate"]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if param.param_type_name != "option" or value is None or value == param.default:
+            continue
+        flag = max(param.opts, key=len)
+        parts += [flag] if param.is_flag else [flag, shlex.quote(str(value))]
+    command = with_settings(" ".join(parts), load_config(ctx))
+    write_result(out, {"benchmark": "calibrate", "command": command,
+                       **{k: str(v) if isinstance(v, Path) else v for k, v in about.items()}, **document})
 
 
 @app.command("demo")

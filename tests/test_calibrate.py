@@ -158,6 +158,22 @@ def test_calibrate_takes_items_apart_and_a_divergence_target(fake_calibration, d
     assert data["stored"]["fitted"]["skip"] == 1
 
 
+def test_calibrate_writes_its_result_file_and_names_the_whole_choice(fake_calibration, dataset, cache_dir, tmp_path):
+    out = tmp_path / "results" / "calibrate.json"
+    result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--skip", "1", "--alphas", "0.1,0.2",
+                                 "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    printed = json.loads(result.stdout)  # stdout stays one JSON document; "wrote" goes to stderr
+    written = json.loads(out.read_text())
+    assert written["benchmark"] == "calibrate" and written["skip"] == 1 and written["limit"] == 1
+    assert written["command"].endswith(f"cachecraft calibrate --dataset {dataset} --skip 1 --alphas 0.1,0.2 "
+                                       f"--json --out {out}")
+    assert written["rows"] == printed["rows"] and len(written["rows"]) == 2
+    assert {"date", "machine", "code"} <= set(written) and written["dataset"] == str(dataset)
+    table = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.1,0.2"])
+    assert "policy_sink_tokens 0, policy_drift_shift 0 (recompute 0.050" in table.output  # alpha 0.2: 0.2/4
+
+
 def test_calibrate_makes_caches_the_way_warm_does(fake_calibration, dataset, cache_dir, tmp_path):
     context = tmp_path / "context.txt"
     context.write_text("Some neutral prose the caches are made after.")
