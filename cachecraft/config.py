@@ -233,13 +233,20 @@ class Config:
 
         return {f.name: shown(f.name, getattr(self, f.name)) for f in fields(self)}
 
+    @property
+    def given(self) -> frozenset[str]:
+        """The settings a config file, the environment or an override gave, even where the
+        value given is the default's (a calibrated fit yields to those)."""
+        return getattr(self, "_given", frozenset())
+
     def settings_changed(self) -> dict[str, Any]:
-        """Settings that differ from the defaults; ``cache_dir`` and the server URLs are left
-        out (they move bytes, they do not change results; URLs may hold passwords)."""
+        """Settings that differ from the defaults or were given; ``cache_dir`` and the server
+        URLs are left out (they move bytes, they do not change results; URLs may hold
+        passwords)."""
         defaults = Config(cache_dir=self.cache_dir)
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name not in ("cache_dir", "server") + _URL_KEYS + _SECRET_KEYS
-                and getattr(self, f.name) != getattr(defaults, f.name)}
+                and (getattr(self, f.name) != getattr(defaults, f.name) or f.name in self.given)}
 
     @classmethod
     def known_keys(cls) -> list[str]:
@@ -296,11 +303,15 @@ class Config:
         if unknown:
             raise ConfigError(f"unknown config key(s) {unknown}; known keys: {sorted(known)}")
         coerced = {name: _coerce(known[name], value) for name, value in values.items()}
-        return cls(**coerced)
+        return cls(**coerced)._with_given(frozenset(coerced))
 
     def replace(self, **changes: Any) -> "Config":
-        """A copy with some values changed (validated again)."""
-        return dataclasses.replace(self, **changes)
+        """A copy with some values changed (validated again); those count as given."""
+        return dataclasses.replace(self, **changes)._with_given(self.given | frozenset(changes))
+
+    def _with_given(self, names: frozenset[str]) -> "Config":
+        object.__setattr__(self, "_given", names)  # not a setting: kept beside the frozen fields
+        return self
 
 
 def _is_layer(value: float) -> bool:

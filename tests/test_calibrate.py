@@ -93,6 +93,12 @@ def test_fitted_settings_apply_where_the_config_keeps_the_default():
     params = params_from_config(own, 24, fitted)
     assert (params.alpha, params.check_layer, params.floor, params.sink_tokens, params.drift_shift) == (
         0.2, 12, 0.04, 2, 1.0)
+    # a value given explicitly wins even where it is the default's (0 sink tokens, no shift)
+    given = Config.load(environ={"CACHECRAFT_POLICY_SINK_TOKENS": "0", "CACHECRAFT_POLICY_DRIFT_SHIFT": "0"})
+    values, sources = policy_settings(given, fitted)
+    assert (values["policy_sink_tokens"], values["policy_drift_shift"], values["policy_floor"]) == (0, 0.0, 0.04)
+    assert (sources["policy_sink_tokens"], sources["policy_drift_shift"]) == ("config", "config")
+    assert params_from_config(default.replace(policy_floor=0.0), 24, fitted).floor == 0.0
     older = {"policy_alpha": 0.3, "policy_check_layer": 0.5}  # stored before floors and sinks were fitted
     assert policy_settings(default, older)[1]["policy_floor"] == "default"
     assert set(policy_settings(default, None)[1].values()) == {"default"}

@@ -115,6 +115,12 @@ def test_a_result_command_carries_the_settings_that_differ_from_the_defaults(tmp
     environ = dict(word.split("=", 1) for word in shlex.split(line) if word.startswith("CACHECRAFT_"))
     assert Config.load(environ=environ).settings_changed() == config.settings_changed()  # the line reproduces it
     assert Config.load(overrides={"cache_dir": tmp_path}, environ={}).settings_changed() == {}
+    # a default given explicitly is carried too: it overrides a model's calibrated fit
+    given = Config.load(overrides={"cache_dir": tmp_path}, environ={"CACHECRAFT_POLICY_SINK_TOKENS": "0"})
+    assert given.settings_changed() == {"policy_sink_tokens": 0} and given.given == {"cache_dir", "policy_sink_tokens"}
+    assert with_settings("cachecraft bench quality", given) == "CACHECRAFT_POLICY_SINK_TOKENS=0 cachecraft bench quality"
+    assert given.replace(policy_floor=0.0).given == {"cache_dir", "policy_sink_tokens", "policy_floor"}
+    assert Config().given == frozenset()
 
 
 def test_stream_kv_reads_booleans_from_toml_and_words_from_the_environment(tmp_path):

@@ -105,15 +105,18 @@ FITTED_KEYS = ("policy_alpha", "policy_check_layer", "policy_floor", "policy_sin
 
 
 def policy_settings(config, fitted: dict | None = None) -> tuple[dict[str, float], dict[str, str]]:
-    """The policy's settings and where each came from: ``config`` where the config sets a
-    value other than the default, else ``calibrated`` where ``fitted`` (the model's stored
+    """The policy's settings and where each came from: ``config`` where the config gives a
+    value (a file, the environment or an override, even one equal to the default) or sets
+    one other than the default, else ``calibrated`` where ``fitted`` (the model's stored
     profile) has one, else ``default``."""
     defaults = type(config)(cache_dir=config.cache_dir)
+    given = getattr(config, "given", frozenset())
     values, sources = {}, {}
     for key in FITTED_KEYS:
         own = getattr(config, key)
-        if own != getattr(defaults, key) or not fitted or key not in fitted:
-            values[key], sources[key] = own, "config" if own != getattr(defaults, key) else "default"
+        mine = own != getattr(defaults, key) or key in given
+        if mine or not fitted or key not in fitted:
+            values[key], sources[key] = own, "config" if mine else "default"
         else:
             values[key], sources[key] = float(fitted[key]), "calibrated"
     return values, sources
