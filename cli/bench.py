@@ -82,8 +82,14 @@ def bench_quality_cmd(
         embed = Embedder(config.embedder).embed
         specs += [InContext(m, neighbours, embed) for m in again]
     lm = load_model_quietly(config)
+    from cachecraft.evaluation import query_fit
+    from cachecraft.policy.planner import policy_settings
+
+    # The policy the default method runs with (the config's, else the model's fit) and where
+    # each value came from: a resumed run must use the same, and the result says which it was.
+    policy, sources = policy_settings(config, query_fit(lm, config))
     settings = {"model": lm.name, "fingerprint": lm.fingerprint, "dataset": str(dataset),
-                "config": {k: str(getattr(config, k)) for k in RUN_SETTINGS}}
+                "config": {k: str(getattr(config, k)) for k in RUN_SETTINGS}, "policy": policy}
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task("items", total=len(items))
         try:
@@ -96,7 +102,8 @@ def bench_quality_cmd(
                "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""),
                "kv_dtype": config.kv_dtype, "warm_context": config.warm_context, "dataset": str(dataset),
                "limit": len(items), "skip": skip, "rows": str(rows),
-               "in_context_neighbours": neighbours if in_context.strip() else 0, **result}
+               "in_context_neighbours": neighbours if in_context.strip() else 0,
+               "policy": {"values": policy, "sources": sources}, **result}
     write_result(out, payload)
     print_quality_table(result["methods"])
     print_comparisons(result["comparisons"])

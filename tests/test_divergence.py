@@ -110,3 +110,8 @@ def test_resume_refuses_a_rows_file_of_other_settings(tiny_dir, dataset, tmp_pat
                                 "--resume"])
     assert other.exit_code == 1 and "other settings (methods)" in other.output
     assert other.output.strip().count("\n") == 0
+    assert data["policy"]["values"]["policy_sink_tokens"] == 0  # the policy it ran with, and where from
+    assert data["policy"]["sources"]["policy_sink_tokens"] == "default"
+    # another policy (here a floor given in the environment) is another run
+    again = runner.invoke(app, [*args, "--resume"], env={"CACHECRAFT_POLICY_FLOOR": "0.1"})
+    assert again.exit_code == 1 and "other settings (policy)" in again.output
