@@ -22,7 +22,8 @@ from . import STARTED
 
 from .bench import bench_app
 from .serve import register as register_serve
-from .common import (CONTEXT, METHODS_HELP, UserError, console, err_console, friendly, load_config, summarize_commands,
+from .common import (CONTEXT, METHODS_HELP, UserError, console, err_console, friendly, invocation, load_config,
+                     summarize_commands,
                      load_model_quietly, quiet_libraries)
 
 app = typer.Typer(help="cachecraft: reuse per-chunk KV caches for RAG, recompute only what matters.",
@@ -137,6 +138,7 @@ def calibrate_cmd(
     """
     from rich.progress import Progress
 
+    from cachecraft.bench.common import write_result
     from cachecraft.calibration import calibrate, store_fitted
     from cachecraft.catalog import Catalog
     from cachecraft.dataset import load_items
@@ -169,7 +171,8 @@ def calibrate_cmd(
                               skip=skip, items=len(items), warm_context=config.warm_context)
     document = {**result.to_dict(), "stored": stored, "fingerprint": lm.fingerprint}
     if out is not None:
-        _write_calibration(ctx, out, document, model=config.model, dataset=dataset, skip=skip, limit=len(items))
+        write_result(out, {"benchmark": "calibrate", "command": invocation(ctx, "calibrate"), "model": config.model,
+                           "dataset": str(dataset), "skip": skip, "limit": len(items), **document})
         (err_console if as_json else console).print(f"wrote {out}", highlight=False)  # stdout stays one JSON
     if as_json:
         print(json.dumps(document, indent=2))
@@ -194,27 +197,6 @@ def calibrate_cmd(
     console.print(missed + picked, highlight=False)
     console.print(f"stored for {config.model} (fingerprint {lm.fingerprint}) in the catalog at {catalog.where}; "
                   "used where the config leaves these settings at their defaults", highlight=False)
-
-
-def _write_calibration(ctx: typer.Context, out: Path, document: dict, **about) -> None:
-    """Write a calibration as a result file: the command line that ran it (preceded by the
-    settings that differ from the defaults), then ``about`` and ``document``."""
-    import shlex
-
-    from cachecraft.bench.common import with_settings, write_result
-
-    # Rebuilt from the parsed options (those not at their defaults, in declaration order),
-    # so the line is the same however the command was invoked.
-    parts = ["cachecraft calibrate"]
-    for param in ctx.command.params:
-        value = ctx.params.get(param.name)
-        if param.param_type_name != "option" or value is None or value == param.default:
-            continue
-        flag = max(param.opts, key=len)
-        parts += [flag] if param.is_flag else [flag, shlex.quote(str(value))]
-    command = with_settings(" ".join(parts), load_config(ctx))
-    write_result(out, {"benchmark": "calibrate", "command": command,
-                       **{k: str(v) if isinstance(v, Path) else v for k, v in about.items()}, **document})
 
 
 @app.command("demo")

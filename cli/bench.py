@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.table import Table
 
-from .common import (CONTEXT, METHODS_HELP, UserError, console, ensure_dir, err_console, friendly, load_config,
-                     load_model_quietly)
+from .common import (CONTEXT, METHODS_HELP, UserError, console, ensure_dir, err_console, friendly, invocation,
+                     load_config, load_model_quietly)
 
 bench_app = typer.Typer(help="Benchmarks that write JSON results and print a table.",
                         context_settings=CONTEXT, no_args_is_help=True)
@@ -62,7 +61,9 @@ def bench_quality_cmd(
     from cachecraft.bench.common import write_result
     from cachecraft.bench.quality import RowsFileError, run_quality
     from cachecraft.dataset import load_items
+    from cachecraft.evaluation import query_fit
     from cachecraft.methods import parse_methods
+    from cachecraft.policy.planner import policy_settings
 
     config = load_config(ctx, model=model, warm_context=warm_context)
     specs = parse_methods(methods, config.cacheblend_ratio if ratio is None else ratio, config.policy_alpha)
@@ -82,9 +83,6 @@ def bench_quality_cmd(
         embed = Embedder(config.embedder).embed
         specs += [InContext(m, neighbours, embed) for m in again]
     lm = load_model_quietly(config)
-    from cachecraft.evaluation import query_fit
-    from cachecraft.policy.planner import policy_settings
-
     # The policy the default method runs with (the config's, else the model's fit) and where
     # each value came from: a resumed run must use the same, and the result says which it was.
     policy, sources = policy_settings(config, query_fit(lm, config))
@@ -98,7 +96,7 @@ def bench_quality_cmd(
                                  on_item=lambda done, total: progress.update(task, completed=done))
         except RowsFileError as exc:
             raise UserError(str(exc)) from None
-    payload = {"benchmark": "quality", "command": _invocation(ctx, "quality"), "model": lm.name,
+    payload = {"benchmark": "quality", "command": invocation(ctx, "bench quality"), "model": lm.name,
                "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""),
                "kv_dtype": config.kv_dtype, "warm_context": config.warm_context, "dataset": str(dataset),
                "limit": len(items), "skip": skip, "rows": str(rows),
@@ -157,7 +155,7 @@ def bench_diagnose_cmd(
         task = progress.add_task("items", total=len(items))
         result = run_diagnose(lm, config, items, fractions, wanted,
                               on_item=lambda done, total: progress.update(task, completed=done))
-    payload = {"benchmark": "diagnose", "command": _invocation(ctx, "diagnose"), "model": lm.name,
+    payload = {"benchmark": "diagnose", "command": invocation(ctx, "bench diagnose"), "model": lm.name,
                "fingerprint": lm.fingerprint, "warm_context": config.warm_context, "dataset": str(dataset),
                "limit": len(items), "skip": skip, **result}
     write_result(out, payload)
@@ -276,7 +274,7 @@ def bench_workload_cmd(
 
         result = run_workload(lm, config, trace, names, budgets=budgets, max_new_tokens=max_new_tokens,
                               evictions=policies, on_request=tick, warm=warm_up)
-    write_result(out, {"benchmark": "workload", "command": _invocation(ctx, "workload"), "model": lm.name,
+    write_result(out, {"benchmark": "workload", "command": invocation(ctx, "bench workload"), "model": lm.name,
                        "dataset": str(dataset), "warm": warm, "neighbours": neighbours,
                        "items": len(items), "corpus_chunks": corpus, "unique_requests": len(set(trace)),
                        "top_k": top_k, "budgets": budgets, **result})
@@ -344,7 +342,7 @@ def bench_eviction_cmd(
                                 policies=names, budget_fractions=fractions, embed=Embedder().embed)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-    write_result(out, {"benchmark": "eviction", "command": _invocation(ctx, "eviction"), "model": lm.name,
+    write_result(out, {"benchmark": "eviction", "command": invocation(ctx, "bench eviction"), "model": lm.name,
                        "dataset": str(dataset),
                        "kv_dtype": config.kv_dtype, **result})
     table = Table(title=f"eviction: {requests} requests, {result['summary']['distinct_chunks']} distinct chunks, "
@@ -419,7 +417,7 @@ def bench_store_cmd(ctx: typer.Context,
     with console.status("measuring store throughput ..."):
         result = run_store_benchmark(out, cache_dir=config.cache_dir, num_chunks=chunks, num_tokens=tokens,
                                      kv_dtype=config.kv_dtype, repeats=repeats,
-                                     command=_invocation(ctx, "store"))
+                                     command=invocation(ctx, "bench store"))
     table = Table(title="store throughput (GB/s)")
     tiers = result.get("tiers", {})
     metrics = sorted({m for t in tiers.values() for m in t if m.endswith("gbps")})
@@ -493,7 +491,7 @@ def bench_cluster_cmd(
             result = run_cluster(config, trace, nodes=nodes, method=method, max_new_tokens=max_new_tokens,
                                  workdir=workdir, redis_url=redis_url, catalog_url=catalog_url,
                                  timed_prompts=timed_prompts, on_step=lambda text: status.update(text))
-    write_result(out, {"benchmark": "cluster", "command": _invocation(ctx, "cluster"), "model": config.model,
+    write_result(out, {"benchmark": "cluster", "command": invocation(ctx, "bench cluster"), "model": config.model,
                        "dataset": str(dataset), "items": len(items), "corpus_chunks": corpus,
                        "unique_requests": len(set(trace)), "top_k": top_k, **result})
     table = Table(title=f"cluster: {nodes} nodes, {requests} requests ({len(set(trace))} distinct), top-{top_k}")
@@ -566,7 +564,7 @@ def bench_serve_cmd(
     with tempfile.TemporaryDirectory(prefix="cachecraft-serve-") as workdir, console.status("running ...") as status:
         runs = run_serving(trace, clients=counts, methods=names, max_tokens=max_tokens, workdir=Path(workdir),
                            models_dir=config.models_dir, env=env, on_step=lambda text: status.update(text))
-    write_result(out, {"benchmark": "serve", "command": _invocation(ctx, "serve"), "model": config.model,
+    write_result(out, {"benchmark": "serve", "command": invocation(ctx, "bench serve"), "model": config.model,
                        "dataset": str(dataset), "items": len(items), "corpus_chunks": corpus,
                        "unique_requests": len(set(trace)), "top_k": top_k, "runs": runs})
     table = Table(title=f"serve: {requests} requests ({len(set(trace))} distinct), top-{top_k}")
@@ -626,19 +624,6 @@ def _require_empty(redis_url: str, catalog_url: str, workdir: Path) -> None:
     with Catalog(workdir, url=catalog_url) as catalog:
         if not catalog.created:
             raise UserError(f"--catalog-url {catalog.where} already holds a catalog; give an empty database")
-
-
-def _invocation(ctx: typer.Context, name: str) -> str:
-    """The command line that ran ``cachecraft bench NAME``, for the result file: its
-    arguments, preceded by the settings (config file, environment, global options)
-    that differ from the defaults."""
-    import shlex
-
-    from cachecraft.bench.common import with_settings
-
-    args = sys.argv[1:]
-    rest = args[args.index(name) + 1:] if name in args else []
-    return with_settings(" ".join(["cachecraft bench", name, *map(shlex.quote, rest)]), load_config(ctx))
 
 
 def _ints(text: str, what: str) -> list[int]:
@@ -704,7 +689,7 @@ def bench_scaling_cmd(
                                      task, description=what, completed=done, total=total))
         except ValueError as exc:
             raise UserError(str(exc)) from None
-    write_result(out, {"benchmark": "scaling", "command": _invocation(ctx, "scaling"), "model": lm.name,
+    write_result(out, {"benchmark": "scaling", "command": invocation(ctx, "bench scaling"), "model": lm.name,
                        "fingerprint": lm.fingerprint, "dtype": str(lm.dtype).replace("torch.", ""),
                        "kv_dtype": config.kv_dtype, "dataset": str(dataset), **result})
     print_scaling_table(result)

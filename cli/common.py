@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -80,7 +82,7 @@ def friendly(func: Callable) -> Callable:
         try:
             return func(*args, **kwargs)
         except _user_errors() as exc:
-            err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            err_console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False)
             raise typer.Exit(1) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")
@@ -104,6 +106,18 @@ def load_config(ctx: typer.Context, **overrides: Any) -> Config:
     obj = ctx.obj or {}
     merged = {**obj.get("overrides", {}), **overrides}
     return Config.load(obj.get("config_path"), overrides=merged)
+
+
+def invocation(ctx: typer.Context, command: str) -> str:
+    """The command line that ran ``cachecraft COMMAND`` (e.g. ``bench quality``), for a
+    result file: its arguments, preceded by the settings (config file, environment, global
+    options) that differ from the defaults or were given."""
+    from cachecraft.bench.common import with_settings
+
+    args = sys.argv[1:]
+    name = command.split()[-1]
+    rest = args[args.index(name) + 1:] if name in args else []
+    return with_settings(" ".join([f"cachecraft {command}", *map(shlex.quote, rest)]), load_config(ctx))
 
 
 def ensure_dir(path: Path) -> Path:

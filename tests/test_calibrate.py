@@ -164,10 +164,12 @@ def test_calibrate_takes_items_apart_and_a_divergence_target(fake_calibration, d
     assert data["stored"]["fitted"]["skip"] == 1
 
 
-def test_calibrate_writes_its_result_file_and_names_the_whole_choice(fake_calibration, dataset, cache_dir, tmp_path):
+def test_calibrate_writes_its_result_file_and_names_the_whole_choice(fake_calibration, dataset, cache_dir, tmp_path,
+                                                                     monkeypatch):
     out = tmp_path / "results" / "calibrate.json"
-    result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--skip", "1", "--alphas", "0.1,0.2",
-                                 "--out", str(out), "--json"])
+    args = ["calibrate", "--dataset", str(dataset), "--skip", "1", "--alphas", "0.1,0.2", "--json", "--out", str(out)]
+    monkeypatch.setattr("sys.argv", ["cachecraft", *args])  # the command line the result records
+    result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     printed = json.loads(result.stdout)  # stdout stays one JSON document; "wrote" goes to stderr
     written = json.loads(out.read_text())

@@ -110,11 +110,10 @@ def policy_settings(config, fitted: dict | None = None) -> tuple[dict[str, float
     one other than the default, else ``calibrated`` where ``fitted`` (the model's stored
     profile) has one, else ``default``."""
     defaults = type(config)(cache_dir=config.cache_dir)
-    given = getattr(config, "given", frozenset())
     values, sources = {}, {}
     for key in FITTED_KEYS:
         own = getattr(config, key)
-        mine = own != getattr(defaults, key) or key in given
+        mine = own != getattr(defaults, key) or key in config.given
         if mine or not fitted or key not in fitted:
             values[key], sources[key] = own, "config" if mine else "default"
         else:
