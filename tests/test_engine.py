@@ -164,6 +164,29 @@ def test_drift_shift_by_hand():
     assert make_layout(segments[:1] + segments[2:], 2, 100, torch.device("cpu")).shift is None
 
 
+def test_drift_shift_leaves_the_first_tokens_out_of_the_mean_by_hand():
+    """The same chunk with ``drift_from=1``: token 2 (its first) and token 4 are recomputed,
+    only token 4's drift counts; a chunk whose only recomputed token is before drift_from
+    stays as stored."""
+    from cachecraft.engine.blend import _shift_drift
+    from cachecraft.engine.layout import make_layout
+
+    segments = [Segment([1, 2], "prefix"), Segment([3, 4, 5, 6], cached=_Stored(4), drift_shift=1.0, drift_from=1),
+                Segment([7, 8], cached=_Stored(2), drift_shift=1.0, drift_from=2), Segment([9], "question")]
+    lay = make_layout(segments, 2, 100, torch.device("cpu"))
+    assert lay.samples_drift.tolist() == [True, True, False, True, True, True, False, False, True]
+    keys, values = torch.zeros(1, 9, 2), torch.ones(1, 9, 2)
+    active = torch.tensor([0, 1, 2, 4, 6, 8])  # the prefix, tokens 2 and 4, token 6 of the other chunk, the question
+    k = torch.tensor([[[9., 9.], [9., 9.], [8., 8.], [2., 4.], [5., 5.], [9., 9.]]])
+    v = torch.tensor([[[9., 9.], [9., 9.], [8., 8.], [0., 3.], [5., 5.], [9., 9.]]])
+    _shift_drift(lay, active, keys, values, k, v)
+    # keys: token 4 alone, [2, 4] - [0, 0]; values: [0, 3] - [1, 1] = [-1, 2] (token 2's 8s left out)
+    assert keys[0, 2:6].tolist() == [[2., 4.]] * 4 and values[0, 2:6].tolist() == [[0., 3.]] * 4
+    assert keys[0, [0, 1, 6, 7, 8]].eq(0).all() and values[0, [0, 1, 6, 7, 8]].eq(1).all()
+    with pytest.raises(PromptError, match="drift_from must be >= 0"):
+        Segment([3, 4], cached=_Stored(2), drift_shift=1.0, drift_from=-1)
+
+
 def test_drift_shift_moves_the_other_rows_by_the_drift_of_the_recomputed_ones(tiny_llama):
     prefix, chunks, question = make_prompt()
     prefix_kv, kvs = caches_after_prefix_alone(tiny_llama, prefix, chunks)

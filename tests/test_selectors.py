@@ -124,7 +124,8 @@ def test_sink_tokens_alone_need_no_look_ahead(tiny_llama):
 def test_with_a_drift_shift_the_policy_spreads_each_chunk_s_count_after_its_sink_tokens(tiny_llama):
     """Counts 0, 5, 3 with 2 sink tokens and shift 1: chunk 0 untouched; chunk 1 (25 tokens)
     gets 0, 1 and 3 tokens spread over 2-24 (span 23: 2 + 23 // 6, 2 + 69 // 6, 2 + 115 // 6);
-    chunk 2 (35 tokens) 0, 1 and one token in the middle of 2-34 (2 + 33 // 2); no look-ahead runs."""
+    chunk 2 (35 tokens) 0, 1 and one token in the middle of 2-34 (2 + 33 // 2); the drift is
+    measured on the spread tokens alone; no look-ahead runs."""
     from cachecraft.methods.policy import place_plan_tokens
     from cachecraft.policy.planner import ChunkPlan, RecomputePlan
 
@@ -136,3 +137,4 @@ def test_with_a_drift_shift_the_policy_spreads_each_chunk_s_count_after_its_sink
     assert segments[1].recompute is None and segments[1].drift_shift == 0.0
     assert segments[2].recompute.tolist() == [0, 1, 5, 13, 21] and segments[2].drift_shift == 1.0
     assert segments[3].recompute.tolist() == [0, 1, 18] and segments[3].drift_shift == 1.0
+    assert (segments[2].drift_from, segments[3].drift_from) == (2, 2)  # the drift measured past the sinks

@@ -180,10 +180,11 @@ def _shift_drift(lay: Layout, active: torch.Tensor, keys: torch.Tensor, values: 
     """Move the cached rows of every segment that shifts by its share of the mean drift
     (fresh minus cached) of its tokens running this layer. A cache made after another
     context is off from full's by a change much of which its tokens share; the tokens
-    recomputed measure it for the rest. Running rows are overwritten with fresh K/V next,
-    so their own shift does not matter; a segment with no running token stays as stored."""
+    recomputed measure it for the rest (those from the segment's ``drift_from``). Running
+    rows are overwritten with fresh K/V next, so their own shift does not matter; a segment
+    with no token measuring it stays as stored."""
     seg = lay.segment_of[active]
-    use = lay.shift[seg] > 0
+    use = (lay.shift[seg] > 0) & lay.samples_drift[active]
     if not bool(use.any()):
         return
     seg, pos = seg[use], active[use]

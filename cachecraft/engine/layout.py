@@ -36,7 +36,9 @@ class Segment:
     statistics to it (``cachecraft.selection.ChunkStatistics``). ``drift_shift``
     (cached segments): at each layer, the cached tokens that are not recomputed move by
     this share of the mean change its recomputed tokens show there (fresh minus cached,
-    K before RoPE and V); 0 keeps them as stored.
+    K before RoPE and V); 0 keeps them as stored. ``drift_from``: recomputed tokens
+    before this local index (a chunk's first tokens, which drift more than the rest) are
+    fixed for their own sake and left out of that mean.
     """
 
     token_ids: Sequence[int]
@@ -49,6 +51,7 @@ class Segment:
     collect_stats: bool = False
     key: str = ""
     drift_shift: float = 0.0
+    drift_from: int = 0
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -63,6 +66,8 @@ class Segment:
             raise PromptError("save/collect_stats need a segment that is computed in full (not cached)")
         if not self.drift_shift >= 0.0:
             raise PromptError(f"drift_shift must be >= 0, got {self.drift_shift}")
+        if self.drift_from < 0:
+            raise PromptError(f"drift_from must be >= 0, got {self.drift_from}")
 
 
 @dataclass
@@ -83,10 +88,12 @@ class Layout:
     stop_at: torch.Tensor  # [N] long: layer at which the token stops being recomputed
     recomputed: torch.Tensor  # [N] bool: computed fresh at layer 1 or above
     # drift shift (None: no segment asks for it): each segment's share [S], the segment of
-    # every token [N], and the positions of the tokens in segments that shift [M]
+    # every token [N], the positions of the tokens in segments that shift [M], and which
+    # tokens may measure the drift when recomputed [N] (those from each segment's drift_from)
     shift: torch.Tensor | None = None
     segment_of: torch.Tensor | None = None
     shifted: torch.Tensor | None = None
+    samples_drift: torch.Tensor | None = None
     # made on first use by LayerView.segment_mass: the segment indicators, and the plan last
     # made for a subset of the running tokens, as (active, rows, plan)
     segment_mass: _SegmentMass | None = field(default=None, repr=False)
@@ -137,4 +144,7 @@ def make_layout(segments: Sequence[Segment], num_layers: int, limit: int, device
         lay.segment_of = torch.repeat_interleave(torch.arange(len(segments), device=device),
                                                  torch.tensor([hi - lo for lo, hi in bounds], device=device))
         lay.shifted = (lay.shift[lay.segment_of] > 0).nonzero().squeeze(1)
+        lay.samples_drift = torch.ones(n_total, dtype=torch.bool, device=device)
+        for seg, (lo, hi) in zip(segments, bounds):
+            lay.samples_drift[lo:min(hi, lo + seg.drift_from)] = False
     return lay

@@ -106,7 +106,8 @@ def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, che
     """Give the plan's token counts to the chunks: each chunk's first ``sink_tokens`` of its
     count to its first tokens, the rest, in total, where the question looks; with a
     ``drift_shift``, the rest of each chunk's count evenly over the rest of the chunk
-    instead (a fair sample of its drift) and the chunk shifts by it. Chunks the plan leaves
+    instead (a fair sample of its drift) and the chunk shifts by the drift those show (its
+    first tokens left out of it). Chunks the plan leaves
     alone are not candidates. Returns whether the question's look-ahead ran (its work
     counts toward the request's)."""
     chunk_segments = segments[1:-1]
@@ -123,6 +124,7 @@ def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, che
                 seg.recompute = torch.cat([first_tokens(len(seg.token_ids), sink),
                                            spread_tokens(len(seg.token_ids), count - sink, start=sink)])
                 seg.drift_shift = drift_shift
+                seg.drift_from = sink  # the first tokens drift more than the rest: not a fair sample
         return False
     if not sum(sinks):
         select_question_guided(adapter, segments, check_layer, total=total)

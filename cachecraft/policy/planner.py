@@ -31,8 +31,8 @@ class PolicyParams:
     check_layer: int = 8
     sink_tokens: int = 0  # of a chunk's count, its first tokens come first
     # > 0: the rest of a chunk's count is spread evenly over it, and its other tokens move by
-    # this share of the drift those show (the engine's drift shift); 0: the rest goes where
-    # the question looks and the other tokens stay as stored
+    # this share of the drift those spread tokens show (the engine's drift shift); 0: the rest
+    # goes where the question looks and the other tokens stay as stored
     drift_shift: float = 0.0
     early_stop_layers: tuple[int, ...] = ()
     early_stop_share: float = 0.25
