@@ -39,7 +39,8 @@ def bench_quality_cmd(
     rows: Optional[Path] = typer.Option(None, help="JSON-lines file each item's rows are appended to as it "
                                                    "finishes (default: OUT with the suffix .rows.jsonl)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: items already in the rows "
-                                "file are not run again (same settings required)."),
+                                "file are not run again (same settings required; --limit and --skip may "
+                                "differ, e.g. to extend a run to more items)."),
     in_context: str = typer.Option("", "--in-context", help="Comma-separated methods run again once each "
                                    "passage also has in-context variants (its cache made after each of its "
                                    "--neighbours nearest passages by embedding, as `warm --neighbours` makes "

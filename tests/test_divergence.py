@@ -97,6 +97,30 @@ def test_resume_after_a_killed_run_gives_the_same_result(tiny_llama, dataset, tm
     assert [json.loads(line)["item"] for line in rows.read_text().splitlines()[1:]] == [0] * 4 + [1] * 4
 
 
+def test_resume_extends_a_run_to_more_items_and_reports_on_fewer(tiny_llama, dataset, tmp_path):
+    """Resuming with another item list runs only the items the file lacks; a shorter list
+    reports on its items alone, and the file keeps every finished item's rows."""
+    items = load_items(dataset)
+    assert len(items) >= 2
+    methods = parse_methods("full,reuse")
+    config = _config(tmp_path / "cache")
+    rows = tmp_path / "run.jsonl"
+    run_quality(tiny_llama, config, items[:1], methods, max_new_tokens=2, rows_path=rows)
+    seen = []
+    longer = run_quality(tiny_llama, config, items[:2], methods, max_new_tokens=2, rows_path=rows, resume=True,
+                         on_answer=lambda item, answer, trace: seen.append(item.index))
+    assert set(seen) == {items[1].index} and {r["item"] for r in longer["items"]} == {items[0].index, items[1].index}
+    seen.clear()
+    shorter = run_quality(tiny_llama, config, items[1:2], methods, max_new_tokens=2, rows_path=rows, resume=True,
+                          on_answer=lambda item, answer, trace: seen.append(item.index))
+    assert seen == [] and {r["item"] for r in shorter["items"]} == {items[1].index}
+    assert shorter["methods"]["reuse"]["answer_kl_mean"] == next(
+        r["answer_kl"] for r in longer["items"] if r["item"] == items[1].index and r["method"] == "reuse")
+    lines = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert lines[0]["settings"]["items"] == [items[1].index]  # this run's items
+    assert sorted(r["item"] for r in lines[1:]) == [items[0].index] * 2 + [items[1].index] * 2  # nothing dropped
+
+
 def test_resume_refuses_a_rows_file_of_other_settings(tiny_dir, dataset, tmp_path, cache_dir):
     runner = CliRunner()
     args = ["bench", "quality", "--dataset", str(dataset), "--limit", "1", "--methods", "full,reuse",

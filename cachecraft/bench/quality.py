@@ -117,8 +117,10 @@ def run_quality(lm, config: Config, items: Sequence[QAItem], methods: Sequence[M
 
     ``rows_path``: each item's rows are appended there as the item finishes, after a
     first line holding ``settings``; with ``resume`` the items already there are not run
-    again (the file must hold the same settings). ``on_answer`` sees every answer and its
-    prefill trace, as :func:`~cachecraft.evaluation.evaluate_items` says."""
+    again (the file must hold the same settings but for the items: a run can be extended to
+    more items, or reported on fewer, and the file keeps every finished item's rows).
+    ``on_answer`` sees every answer and its prefill trace, as
+    :func:`~cachecraft.evaluation.evaluate_items` says."""
     order = method_order(methods)
     labels = [m.label for m in order]
     settings = {**(settings or {}), "methods": labels, "items": [item.index for item in items],
@@ -128,6 +130,8 @@ def run_quality(lm, config: Config, items: Sequence[QAItem], methods: Sequence[M
         rows_path = Path(rows_path)
         done = read_rows(rows_path, settings, labels) if resume and rows_path.exists() else []
         write_rows(rows_path, settings, done)
+    wanted = {item.index for item in items}
+    done = [r for r in done if r["item"] in wanted]
     finished = {r["item"] for r in done}
     todo = [item for item in items if item.index not in finished]
     with scratch_pipeline(lm, config) as pipeline:
@@ -142,8 +146,8 @@ def run_quality(lm, config: Config, items: Sequence[QAItem], methods: Sequence[M
 
 
 def read_rows(path: Path, settings: dict[str, Any], labels: Sequence[str]) -> list[dict]:
-    """The rows of the items a run at ``path`` finished with every method of ``labels``;
-    a torn last line (a run killed while writing) is left out."""
+    """The rows of the items a run at ``path`` finished with every method of ``labels``,
+    whichever items it was run on; a torn last line (a run killed while writing) is left out."""
     lines = path.read_text(encoding="utf-8").splitlines()
     try:
         header = json.loads(lines[0])["settings"] if lines else None
@@ -151,8 +155,9 @@ def read_rows(path: Path, settings: dict[str, Any], labels: Sequence[str]) -> li
         header = None
     if header is None:
         raise RowsFileError(f"{path} is not a rows file of bench quality; remove it or run without --resume")
-    if header != json.loads(json.dumps(settings)):
-        changed = sorted(k for k in set(header) | set(settings) if header.get(k) != settings.get(k))
+    settings = json.loads(json.dumps(settings))
+    changed = sorted(k for k in set(header) | set(settings) if k != "items" and header.get(k) != settings.get(k))
+    if changed:
         raise RowsFileError(f"{path} was written with other settings ({', '.join(changed)}): "
                             "run without --resume to start again, or with the same settings")
     rows = []
