@@ -246,7 +246,7 @@ QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_heldo
                    "yardstick_qwen_policy", "git_manuals_smollm2", "git_manuals_qwen2.5", "in_context_qwen",
                    "in_context_smollm2", "early_stop_qwen2.5", "early_stop_smollm2", "tradeoff_smollm2",
                    "tradeoff_qwen2.5", "git_manuals_in_context_smollm2", "yardstick_qwen_shift", "yardstick_qwen_halfshift",
-                   "yardstick_qwen_halfspread")
+                   "yardstick_qwen_halfspread", "yardstick_qwen_sinkshift")
 RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
              "cluster": cluster_table, "diagnose_qwen": diagnose_table, "diagnose_contexts_qwen": diagnose_table,
              "serve": serve_table, "workload": workload_table, "calibrate_qwen2.5": calibrate_table,
