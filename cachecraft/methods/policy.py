@@ -107,9 +107,8 @@ def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, che
     count to its first tokens, the rest, in total, where the question looks; with a
     ``drift_shift``, the rest of each chunk's count evenly over the rest of the chunk
     instead (a fair sample of its drift) and the chunk shifts by the drift those show (its
-    first tokens left out of it). Chunks the plan leaves
-    alone are not candidates. Returns whether the question's look-ahead ran (its work
-    counts toward the request's)."""
+    first tokens left out of it). Chunks the plan leaves alone are not candidates. Returns
+    whether the question's look-ahead ran (its work counts toward the request's)."""
     chunk_segments = segments[1:-1]
     for seg, chunk_plan in zip(chunk_segments, plan.chunks):
         seg.fixable = seg.cached is not None and chunk_plan.count > 0
