@@ -142,22 +142,31 @@ class _Stored:
         raise AssertionError("not read here")
 
 
+def _shift_by_hand(segments, active, k, v):
+    """Lay out ``segments`` (9 tokens), K zeros and V ones in every cached row, and shift
+    them with the fresh ``k`` and ``v`` of the ``active`` tokens (one KV head, 2 dims)."""
+    from cachecraft.engine.blend import _shift_drift
+    from cachecraft.engine.layout import make_layout
+
+    lay = make_layout(segments, 2, 100, torch.device("cpu"))
+    keys, values = torch.zeros(1, 9, 2), torch.ones(1, 9, 2)
+    _shift_drift(lay, torch.tensor(active), keys, values, torch.tensor([k]), torch.tensor([v]))
+    return lay, keys, values
+
+
 def test_drift_shift_by_hand():
     """A chunk at positions 2-5 with shift 0.5, tokens 3 and 5 recomputed: every row of the
     chunk moves by half the mean of their fresh - cached; the prefix and question rows and a
     chunk without a shift stay as they were."""
-    from cachecraft.engine.blend import _shift_drift
     from cachecraft.engine.layout import make_layout
 
     segments = [Segment([1, 2], "prefix"), Segment([3, 4, 5, 6], cached=_Stored(4), drift_shift=0.5),
                 Segment([7, 8], cached=_Stored(2)), Segment([9], "question")]
-    lay = make_layout(segments, 2, 100, torch.device("cpu"))
+    # active: the prefix, tokens 3 and 5, token 7 of the other chunk, the question
+    lay, keys, values = _shift_by_hand(segments, [0, 1, 3, 5, 7, 8],
+                                       k=[[9., 9.], [9., 9.], [2., 0.], [4., 2.], [5., 5.], [9., 9.]],
+                                       v=[[9., 9.], [9., 9.], [3., 3.], [1., 1.], [5., 5.], [9., 9.]])
     assert lay.shifted.tolist() == [2, 3, 4, 5] and lay.segment_of.tolist() == [0, 0, 1, 1, 1, 1, 2, 2, 3]
-    keys, values = torch.zeros(1, 9, 2), torch.ones(1, 9, 2)
-    active = torch.tensor([0, 1, 3, 5, 7, 8])  # the prefix, tokens 3 and 5, token 7 of the other chunk, the question
-    k = torch.tensor([[[9., 9.], [9., 9.], [2., 0.], [4., 2.], [5., 5.], [9., 9.]]])
-    v = torch.tensor([[[9., 9.], [9., 9.], [3., 3.], [1., 1.], [5., 5.], [9., 9.]]])
-    _shift_drift(lay, active, keys, values, k, v)
     # keys: drift ([2, 0] + [4, 2]) / 2 = [3, 1], half of it [1.5, 0.5]; values: ([2, 2] + [0, 0]) / 2 = [1, 1]
     assert keys[0, 2:6].tolist() == [[1.5, 0.5]] * 4 and values[0, 2:6].tolist() == [[1.5, 1.5]] * 4
     assert keys[0, [0, 1, 6, 7, 8]].eq(0).all() and values[0, [0, 1, 6, 7, 8]].eq(1).all()
@@ -168,19 +177,14 @@ def test_drift_shift_leaves_the_first_tokens_out_of_the_mean_by_hand():
     """The same chunk with ``drift_from=1``: token 2 (its first) and token 4 are recomputed,
     only token 4's drift counts; a chunk whose only recomputed token is before drift_from
     stays as stored."""
-    from cachecraft.engine.blend import _shift_drift
-    from cachecraft.engine.layout import make_layout
-
     segments = [Segment([1, 2], "prefix"), Segment([3, 4, 5, 6], cached=_Stored(4), drift_shift=1.0, drift_from=1),
                 Segment([7, 8], cached=_Stored(2), drift_shift=1.0, drift_from=2), Segment([9], "question")]
-    lay = make_layout(segments, 2, 100, torch.device("cpu"))
+    # active: the prefix, tokens 2 and 4, token 6 of the other chunk, the question
+    lay, keys, values = _shift_by_hand(segments, [0, 1, 2, 4, 6, 8],
+                                       k=[[9., 9.], [9., 9.], [8., 8.], [2., 4.], [5., 5.], [9., 9.]],
+                                       v=[[9., 9.], [9., 9.], [8., 8.], [0., 3.], [5., 5.], [9., 9.]])
     assert lay.samples_drift.tolist() == [True, True, False, True, True, True, False, False, True]
-    keys, values = torch.zeros(1, 9, 2), torch.ones(1, 9, 2)
-    active = torch.tensor([0, 1, 2, 4, 6, 8])  # the prefix, tokens 2 and 4, token 6 of the other chunk, the question
-    k = torch.tensor([[[9., 9.], [9., 9.], [8., 8.], [2., 4.], [5., 5.], [9., 9.]]])
-    v = torch.tensor([[[9., 9.], [9., 9.], [8., 8.], [0., 3.], [5., 5.], [9., 9.]]])
-    _shift_drift(lay, active, keys, values, k, v)
-    # keys: token 4 alone, [2, 4] - [0, 0]; values: [0, 3] - [1, 1] = [-1, 2] (token 2's 8s left out)
+    # keys: token 4 alone, [2, 4] - [0, 0]; values: 1 + ([0, 3] - [1, 1]) (token 2's 8s left out)
     assert keys[0, 2:6].tolist() == [[2., 4.]] * 4 and values[0, 2:6].tolist() == [[0., 3.]] * 4
     assert keys[0, [0, 1, 6, 7, 8]].eq(0).all() and values[0, [0, 1, 6, 7, 8]].eq(1).all()
     with pytest.raises(PromptError, match="drift_from must be >= 0"):
