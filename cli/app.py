@@ -23,8 +23,7 @@ from . import STARTED
 from .bench import bench_app
 from .serve import register as register_serve
 from .common import (CONTEXT, METHODS_HELP, UserError, console, err_console, friendly, invocation, load_config,
-                     summarize_commands,
-                     load_model_quietly, quiet_libraries)
+                     load_model_quietly, quiet_libraries, summarize_commands)
 
 app = typer.Typer(help="cachecraft: reuse per-chunk KV caches for RAG, recompute only what matters.",
                   context_settings=CONTEXT, no_args_is_help=True, add_completion=False)
