@@ -61,10 +61,14 @@ def test_early_stop_decision_by_hand():
 
 def test_a_floor_raises_every_reused_chunk_but_an_exact_match():
     """alpha 0.1, CCI prior 0.6: CFO 0.06 -> ceil(0.6) = 1 token of 10; a floor of 0.25 makes
-    it ceil(2.5) = 3; the chunk cached right after the system prefix (exact) still needs none."""
+    it floor(2.5) = 2 (the floor rounds down), one of 0.35 floor(3.5) = 3; the chunk cached
+    right after the system prefix (exact) still needs none."""
     plain = plan_request(["a", "b"], [10, 10], {"a": [alone("a0")], "b": [alone("b0")]},
                          PolicyParams(alpha=0.1, cci_prior=0.6))
     assert [p.count for p in plain.chunks] == [0, 1]
     floored = plan_request(["a", "b"], [10, 10], {"a": [alone("a0")], "b": [alone("b0")]},
                            PolicyParams(alpha=0.1, cci_prior=0.6, floor=0.25))
-    assert [p.count for p in floored.chunks] == [0, 3]
+    assert [p.count for p in floored.chunks] == [0, 2]
+    higher = plan_request(["a", "b"], [10, 10], {"a": [alone("a0")], "b": [alone("b0")]},
+                          PolicyParams(alpha=0.1, cci_prior=0.6, floor=0.35))
+    assert [p.count for p in higher.chunks] == [0, 3]

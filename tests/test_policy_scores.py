@@ -62,6 +62,14 @@ def test_cfo_edge_cases():
 
 def test_tokens_to_recompute():
     assert tokens_to_recompute(0.3176, 10) == 4
-    assert tokens_to_recompute(0.01, 10, floor=0.05) == 1
+    assert tokens_to_recompute(0.01, 10, floor=0.05) == 1  # need 0.1 rounds up, floor 0.5 down
     assert tokens_to_recompute(0.9, 10, ceiling=0.5) == 5
     assert tokens_to_recompute(0.0, 10) == 0
+    # the floor rounds down: 5% of 610 is 30.5 -> 30; of 19 is 0.95 -> 0; of 600 exactly 30
+    assert tokens_to_recompute(0.0, 610, floor=0.05) == 30
+    assert tokens_to_recompute(0.0, 19, floor=0.05) == 0
+    assert tokens_to_recompute(0.0, 600, floor=0.05) == 30
+    # a CFO above the floor still rounds up: 0.06 * 610 = 36.6 -> 37
+    assert tokens_to_recompute(0.06, 610, floor=0.05) == 37
+    # the floor at the ceiling: 0.2 of 10 -> 2
+    assert tokens_to_recompute(0.0, 10, floor=0.2, ceiling=0.2) == 2

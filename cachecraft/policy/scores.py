@@ -108,6 +108,9 @@ def score_variant(*, inter: torch.Tensor, intra: torch.Tensor, chunk_tokens: int
 
 
 def tokens_to_recompute(cfo: float, chunk_tokens: int, floor: float = 0.0, ceiling: float = 1.0) -> int:
-    """``ceil(clamp(CFO, floor, ceiling) * |C|)``."""
-    fraction = min(max(cfo, floor), ceiling, 1.0)
-    return min(chunk_tokens, math.ceil(fraction * chunk_tokens - 1e-9))
+    """A chunk's recompute count: ``ceil(min(CFO, ceiling) * |C|)``, raised to at least
+    ``floor(min(floor, ceiling) * |C|)``. The CFO's need rounds up; the floor rounds down,
+    so a floor of 5% never spends more than 5% of any chunk (rounding it up spent 5.1%)."""
+    need = math.ceil(min(cfo, ceiling, 1.0) * chunk_tokens - 1e-9)
+    base = math.floor(min(floor, ceiling, 1.0) * chunk_tokens + 1e-9)
+    return min(chunk_tokens, max(need, base))
