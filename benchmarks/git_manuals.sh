@@ -22,6 +22,9 @@ for page in gittutorial gitcore-tutorial giteveryday user-manual; do cp "$DOC/ht
 cp "$DOC/README.md" "$DOCS"/
 cachecraft ingest "$DOCS"
 cachecraft bench dataset --questions benchmarks/data/git_questions.txt --out benchmarks/data/git_manuals.json
+# questions kept apart, for checking a setting before it is reported on the ones above
+cachecraft bench dataset --questions benchmarks/data/git_questions_heldout.txt \
+  --out benchmarks/data/git_manuals_heldout.json
 for model in ${MODELS:-smollm2 qwen2.5-coder-0.5b}; do
   cachecraft bench quality --model "$model" --dataset benchmarks/data/git_manuals.json --limit 24 \
     --warm-context builtin --methods full,cachecraft,cacheblend@0.15 \

@@ -52,7 +52,7 @@ def query_fit(lm, config: Config) -> dict | None:
             found = None
         if found:
             return found
-    return shipped_fit(config.model)
+    return shipped_fit(config.model, lm.model.config)
 
 
 @contextmanager

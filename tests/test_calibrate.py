@@ -265,6 +265,31 @@ def test_calibrate_on_a_tiny_model_measures_drift_shifts(tiny_llama, dataset, tm
     assert result.profile()["policy_drift_shift"] == result.to_dict()["policy_drift_shift"] == result.chosen.drift_shift
 
 
+def test_a_shipped_fit_applies_only_to_a_model_of_the_shape_it_was_fitted_on(monkeypatch, cache_dir):
+    """The bundled SmolLM2's fit (30 layers of 576) is not applied to a tiny random-weight model
+    under its name; the same fit naming the tiny model's shape is, and showing the configuration
+    (no model loaded) names it either way."""
+    import cachecraft.policy.shipped as shipped
+
+    lm = tiny_model("llama")
+    shape = {"model_type": "llama", "num_hidden_layers": lm.model.config.num_hidden_layers,
+             "hidden_size": lm.model.config.hidden_size, "vocab_size": lm.model.config.vocab_size}
+    assert shipped.shipped_fit("smollm2")["architecture"]["num_hidden_layers"] == 30
+    assert shipped.shipped_fit("smollm2", lm.model.config) is None
+    assert shipped.shipped_fit("no-such-model", lm.model.config) is None
+    config = Config.load(environ={"CACHECRAFT_CACHE_DIR": str(cache_dir)})
+    with TieredStore(config, tiers=("cpu",)) as store:
+        assert Pipeline(config, lm=lm, store=store).policy.sink_tokens == 0
+    fit = {**shipped.shipped_fit("smollm2"), "policy_sink_tokens": 7, "architecture": shape}
+    monkeypatch.setitem(shipped.SHIPPED_FITS, "smollm2", fit)
+    assert shipped.shipped_fit("smollm2", lm.model.config)["policy_sink_tokens"] == 7
+    with TieredStore(config, tiers=("cpu",)) as store:
+        assert Pipeline(config, lm=lm, store=store).policy.sink_tokens == 7
+    shown = json.loads(runner.invoke(app, ["config", "show", "--json"]).output)
+    assert shown["values"]["policy_sink_tokens"] == 7
+    assert isinstance(shown["values"]["policy_sink_tokens"], int)  # shown as 7, not 7.0
+
+
 def test_a_shipped_fit_applies_until_the_model_is_calibrated_here(monkeypatch, cache_dir):
     """A bundled model's shipped parameters are used where the config keeps the defaults;
     a calibration stored in the catalog wins over them; benchmarks' scratch pipelines use

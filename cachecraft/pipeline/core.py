@@ -474,7 +474,7 @@ class Pipeline:
         except CatalogError as exc:
             log.warning("cannot read the calibrated policy (%s); using the config's", exc)
             found = None
-        return found or shipped_fit(self.config.model)
+        return found or shipped_fit(self.config.model, self.lm.model.config)
 
     def _cost_profile(self) -> dict | None:
         try:

@@ -117,7 +117,9 @@ def policy_settings(config, fitted: dict | None = None) -> tuple[dict[str, float
         if mine or not fitted or key not in fitted:
             values[key], sources[key] = own, "config" if mine else "default"
         else:
-            values[key], sources[key] = float(fitted[key]), "calibrated"
+            value = float(fitted[key])
+            # a whole number stays one (16 first tokens, layer 8), as the config would give it
+            values[key], sources[key] = int(value) if value.is_integer() and isinstance(own, int) else value, "calibrated"
     return values, sources
 
 
