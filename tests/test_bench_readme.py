@@ -39,7 +39,7 @@ def test_scaling_block_has_one_row_per_size_and_a_column_per_method(tmp_path):
     rows = [{"sweep": "context", "method": m, "context_tokens": n, "n_chunks": n // 500, "ttft_s": t,
              "speedup_vs_full": s, "agreement_f1": 1.0}
             for m, n, t, s in (("full", 1000, 2.0, 1.0), ("cachecraft", 1000, 0.5, 4.0), ("full", 8000, 30.0, 1.0))]
-    data = {"command": "cachecraft bench scaling", "model": "m", "date": "2026-11-21T00:00",
+    data = {"benchmark": "scaling", "command": "cachecraft bench scaling", "model": "m", "date": "2026-11-21T00:00",
             "machine": {"cpu": "cpu", "cores": 2}, "scaling": rows}
     text = render(tmp_path, "scaling", data)
     assert "| prompt tokens | full | cachecraft |" in text and "| chunks |" not in text
@@ -75,7 +75,7 @@ def test_diagnose_block_has_a_column_per_cache_context_and_the_drift_profile(tmp
                    "positions_v": {"1": v, "2-4": v / 2},
                    "runs": {"reuse": run(kl, 0.9), "firstk@0.05": run(kl / 2, 0.95)}}
                for c, v, kl in (("warm", 0.6, 0.2), ("previous", 0.3, 0.08))}
-    data = {"command": "cachecraft bench diagnose", "model": "m", "limit": 6, "skip": 30, "date": "2026-11-24T00:00",
+    data = {"benchmark": "diagnose", "command": "cachecraft bench diagnose", "model": "m", "limit": 6, "skip": 30, "date": "2026-11-24T00:00",
             "machine": {"cpu": "cpu", "cores": 2}, "summary": summary}
     text = render(tmp_path, "diagnose_qwen", data)
     assert "(m, 6 items from #30, 2026-11-24, cpu, 2 cores; means over items)" in text
@@ -89,7 +89,7 @@ def test_calibrate_block_lists_every_candidate_and_marks_the_chosen_one(tmp_path
     row = lambda floor, shift, kl: {"alpha": 0.08, "check_layer": 8, "floor": floor, "sink_tokens": 0,  # noqa: E731
                                     "drift_shift": shift, "recompute": floor, "answer_kl": kl,
                                     "token_agreement": 0.9, "agreement": 0.8, "kl": 0.3, "ttft_s": 2.5}
-    data = {"command": "cachecraft calibrate --drift-shifts 0,1", "model": "m", "limit": 8, "skip": 36,
+    data = {"benchmark": "calibrate", "command": "cachecraft calibrate --drift-shifts 0,1", "model": "m", "limit": 8, "skip": 36,
             "date": "2026-11-25T00:00", "machine": {"cpu": "cpu", "cores": 2}, "full_ttft_s_median": 48.34,
             "policy_floor": 0.03, "policy_sink_tokens": 0, "policy_drift_shift": 1.0,
             "rows": [row(0.03, 0.0, 0.2), row(0.03, 1.0, 0.1)]}
@@ -97,3 +97,21 @@ def test_calibrate_block_lists_every_candidate_and_marks_the_chosen_one(tmp_path
     assert "(m, 8 items from #36, 2026-11-25, cpu, 2 cores; full's TTFT median 48.3 s;" in text
     assert "| 0.08 | 0.03 | 0 | 0 | 0.030 | 0.2000 | 0.900 | 0.3000 | 2.50 |" in text
     assert "| 0.08 | 0.03 | 0 | 1 (chosen) | 0.030 | 0.1000 | 0.900 | 0.3000 | 2.50 |" in text
+
+
+def test_a_block_is_rendered_by_the_benchmark_that_wrote_its_result(tmp_path):
+    """A block no table is registered for by name takes its result's kind ("benchmark"); a
+    result of no known kind leaves its block as it was."""
+    row = {"alpha": 0.08, "check_layer": 8, "floor": 0.05, "sink_tokens": 4, "drift_shift": 0.0, "recompute": 0.05,
+           "answer_kl": 0.125, "token_agreement": 0.9, "agreement": 0.8, "kl": 0.3, "ttft_s": 2.5}
+    data = {"benchmark": "calibrate", "command": "cachecraft calibrate", "model": "m", "limit": 4, "skip": 36,
+            "date": "2026-11-25T00:00", "machine": {"cpu": "cpu", "cores": 2}, "full_ttft_s_median": 40.0,
+            "policy_floor": 0.05, "policy_sink_tokens": 4, "policy_drift_shift": 0.0, "rows": [row]}
+    text = render(tmp_path, "calibrate_some_new_name", data)
+    assert "| 0.08 | 0.05 | 4 | 0 (chosen) | 0.050 | 0.1250 | 0.900 | 0.3000 | 2.50 |" in text
+    results = tmp_path / "results"
+    (results / "odd.json").write_text(json.dumps({"benchmark": "unknown-kind"}))
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results:odd -->\nkept\n<!-- /results:odd -->\n")
+    assert update(readme, results) == []
+    assert "kept" in readme.read_text()

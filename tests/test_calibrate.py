@@ -266,22 +266,26 @@ def test_calibrate_on_a_tiny_model_measures_drift_shifts(tiny_llama, dataset, tm
 
 
 def test_a_shipped_fit_applies_only_to_a_model_of_the_shape_it_was_fitted_on(monkeypatch, cache_dir):
-    """The bundled SmolLM2's fit (30 layers of 576) is not applied to a tiny random-weight model
-    under its name; the same fit naming the tiny model's shape is, and showing the configuration
-    (no model loaded) names it either way."""
+    """A fit recorded for a bundled model's shape (the judge's 24 layers of 896) is not applied
+    to a tiny random-weight model loaded under that model's name; the same fit naming the tiny
+    model's shape is, and showing the configuration (no model loaded) names it either way."""
     import cachecraft.policy.shipped as shipped
 
     lm = tiny_model("llama")
-    shape = {"model_type": "llama", "num_hidden_layers": lm.model.config.num_hidden_layers,
-             "hidden_size": lm.model.config.hidden_size, "vocab_size": lm.model.config.vocab_size}
-    assert shipped.shipped_fit("smollm2")["architecture"]["num_hidden_layers"] == 30
-    assert shipped.shipped_fit("smollm2", lm.model.config) is None
+    assert shipped.shipped_fit("qwen2.5-coder-0.5b")["architecture"]["num_hidden_layers"] == 24
+    assert shipped.shipped_fit("qwen2.5-coder-0.5b", lm.model.config) is None
     assert shipped.shipped_fit("no-such-model", lm.model.config) is None
+    judge_shape = shipped.shipped_fit("qwen2.5-coder-0.5b")["architecture"]
+    fit = {"policy_alpha": 0.08, "policy_check_layer": 8, "policy_floor": 0.0, "policy_sink_tokens": 7,
+           "policy_drift_shift": 0.0, "architecture": judge_shape,
+           "fitted": {"model": "smollm2", "source": "shipped", "date": "2026-11-25"}}
+    monkeypatch.setitem(shipped.SHIPPED_FITS, "smollm2", fit)
     config = Config.load(environ={"CACHECRAFT_CACHE_DIR": str(cache_dir)})
     with TieredStore(config, tiers=("cpu",)) as store:
         assert Pipeline(config, lm=lm, store=store).policy.sink_tokens == 0
-    fit = {**shipped.shipped_fit("smollm2"), "policy_sink_tokens": 7, "architecture": shape}
-    monkeypatch.setitem(shipped.SHIPPED_FITS, "smollm2", fit)
+    shape = {"model_type": "llama", "num_hidden_layers": lm.model.config.num_hidden_layers,
+             "hidden_size": lm.model.config.hidden_size, "vocab_size": lm.model.config.vocab_size}
+    monkeypatch.setitem(shipped.SHIPPED_FITS, "smollm2", {**fit, "architecture": shape})
     assert shipped.shipped_fit("smollm2", lm.model.config)["policy_sink_tokens"] == 7
     with TieredStore(config, tiers=("cpu",)) as store:
         assert Pipeline(config, lm=lm, store=store).policy.sink_tokens == 7

@@ -241,36 +241,36 @@ def calibrate_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-QUALITY_RESULTS = ("quality", "quality_policy", "quality_report", "quality_heldout", "quality_alpha",
-                   "quality_warm", "quality_warm_heldout", "quality_40", "yardstick_qwen", "yardstick_smollm2",
-                   "yardstick_qwen_policy", "git_manuals_smollm2", "git_manuals_qwen2.5", "in_context_qwen",
-                   "in_context_smollm2", "early_stop_qwen2.5", "early_stop_smollm2", "tradeoff_smollm2",
-                   "tradeoff_qwen2.5", "git_manuals_in_context_smollm2", "yardstick_qwen_shift", "yardstick_qwen_halfshift",
-                   "yardstick_qwen_halfspread", "yardstick_qwen_sinkshift")
-RENDERERS = {**{name: quality_table for name in QUALITY_RESULTS},
-             "cluster": cluster_table, "diagnose_qwen": diagnose_table, "diagnose_contexts_qwen": diagnose_table,
-             "serve": serve_table, "workload": workload_table, "calibrate_qwen2.5": calibrate_table,
-             "calibrate16_qwen2.5": calibrate_table, "calibrate16_smollm2": calibrate_table,
-             "calibrate16_sinkshift_qwen2.5": calibrate_table,
-             "workload_eviction": workload_table, "workload_variants_qwen2.5": workload_table, "store": store_table,
-             "eviction_replay": eviction_table, "scaling_8k_revisit": method_rows_table,
-             "scaling_8k_sweep": method_rows_table,
-             **{name: scaling_table
-                for name in ("scaling", "scaling_8k", "scaling_8k_warm", "scaling_8k_disk", "scaling_cold",
-                             "scaling_prefix")}}
+# A result is rendered by the kind of benchmark that wrote it (its JSON's "benchmark" field);
+# the names here are results whose table differs from their kind's, or that predate the field.
+BY_BENCHMARK = {"quality": quality_table, "calibrate": calibrate_table, "cluster": cluster_table,
+                "diagnose": diagnose_table, "serve": serve_table, "workload": workload_table,
+                "store": store_table, "eviction": eviction_table, "scaling": scaling_table}
+RENDERERS = {"quality": quality_table, "scaling_8k_revisit": method_rows_table, "scaling_8k_sweep": method_rows_table}
+BLOCK = re.compile(r"<!-- results:([\w.\-]+) -->\n")
+
+
+def renderer_for(name: str, data: dict):
+    """The table function for result ``name`` (its JSON ``data``), or None for an unknown kind."""
+    return RENDERERS.get(name) or BY_BENCHMARK.get(str(data.get("benchmark")))
 
 
 def update(readme: Path, results: Path) -> list[str]:
     """Rewrite the marked blocks of ``readme``; returns the names updated."""
     text = readme.read_text(encoding="utf-8")
     updated = []
-    for name, render in RENDERERS.items():
+    for name in dict.fromkeys(BLOCK.findall(text)):  # each block once, in the README's order
         source = results / f"{name}.json"
-        pattern = re.compile(rf"(<!-- results:{name} -->\n)(?:.*?\n)?(<!-- /results:{name} -->)", re.S)
-        if source.is_file() and pattern.search(text):
-            table = render(json.loads(source.read_text(encoding="utf-8")))
-            text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text)
-            updated.append(name)
+        pattern = re.compile(rf"(<!-- results:{re.escape(name)} -->\n)(?:.*?\n)?(<!-- /results:{re.escape(name)} -->)", re.S)
+        if not source.is_file() or not pattern.search(text):
+            continue
+        data = json.loads(source.read_text(encoding="utf-8"))
+        render = renderer_for(name, data)
+        if render is None:
+            continue
+        table = render(data)
+        text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text)
+        updated.append(name)
     readme.write_text(text, encoding="utf-8")
     return updated
 

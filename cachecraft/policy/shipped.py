@@ -31,23 +31,6 @@ SHIPPED_FITS: dict[str, dict] = {
                               "--floors 0.05 --sink-tokens 8,16 --drift-shifts 0.5,1",
                    "answer_kl": 0.1216, "recompute": 0.0509, "token_agreement": 0.9396},
     },
-    # SmolLM2 keeps today's question-guided choice and counts (floor 0, no shift), with the
-    # first 4 tokens of each chunk's count on its first tokens: on the git manuals' held-out
-    # questions (benchmarks/data/git_questions_heldout.txt) one answer repeats where full's does
-    # not, against two with none (answer KL 0.080 against 0.085, 0.8% recompute both); on
-    # MuSiQue items 36-51 calibrate ranks it just behind none (answer KL 0.093 against 0.088,
-    # 8 first tokens 0.100), a gap the 30 reported items check (yardstick_smollm2_sink4.json).
-    "smollm2": {
-        "policy_alpha": 0.08, "policy_check_layer": 8, "policy_floor": 0.0, "policy_sink_tokens": 4,
-        "policy_drift_shift": 0.0, "architecture": {"model_type": "llama", "num_hidden_layers": 30,
-                                                     "hidden_size": 576, "vocab_size": 49152},
-        "fitted": {"model": "smollm2", "source": "shipped", "date": "2026-11-25",
-                   "command": "cachecraft calibrate --model smollm2 --dataset ../shared/data/musique_dev.json "
-                              "--skip 36 --limit 16 --budget 0.05 --alphas 0.08 --floors 0 --sink-tokens 0,4,8",
-                   "answer_kl": 0.0933, "recompute": 0.012, "token_agreement": 0.898,
-                   "note": "4 first tokens, chosen over calibrate's 0 (answer KL 0.088) for fewer answers "
-                           "that repeat on the git manuals' held-out questions"},
-    },
 }
 
 
