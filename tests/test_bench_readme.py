@@ -19,7 +19,7 @@ def render(tmp_path, name: str, data: dict) -> str:
 def test_blocks_are_replaced_and_others_left(tmp_path):
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
-    data = {"command": "cachecraft bench quality --limit 2", "model": "m", "limit": 2, "date": "2026-11-21T00:00",
+    data = {"benchmark": "quality", "command": "cachecraft bench quality --limit 2", "model": "m", "limit": 2, "date": "2026-11-21T00:00",
             "machine": {"cpu": "cpu", "cores": 2}, "code": {"version": "0.1.0", "commit": "feedbeef" * 5},
             "methods": {"full": {"ttft_s_median": 2.0, "speedup_vs_full_median": 1.0, "recompute_fraction_mean": 1.0,
                                  "kl_mean": 0.0, "agreement_f1_mean": 1.0, "exact_match_rate": 1.0,

@@ -27,7 +27,7 @@ def _rows() -> list[dict]:
 
 def _result() -> dict:
     rows = _rows()
-    return {"command": "cachecraft bench quality --limit 3", "model": "m", "limit": 3, "date": "2026-11-24T00:00",
+    return {"benchmark": "quality", "command": "cachecraft bench quality --limit 3", "model": "m", "limit": 3, "date": "2026-11-24T00:00",
             "machine": {"cpu": "cpu", "cores": 2}, "items": rows,
             "methods": {label: aggregate(rows, label) for label in LABELS},
             "comparisons": compare_methods(rows, LABELS)}

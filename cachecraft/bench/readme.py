@@ -242,11 +242,11 @@ def calibrate_table(data: dict) -> str:
 
 
 # A result is rendered by the kind of benchmark that wrote it (its JSON's "benchmark" field);
-# the names here are results whose table differs from their kind's, or that predate the field.
+# the names here are results whose table differs from their kind's.
 BY_BENCHMARK = {"quality": quality_table, "calibrate": calibrate_table, "cluster": cluster_table,
                 "diagnose": diagnose_table, "serve": serve_table, "workload": workload_table,
                 "store": store_table, "eviction": eviction_table, "scaling": scaling_table}
-RENDERERS = {"quality": quality_table, "scaling_8k_revisit": method_rows_table, "scaling_8k_sweep": method_rows_table}
+RENDERERS = {"scaling_8k_revisit": method_rows_table, "scaling_8k_sweep": method_rows_table}
 BLOCK = re.compile(r"<!-- results:([\w.\-]+) -->\n")
 
 
