@@ -1,5 +1,7 @@
 """The engine's layer hooks: when they are called, what selectors and observers change."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -210,3 +212,43 @@ def test_strided_statistics_read_the_sampled_tokens_rows_exactly(tiny_llama):
     assert torch.allclose(strided.inter.sum(dim=1) + strided.intra, torch.full_like(strided.intra, tokens), atol=1e-4)
     with pytest.raises(ValueError, match="stride"):
         ChunkStatistics(None, 0)
+
+
+def test_deferred_statistics_equal_the_immediate_ones_once_the_result_is_completed(tiny_llama):
+    prefix, chunks, question = make_prompt()
+
+    def made(deferred: bool):
+        # nothing cached: every token runs, as on a first-time request; both chunks measured
+        segments = [Segment(prefix, "prefix", save=True, key="p"),
+                    Segment(chunks[0], save=True, collect_stats=True, key="c0"),
+                    Segment(chunks[1], save=True, collect_stats=True, key="c1"), Segment(question, "question")]
+        return blended_prefill(tiny_llama.adapter, segments, hooks=[ChunkStatistics((1, 3), 2, deferred=deferred)],
+                               fingerprint="f")
+
+    now, later = made(False), made(True)
+    assert torch.equal(now.logits, later.logits)  # measuring later changes nothing the answer sees
+    assert all(later.saved[i].stats is None for i in (1, 2)) and later.deferred
+    later.complete()
+    assert not later.deferred
+    for i in (1, 2):
+        assert torch.equal(now.saved[i].keys, later.saved[i].keys)
+        for name in ("outside", "inter", "intra"):
+            assert torch.equal(getattr(now.saved[i].stats, name), getattr(later.saved[i].stats, name)), (i, name)
+    assert later.saved[0].stats is None  # the prefix asked for none
+    later.complete()  # a second call has nothing left to do
+    assert torch.equal(later.saved[1].stats.inter, now.saved[1].stats.inter)
+
+
+def test_deferred_statistics_still_report_a_segment_nobody_measured(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    segments = [Segment(prefix, "prefix"), Segment(chunks[0], save=True, collect_stats=True, key="c0"),
+                Segment(chunks[1], save=True, collect_stats=True, key="c1"), Segment(question, "question")]
+
+    class ForgetsOne(ChunkStatistics):
+        def finish(self, result):
+            super().finish(result)
+            result.deferred.append(lambda: result.saved.update({2: replace(result.saved[2], stats=None)}))
+
+    result = blended_prefill(tiny_llama.adapter, segments, hooks=[ForgetsOne(None, 1, deferred=True)])
+    with pytest.raises(PromptError, match=r"segments \[2\]"):
+        result.complete()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cachecraft.config import Config
+from cachecraft.engine import blended_prefill
 from cachecraft.kv import chunk_key, variant_key
 from cachecraft.pipeline import Pipeline
 from cachecraft.policy.loading import DEFAULT_BANDWIDTHS
@@ -278,7 +279,25 @@ def test_full_prefill_keeps_nothing_and_matches_the_first_miss(pipeline):
     assert all(not pipeline.store.variants_of(key) for key in keys)  # the baseline caches nothing
     miss = traced(pipeline, CHUNKS, QUESTION)
     assert all(c.tier == "miss" for c in miss.chunks)
-    assert (miss.logits - full.logits).abs().max() < 1e-4 and miss.text == full.text
+    assert torch.equal(miss.logits, full.logits) and miss.text == full.text  # the same one pass
+
+
+def test_a_first_time_request_is_one_prefill_and_keeps_the_prefix_and_the_statistics(pipeline, monkeypatch):
+    import cachecraft.pipeline.core as core
+
+    calls = []
+    monkeypatch.setattr(core, "blended_prefill", lambda *a, **k: calls.append(a[1]) or blended_prefill(*a, **k))
+    answer = pipeline.answer(CHUNKS, QUESTION)
+    assert len(calls) == 1 and calls[0][0].save  # the system prefix made in the request's own prefill
+    assert all(c.tier == "miss" for c in answer.chunks)
+    record = pipeline.store.variants_of(answer.chunks[0].chunk)[0]
+    assert pipeline.store.contains(variant_key(record.prefix[0], ()))
+    for report in answer.chunks:  # every new chunk-cache has the statistics the policy reads
+        assert all(r.cci is not None for r in pipeline.store.variants_of(report.chunk))
+    calls.clear()
+    again = pipeline.answer(CHUNKS, QUESTION)
+    assert len(calls) == 1 and calls[0][0].cached is not None  # the stored prefix is read, not made
+    assert all(c.tier != "miss" for c in again.chunks)
 
 
 @pytest.mark.parametrize("method", ["firstk", "inter", "spread"])

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -53,6 +53,15 @@ class BlendResult:
     token_layers: int = 0  # work done: tokens run through a layer, summed over layers
     recompute_work: float = 0.0
     seconds: float = 0.0
+    deferred: list[Callable[[], None]] = field(default_factory=list, repr=False)  # see complete()
+
+    @torch.inference_mode()
+    def complete(self) -> None:
+        """Run the work hooks put off until after the first token (a deferred
+        :class:`~cachecraft.selection.ChunkStatistics` attaches the statistics of the
+        chunks saved here); call it before reading ``saved``. Runs each piece once."""
+        while self.deferred:
+            self.deferred.pop(0)()
 
     @property
     def recompute_fraction(self) -> float:
@@ -111,7 +120,10 @@ def blended_prefill(adapter: ArchAdapter, segments: Sequence[Segment], *, hooks:
     result = _result(lay, run, logits, out_keys, out_values, _saved_kv(lay, saved, fingerprint))
     for hook in hooks:
         hook.finish(result)
-    _check_statistics(lay, result)
+    if result.deferred:  # the statistics come when the result is completed
+        result.deferred.append(lambda: _check_statistics(lay, result))
+    else:
+        _check_statistics(lay, result)
     result.seconds = time.perf_counter() - t0
     return result
 

@@ -18,7 +18,7 @@ the set. One hook instance serves one prefill at a time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Collection, Sequence
 
 import torch
@@ -92,15 +92,24 @@ class LayerView:
 
     def segment_mass(self, rows: torch.Tensor) -> torch.Tensor:
         """Like :meth:`mass_per_segment` through the fused attention kernel: for many queries."""
+        if not bool(rows.all()):
+            return self.narrowed(rows).segment_mass(torch.ones(int(rows.sum()), dtype=torch.bool,
+                                                               device=rows.device))
         lay = self.layout
         if lay.segment_mass is None:
             lay.segment_mass = _SegmentMass(lay.bounds, self.values.shape[0], self.values.shape[2],
                                             self.values.device, self.values.dtype)
-        if bool(rows.all()):
-            return lay.segment_mass(self.q, self.keys, self.plan, self.scaling, self.gqa)
+        return lay.segment_mass(self.q, self.keys, self.plan, self.scaling, self.gqa)
+
+    def narrowed(self, rows: torch.Tensor) -> "LayerView":
+        """This observe-phase view for the running tokens ``rows`` only: their queries
+        (copied) and an attention plan for them; keys and values shared. Kept, it lets a
+        hook measure attention after the prefill has returned (the engine never writes
+        into a finished layer's keys and values)."""
+        lay = self.layout
         if lay.sub_plan is None or lay.sub_plan[0] is not self.active or not torch.equal(lay.sub_plan[1], rows):
             lay.sub_plan = (self.active, rows, _AttentionPlan(self.active[rows], lay.n_total))
-        return lay.segment_mass(self.q[:, rows], self.keys, lay.sub_plan[2], self.scaling, self.gqa)
+        return replace(self, active=self.active[rows], q=self.q[:, rows], plan=lay.sub_plan[2], k=None, v=None)
 
 
 class LayerHook:

@@ -115,9 +115,11 @@ class Method:
 def plain_segments(request: RequestContext, prefix_kv: LayerSource | None, kvs: Sequence[LayerSource | None],
                    keep: bool) -> list[Segment]:
     """System prefix, chunks (cached where ``kvs`` has one) and question. With ``keep``,
-    an uncached chunk is saved with its statistics, to be kept as a variant."""
+    an uncached chunk is saved with its statistics, to be kept as a variant, and an
+    uncached prefix is saved too."""
     pieces = request.pieces
-    segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=request.prefix_key)]
+    segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=request.prefix_key,
+                        save=keep and prefix_kv is None)]
     for ids, key, kv in zip(pieces.chunks, request.keys, kvs):
         fresh = keep and kv is None
         segments.append(Segment(ids, "chunk", cached=kv, key=key, save=fresh, collect_stats=fresh))

@@ -140,7 +140,6 @@ class Pipeline:
         trace = self._trace(chosen, prepared, result) if observer is not None else None
         if trace is not None:
             observer(trace)
-        to_save = [kv for i, kv in result.saved.items() if prepared.segments[i].role == "chunk"]
         recomputed, recompute = result.recomputed, result.recompute_fraction
         new_ids = generate_from(self.lm.model, self.lm.tokenizer, result,
                                 max_new_tokens=max_new_tokens or self.config.max_new_tokens, streamer=streamer,
@@ -149,7 +148,8 @@ class Pipeline:
             trace.answer_ids = new_ids
         reports = self._report(request, prepared, recomputed)
         if self.keep_new_variants:
-            self._save(to_save)
+            result.complete()  # the new chunk-caches' statistics, measured once the answer is out
+            self._save(list(result.saved.values()))  # chunks computed here, and the prefix where it was too
             self._learn_use(reports)
         text = self.lm.tokenizer.decode(new_ids, skip_special_tokens=True)
         answer = Answer(generation.cut(text) if generation is not None else text, chosen.label, ttft,
@@ -363,9 +363,9 @@ class Pipeline:
             try:
                 with ExitStack() as loading:  # chunk-caches stream in while the layers compute
                     prepared = self._prepare(method, request, loading, count_hits=attempt == 0)
-                    # a chunk computed here reads every miss_stats_stride-th token's attention only:
-                    # a first-time request then costs about what a plain prefill does
-                    hooks = [ChunkStatistics(self.stats_layers, self.config.miss_stats_stride),
+                    # a chunk computed here reads every miss_stats_stride-th token's attention only,
+                    # and after the answer (deferred): its first token comes as a plain prefill's does
+                    hooks = [ChunkStatistics(self.stats_layers, self.config.miss_stats_stride, deferred=True),
                              *prepared.hooks.layer_hooks]
                     result = blended_prefill(self.lm.adapter, prepared.segments, hooks=hooks,
                                              fingerprint=self.lm.fingerprint)
@@ -387,7 +387,10 @@ class Pipeline:
         if load is None:  # no chunk-caches: full, prefix
             segments = method.segments(request, None, [None] * n)
             return PreparedRequest(segments, method.prepare(request, segments, None), None, (None,) * n, (MISS,) * n)
-        prefix_kv = self._prefix_kv(request.pieces, request.prefix_key, count_hit=count_hits)
+        # With every chunk computed here, a missing system prefix is computed with them (and
+        # saved) rather than in a prefill of its own first
+        prefix_kv = self._prefix_kv(request.pieces, request.prefix_key, count_hit=count_hits,
+                                    make=any(name is not None for name in load.wanted))
         kvs, tiers = self._load_variants(load.wanted, loading, count_hits)
         used = [name if kv is not None else None for name, kv in zip(load.wanted, kvs)]
         for i, (found, wanted) in enumerate(zip(load.found or (), load.wanted)):
@@ -541,11 +544,13 @@ class Pipeline:
             self._put(kv)
         return Segment(ids, "chunk", cached=kv, key=key)
 
-    def _prefix_kv(self, pieces: PromptPieces, prefix_key: str, count_hit: bool = True) -> ChunkKV:
-        """The system prefix's KV (exact: it always comes first); made once and stored."""
+    def _prefix_kv(self, pieces: PromptPieces, prefix_key: str, count_hit: bool = True,
+                   make: bool = True) -> ChunkKV | None:
+        """The system prefix's KV (exact: it always comes first); made once and stored.
+        Without ``make``, None when it is not stored yet."""
         name = variant_key(prefix_key, ())
         kv, _ = self._load(name, count_hit)
-        if kv is None:
+        if kv is None and make:
             kv = blended_prefill(self.lm.adapter, [Segment(pieces.prefix, "chunk", save=True, key=prefix_key)],
                                  fingerprint=self.lm.fingerprint).saved[0]
             self._put(kv)

@@ -18,21 +18,28 @@ class ChunkStatistics(LayerHook):
     :class:`AttentionStats` to that segment's saved ChunkKV. Each layer costs about one
     more attention pass (through the fused kernel)."""
 
-    def __init__(self, layers: Sequence[int] | None = None, stride: int = 1):
+    def __init__(self, layers: Sequence[int] | None = None, stride: int = 1, deferred: bool = False):
         """``stride``: read the attention of every ``stride``-th token of a segment only (its
         first token, then every ``stride``-th): the extra attention pass costs ``1/stride``
-        as much, and the sums are scaled back up (see :func:`stats_from_rows`)."""
+        as much, and the sums are scaled back up (see :func:`stats_from_rows`).
+        ``deferred``: keep the sampled tokens' queries during the prefill and measure their
+        attention only when :meth:`BlendResult.complete` is called, so a request that makes
+        chunk-caches reaches its first token as soon as a plain prefill would (the saved
+        chunks carry no statistics until then)."""
         if stride < 1:
             raise ValueError(f"stride must be at least 1, got {stride}")
         self.layers = None if layers is None else tuple(int(x) for x in layers)
         self.stride = int(stride)
+        self.deferred = bool(deferred)
         self._rows: dict[int, list[torch.Tensor]] = {}  # per collect_stats segment: [T / stride, S] per layer
+        self._views: list[LayerView] = []  # deferred: the sampled tokens' view of each layer, to measure later
         self._bounds: list[tuple[int, int]] = []
         self._inside: torch.Tensor | None = None  # [N] bool: a sampled token of a collect_stats segment
 
     def start(self, layout: Layout) -> None:
         self._bounds = layout.bounds
         self._rows = {i: [] for i, s in enumerate(layout.segments) if s.collect_stats}
+        self._views = []
         wanted = set(range(layout.num_layers)) if self.layers is None else set(self.layers)
         if self._rows and not wanted & set(range(layout.num_layers)):
             raise PromptError(f"statistics were asked for at layers {sorted(wanted)}, none of the "
@@ -46,19 +53,37 @@ class ChunkStatistics(LayerHook):
         if not self._rows:
             return None
         rows = self._inside[view.active]  # [n]
-        mass = view.segment_mass(rows)  # [r, S]
-        pos = view.active[rows]  # [r]
-        for i, gathered in self._rows.items():
-            lo, hi = self._bounds[i]
-            gathered.append(mass[(pos >= lo) & (pos < hi)])
+        if self.deferred:
+            self._views.append(view.narrowed(rows))
+        else:
+            _gather(self._rows, self._bounds, view.segment_mass(rows), view.active[rows])
         return None
 
     def finish(self, result: BlendResult) -> None:
-        for i, rows in self._rows.items():
-            if i in result.saved:
-                lo, hi = self._bounds[i]
-                result.saved[i] = replace(result.saved[i], stats=stats_from_rows(rows, i, hi - lo, self.stride))
-        self._rows = {}
+        gathered, bounds, views, stride = self._rows, self._bounds, self._views, self.stride
+        self._rows, self._views = {}, []  # one prefill at a time: what is left belongs to this result
+
+        def attach() -> None:
+            for view in views:
+                everything = torch.ones(view.active.numel(), dtype=torch.bool, device=view.active.device)
+                _gather(gathered, bounds, view.segment_mass(everything), view.active)
+            for i, rows in gathered.items():
+                if i in result.saved:
+                    lo, hi = bounds[i]
+                    result.saved[i] = replace(result.saved[i], stats=stats_from_rows(rows, i, hi - lo, stride))
+
+        if views:
+            result.deferred.append(attach)
+        else:
+            attach()
+
+
+def _gather(rows: dict[int, list[torch.Tensor]], bounds: Sequence[tuple[int, int]], mass: torch.Tensor,
+            positions: torch.Tensor) -> None:
+    """Append to each segment's list the rows of ``mass`` (``[r, S]``) its tokens own."""
+    for i, gathered in rows.items():
+        lo, hi = bounds[i]
+        gathered.append(mass[(positions >= lo) & (positions < hi)])
 
 
 def stats_from_rows(rows: list[torch.Tensor], index: int, tokens: int | None = None,
