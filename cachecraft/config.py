@@ -121,6 +121,9 @@ class Config:
     # > 0: the rest of each fixed chunk's recomputed tokens are spread evenly over it, and its
     # other tokens move by this share of the mean change those show, layer by layer (0: off)
     policy_drift_shift: float = 0.0
+    # an answer from reused chunk-caches that degenerates into repetition is answered again
+    # from a full prefill (not for a streamed answer whose streamer cannot start over)
+    repetition_fallback: bool = True
     early_stop_layers: str = ""  # comma-separated layers or depths, e.g. "12,20" or "0.4,0.67"; empty: off
     early_stop_share: float = 0.25
     stats_layer_step: int = 4  # attention statistics at every 4th layer (1: every layer)

@@ -152,6 +152,10 @@ def compare(item: QAItem, answer: Answer, trace: PrefillTrace, forced: torch.Ten
             "exact_match": float(exact_match(answer.text, ref.text)),
             "gold_f1": best_f1(answer.text, item.answers), "kv_mb": trace.kv_bytes / 2**20,
             "repetition": float(degenerate_repetition(answer.text)),
+            # the fallback: a looping first try answered again from a full prefill (its
+            # ttft_s is then the kept answer's; answer_kl above is still the first try's)
+            "escalated": float(answer.escalated), "first_try_ttft_s": answer.first_try_ttft_s,
+            "first_try_repetition": float(degenerate_repetition(answer.abandoned_text or answer.text)),
             "answer": answer.text}
 
 

@@ -360,7 +360,7 @@ def bench_eviction_cmd(
 # Config values a resumed bench quality run must share with the run it continues.
 RUN_SETTINGS = ("system_prompt", "question_template", "kv_dtype", "dtype", "warm_context", "warm_context_tokens",
                 "stats_layer_step", "check_layer", "policy_check_layer", "early_stop_layers", "early_stop_share",
-                "stream_kv")
+                "stream_kv", "repetition_fallback")
 
 
 def _with_interval(m: dict, key: str, mean_key: str, digits: int) -> str:
@@ -379,6 +379,8 @@ def print_quality_table(methods: dict[str, dict]) -> None:
         if not m:
             continue
         repeats = (f"{m['repetitions']} ({m['repetitions_where_full_does_not']})" if "repetitions" in m else "-")
+        if m.get("escalations"):
+            repeats += f"; {m['escalations']} answered again"
         table.add_row(label, f"{m['ttft_s_median']:.2f}", f"{m['speedup_vs_full_median']:.1f}x",
                       f"{m['recompute_fraction_mean']:.3f}", _with_interval(m, "kl", "kl_mean", 4),
                       _with_interval(m, "answer_kl", "answer_kl_mean", 4),

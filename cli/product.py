@@ -207,10 +207,15 @@ def cap_new_tokens(pipe, question: str, top_k: int, requested: int) -> int:
     return room
 
 def streamer_for(tokenizer):
-    """Prints answer tokens to stdout as generate makes them."""
+    """Prints answer tokens to stdout as generate makes them; when the pipeline answers
+    again (an answer that looped), a note on stderr and the new answer on a line of its own."""
     from transformers import TextStreamer
 
-    return TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    class Restartable(TextStreamer):
+        def restart(self, note: str) -> None:
+            err_console.print(f"[yellow]{note}[/yellow]", highlight=False, soft_wrap=True)
+
+    return Restartable(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
 # Cosine similarity of the bundled all-MiniLM-L6-v2 below which the best source is taken
@@ -240,6 +245,9 @@ def print_report(answer, low_relevance: float | None = LOW_RELEVANCE, *, command
                   f"{answer.recompute_fraction:.0%} of the context; prefill time {saved(answer.saved_s)} "
                   f"(against this machine's measured full-prefill rate); request {answer.request_id}",
                   highlight=False)
+    if answer.escalated:
+        console.print(f"the first answer (first token after {seconds(answer.first_try_ttft_s)}) repeated itself and "
+                      "was answered again from a full prefill; TTFT above is the kept answer's", highlight=False)
     if command_s is not None and server is not None:
         console.print(f"whole command {seconds(command_s)}; answered by the server at {server}", highlight=False)
     elif command_s is not None:

@@ -131,7 +131,7 @@ def test_tables_keep_keys_whole_when_piped():
                             fraction=0.25)
     answer = SimpleNamespace(method="cachecraft", sources=[source] * 3, chunks=[chunk] * 3, ttft_s=0.1,
                              retrieval_s=0.01, prompt_tokens=100, new_tokens=4, recompute_fraction=0.2,
-                             saved_s=-0.001, request_id=3)
+                             saved_s=-0.001, request_id=3, escalated=False)
     with product.console.capture() as captured:  # not a terminal: 80 columns
         product.print_report(answer, low_relevance=None)
     text = captured.get()

@@ -457,3 +457,20 @@ def test_work_is_counted_in_token_layers(tiny_llama):
                             + [Segment(c, cached=kv, recompute=[0, 1], stop_layer=2) for c, kv in zip(chunks, kvs)]
                             + [Segment(question, "question")])
     assert reuse.token_layers == len(question) * layers + 2 * len(chunks) * 2
+
+
+def test_until_ends_generation_once_the_answer_text_satisfies_it(tiny_llama):
+    prefix, chunks, question = make_prompt()
+    result = blended_prefill(tiny_llama.adapter, full_segments(prefix, chunks, question))
+    free = generate_from(tiny_llama.model, tiny_llama.tokenizer, result, max_new_tokens=12).tolist()
+    seen: list[str] = []
+
+    def third_call(text: str) -> bool:
+        seen.append(text)
+        return len(seen) == 3
+
+    result = blended_prefill(tiny_llama.adapter, full_segments(prefix, chunks, question))
+    stopped = generate_from(tiny_llama.model, tiny_llama.tokenizer, result, max_new_tokens=12,
+                            until=third_call).tolist()
+    assert stopped == free[:3]  # asked after each new token, the answer's text alone
+    assert seen == [tiny_llama.tokenizer.decode(free[:n], skip_special_tokens=True) for n in (1, 2, 3)]

@@ -370,3 +370,51 @@ def test_stats_layer_step_samples_the_layers_a_warmed_chunk_keeps(cache_dir):
         record = store.variants_of(pipe.answer(CHUNKS[:1], QUESTION, method="reuse").chunks[0].chunk)[0]
         stats = store.stats_of(record.key)
         assert stats.inter.shape[0] == stats.intra.shape[0] == stats.outside.shape[0] == 2
+
+
+class Recording:
+    """A streamer that keeps what it was given."""
+
+    def __init__(self):
+        self.tokens, self.ends, self.notes = [], 0, []
+
+    def put(self, value):
+        self.tokens.append(value.flatten().tolist())
+
+    def end(self):
+        self.ends += 1
+
+
+class Restartable(Recording):
+    """A streamer that can also start over."""
+
+    def restart(self, note):
+        self.notes.append(note)
+
+
+def test_a_looping_answer_is_answered_again_from_a_full_prefill(pipeline, monkeypatch):
+    import dataclasses
+
+    import cachecraft.pipeline.core as core
+
+    pipeline.warm(CHUNKS)
+    full = pipeline.answer(CHUNKS, QUESTION, method="full")
+    first_try = pipeline.answer(CHUNKS, QUESTION, method="reuse", max_new_tokens=1)
+    monkeypatch.setattr(core, "degenerate_repetition", lambda text: True)  # every answer "loops"
+    answer = pipeline.answer(CHUNKS, QUESTION, method="reuse")
+    assert answer.escalated and answer.abandoned_text == first_try.text  # the first try stopped at its first token
+    assert answer.text == full.text and answer.new_tokens == full.new_tokens
+    assert answer.recompute_fraction == 1.0 and 0 < answer.first_try_ttft_s < answer.ttft_s
+    assert answer.saved_s <= 0  # two prefills: nothing saved
+    assert all(c.tier in ("cpu", "disk") for c in answer.chunks)  # what the first try read
+    record = pipeline.catalog.get_request(answer.request_id)
+    assert record.recompute_fraction == 1.0 and record.ttft_s == pytest.approx(answer.ttft_s)
+    assert answer.to_dict()["abandoned_text"] == first_try.text
+    # full itself, the fallback turned off, and a streamer that cannot start over: no second try
+    assert not pipeline.answer(CHUNKS, QUESTION, method="full").escalated
+    assert not pipeline.answer(CHUNKS, QUESTION, method="reuse", streamer=Recording()).escalated
+    streamer = Restartable()
+    assert pipeline.answer(CHUNKS, QUESTION, method="reuse", streamer=streamer).text == full.text
+    assert streamer.ends == 2 and streamer.notes == ["the answer repeated itself; answering again from a full prefill"]
+    pipeline.config = dataclasses.replace(pipeline.config, repetition_fallback=False)
+    assert not pipeline.answer(CHUNKS, QUESTION, method="reuse").escalated

@@ -59,3 +59,20 @@ def test_in_context_runs_are_their_own_series_in_the_plots():
     assert (family("cachecraft@0.08+nb1"), ratio("cachecraft@0.08+nb1")) == ("cachecraft+nb1", 0.08)
     assert (family("qguided+nb2"), ratio("qguided+nb2")) == ("qguided+nb2", None)
     assert (family("cacheblend@0.15"), family("cachecraft[lru]")) == ("cacheblend", "cachecraft")
+
+
+def test_repeats_and_answers_given_again_are_counted_and_shown(tmp_path):
+    """By hand: cachecraft's first tries loop on items 0 and 2, both answered again from a
+    full prefill; item 2's kept answer still repeats, as full's does there."""
+    rows = _rows()
+    for r in rows:
+        looped = r["method"] == "cachecraft@0.08" and r["item"] in (0, 2)
+        r.update(repetition=float(r["item"] == 2 and r["method"] in ("full", "cachecraft@0.08")),
+                 escalated=float(looped), first_try_repetition=float(looped))
+    data = {**_result(), "items": rows, "methods": {label: aggregate(rows, label) for label in LABELS}}
+    mine = data["methods"]["cachecraft@0.08"]
+    assert (mine["repetitions"], mine["repetitions_where_full_does_not"]) == (1, 0)
+    assert (mine["escalations"], mine["loops_before_escalation"]) == (2, 2)
+    assert data["methods"]["cacheblend@0.15"]["escalations"] == 0
+    text = render(tmp_path, "quality", data)
+    assert "| 1 (0); 2 answered again |" in text and "| 0 (0) |" in text

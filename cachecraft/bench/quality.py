@@ -70,6 +70,9 @@ def aggregate(rows: list[dict], label: str) -> dict:
         summary["repetitions"] = int(sum(r["repetition"] for r in mine))
         summary["repetitions_where_full_does_not"] = int(sum(
             1 for r in mine if r["repetition"] and not full.get(r["item"], 0.0)))
+    if all("escalated" in r for r in mine):  # answered again from a full prefill after a loop
+        summary["escalations"] = int(sum(r["escalated"] for r in mine))
+        summary["loops_before_escalation"] = int(sum(r["first_try_repetition"] for r in mine))
     summary["intervals"] = {key: bootstrap([r[key] for r in mine]).to_dict()
                             for key in (*QUALITY_METRICS, "recompute_fraction", "speedup_vs_full")}
     return summary

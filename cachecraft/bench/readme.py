@@ -32,6 +32,12 @@ def _ci(m: dict, key: str, mean_key: str, digits: int) -> str:
     return f"{m[mean_key]:.{digits}f} [{interval['low']:.{digits}f}, {interval['high']:.{digits}f}]"
 
 
+def _repeats(m: dict) -> str:
+    """Repeating answers (where full's do not), and how many were answered again from a full prefill."""
+    text = f"{m['repetitions']} ({m['repetitions_where_full_does_not']})"
+    return text + (f"; {m['escalations']} answered again" if m.get("escalations") else "")
+
+
 def yardstick_table(data: dict) -> str:
     """Markdown table of a ``bench quality`` result with intervals and paired verdicts."""
     repeats = all("repetitions" in m for m in data["methods"].values())  # runs since repetition is detected
@@ -45,7 +51,7 @@ def yardstick_table(data: dict) -> str:
                      f"{_ci(m, 'token_agreement', 'token_agreement_mean', 3)} | {_ci(m, 'kl', 'kl_mean', 4)} | "
                      f"{_ci(m, 'agreement_f1', 'agreement_f1_mean', 3)} | {m['exact_match_rate']:.2f} | "
                      f"{_ci(m, 'gold_f1', 'gold_f1_mean', 3)} |"
-                     + (f" {m['repetitions']} ({m['repetitions_where_full_does_not']}) |" if repeats else ""))
+                     + (f" {_repeats(m)} |" if repeats else ""))
     lines += ["", "Paired, item by item (method - baseline, [95% interval]); \"better\"/\"worse\" only where the "
               "interval excludes zero:", "",
               "| method | against | answer KL | token agreement | first-token KL | gold F1 |", "|---" * 6 + "|"]

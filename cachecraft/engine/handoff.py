@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
@@ -57,17 +57,16 @@ class _Cancelled(StoppingCriteria):
         return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
-class _StopText(StoppingCriteria):
-    """Ends generation once the decoded answer holds a stop string (decoded text, so it
-    works whatever the tokenizer splits the string into)."""
+class _WhenText(StoppingCriteria):
+    """Ends generation once the decoded answer so far satisfies ``ends`` (decoded text, so
+    a stop string works whatever the tokenizer splits it into)."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...], prompt_len: int) -> None:
-        self.tokenizer, self.stops, self.prompt_len = tokenizer, stops, prompt_len
+    def __init__(self, tokenizer, ends: Callable[[str], bool], prompt_len: int) -> None:
+        self.tokenizer, self.ends, self.prompt_len = tokenizer, ends, prompt_len
 
     def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
         text = self.tokenizer.decode(input_ids[0, self.prompt_len:], skip_special_tokens=True)
-        return torch.full((input_ids.shape[0],), any(s in text for s in self.stops), dtype=torch.bool,
-                          device=input_ids.device)
+        return torch.full((input_ids.shape[0],), bool(self.ends(text)), dtype=torch.bool, device=input_ids.device)
 
 
 def to_transformers_cache(result: BlendResult, model_config, drop_last: int = 1) -> DynamicCache:
@@ -86,23 +85,31 @@ def to_transformers_cache(result: BlendResult, model_config, drop_last: int = 1)
 @torch.inference_mode()
 def generate_from(model, tokenizer, result: BlendResult, *, max_new_tokens: int = 32,
                   do_sample: bool = False, streamer=None, stop_strings: list[str] | None = None,
-                  options: GenerationOptions | None = None, **generate_kwargs: Any) -> torch.Tensor:
+                  options: GenerationOptions | None = None, until: Callable[[str], bool] | None = None,
+                  **generate_kwargs: Any) -> torch.Tensor:
     """Continue generation from a prefill; returns only the new token ids ``[n_new]``.
     ``options`` (sampling, stop strings, cancellation) take the place of ``do_sample`` and
-    ``stop_strings``."""
+    ``stop_strings``; ``until``: generation also ends once the answer's text so far makes
+    it true (the pipeline stops an answer that loops there)."""
     ids = result.token_ids[None]
     cache = to_transformers_cache(result, model.config)
     kwargs = dict(generate_kwargs)
+    criteria: list[StoppingCriteria] = []
     if options is not None:
         do_sample = options.sampling
         if do_sample:
             kwargs.update(temperature=options.temperature, top_p=options.top_p, top_k=None)
             if options.seed is not None:
                 torch.manual_seed(options.seed)
-        criteria = ([_Cancelled(options.cancel)] if options.cancel is not None else []) + (
-            [_StopText(tokenizer, options.stop, ids.shape[1])] if options.stop else [])
-        if criteria:
-            kwargs["stopping_criteria"] = StoppingCriteriaList(criteria)
+        if options.cancel is not None:
+            criteria.append(_Cancelled(options.cancel))
+        if options.stop:
+            stops = options.stop
+            criteria.append(_WhenText(tokenizer, lambda text: any(s in text for s in stops), ids.shape[1]))
+    if until is not None:
+        criteria.append(_WhenText(tokenizer, until, ids.shape[1]))
+    if criteria:
+        kwargs["stopping_criteria"] = StoppingCriteriaList(criteria)
     if stop_strings:
         kwargs.update(stop_strings=stop_strings, tokenizer=tokenizer)
     if not do_sample:

@@ -32,7 +32,8 @@ from cachecraft.config import Config
 from cachecraft.engine import (BlendResult, GenerationOptions, LayerSource, Segment, blended_prefill, generate_from,
                                sampled_layers)
 from cachecraft.kv import ChunkKV, chunk_key, kv_bytes_per_token, variant_key
-from cachecraft.methods import Method, PrefillHooks, RequestContext, parse_method, variant_info
+from cachecraft.methods import Full, Method, PrefillHooks, RequestContext, parse_method, variant_info
+from cachecraft.metrics import degenerate_repetition
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.pipeline.cost import COST_PROFILE, cost_model_from_profile, cost_profile, device_label, measure_cost_model
 from cachecraft.pipeline.reports import Answer, ChunkReport, PrefillTrace, Source, WarmReport
@@ -141,9 +142,10 @@ class Pipeline:
         if trace is not None:
             observer(trace)
         recomputed, recompute = result.recomputed, result.recompute_fraction
+        fallback = self._falls_back(chosen, streamer)
         new_ids = generate_from(self.lm.model, self.lm.tokenizer, result,
                                 max_new_tokens=max_new_tokens or self.config.max_new_tokens, streamer=streamer,
-                                options=generation)
+                                options=generation, until=degenerate_repetition if fallback else None)
         if trace is not None:
             trace.answer_ids = new_ids
         reports = self._report(request, prepared, recomputed)
@@ -152,13 +154,36 @@ class Pipeline:
             self._save(list(result.saved.values()))  # chunks computed here, and the prefix where it was too
             self._learn_use(reports)
         text = self.lm.tokenizer.decode(new_ids, skip_special_tokens=True)
+        abandoned = first_try_ttft = None
+        if fallback and degenerate_repetition(text):
+            # A loop full prefill may not share: answer again from exact KV, and say so
+            abandoned, first_try_ttft = text, ttft
+            log.info("the %s answer degenerated into repetition; answering again from a full prefill",
+                     chosen.label)
+            if streamer is not None:
+                streamer.restart("the answer repeated itself; answering again from a full prefill")
+            _, again = self._prefill(Full(), request)
+            int(again.logits.argmax())
+            ttft, recompute = time.perf_counter() - start, 1.0
+            new_ids = generate_from(self.lm.model, self.lm.tokenizer, again,
+                                    max_new_tokens=max_new_tokens or self.config.max_new_tokens,
+                                    streamer=streamer, options=generation)
+            text = self.lm.tokenizer.decode(new_ids, skip_special_tokens=True)
         answer = Answer(generation.cut(text) if generation is not None else text, chosen.label, ttft,
                         request.pieces.num_tokens, len(new_ids), recompute, reports,
-                        full_prefill_estimate_s=self._estimate_full(request.pieces.num_tokens))
+                        full_prefill_estimate_s=self._estimate_full(request.pieces.num_tokens),
+                        abandoned_text=abandoned, first_try_ttft_s=first_try_ttft)
         if record:
             answer.request_id = self._record(question, answer)
             self.store.record_pending()  # hit counts kept while the catalog was away
         return answer
+
+    def _falls_back(self, method: Method, streamer) -> bool:
+        """Whether an answer of ``method`` that loops is answered again from a full prefill:
+        with ``repetition_fallback`` on, for methods that reuse chunk-caches, unless the
+        answer streams to a streamer that cannot start over (one without ``restart``)."""
+        return (self.config.repetition_fallback and method.uses_cache
+                and (streamer is None or hasattr(streamer, "restart")))
 
     def warm(self, chunk_texts: Sequence[str], sources: Sequence[str] | None = None) -> int:
         """Make chunk-caches ahead of time, after the system prefix and the warm context

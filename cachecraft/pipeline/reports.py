@@ -89,6 +89,16 @@ class Answer:
     full_prefill_estimate_s: float | None = None
     sources: list[Source] = field(default_factory=list)
     retrieval_s: float | None = None
+    # An answer that degenerated into repetition was answered again from a full prefill:
+    # the text given up, and the first token's time of that first try (``ttft_s`` is then
+    # the kept answer's, counted from the start of the request)
+    abandoned_text: str | None = None
+    first_try_ttft_s: float | None = None
+
+    @property
+    def escalated(self) -> bool:
+        """Whether the answer came from a full prefill after the first one looped."""
+        return self.abandoned_text is not None
 
     @property
     def hits_by_tier(self) -> dict[str, int]:
@@ -111,5 +121,7 @@ class Answer:
                 "prompt_tokens": self.prompt_tokens, "new_tokens": self.new_tokens,
                 "recompute_fraction": self.recompute_fraction, "request_id": self.request_id,
                 "full_prefill_estimate_s": self.full_prefill_estimate_s, "saved_s": self.saved_s,
-                "retrieval_s": self.retrieval_s, "chunks": [c.__dict__ for c in self.chunks],
+                "retrieval_s": self.retrieval_s, "escalated": self.escalated,
+                "abandoned_text": self.abandoned_text, "first_try_ttft_s": self.first_try_ttft_s,
+                "chunks": [c.__dict__ for c in self.chunks],
                 "sources": [s.__dict__ for s in self.sources]}
