@@ -78,14 +78,21 @@ class InContext:
     """A method run again once the item's in-context variants exist: each passage's cache
     made after each of its ``neighbours`` nearest passages by embedding (what ``warm`` with
     ``warm_neighbours`` makes from the index), labelled ``method+nbN``. Run after the plain
-    methods, which therefore never see those variants."""
+    methods, which therefore never see those variants. The neighbours are found among the
+    item's own passages, or, given a ``pool`` (formatted chunk texts: a whole corpus), among
+    the pool's, as ``warm`` finds them in a real index."""
 
     SUFFIX = "+nb"
 
-    def __init__(self, method: Method, neighbours: int, embed: Callable[[Sequence[str]], "object"]):
+    def __init__(self, method: Method, neighbours: int, embed: Callable[[Sequence[str]], "object"],
+                 pool: Sequence[str] | None = None):
         if neighbours < 1:
             raise ValueError(f"neighbours must be at least 1, got {neighbours}")
+        if pool is not None and len(set(pool)) < 2:
+            raise ValueError("a neighbour pool needs at least two different passages")
         self.method, self.neighbours, self.embed = method, neighbours, embed
+        self.pool = list(dict.fromkeys(pool)) if pool is not None else None
+        self._pool_index = None
 
     @property
     def label(self) -> str:
@@ -98,15 +105,29 @@ class InContext:
         head, sep, tail = label.rpartition(InContext.SUFFIX)
         return head if sep and tail.isdigit() else None
 
-    def make_variants(self, pipeline: Pipeline, chunks: Sequence[str]) -> int:
-        """Make every passage's variants after its nearest passages; returns how many."""
+    def nearest(self, chunks: Sequence[str]) -> list[list[str]]:
+        """For each passage, the texts of its ``neighbours`` nearest other passages, most
+        similar first (a copy of its own text is never its neighbour)."""
         from cachecraft.retrieval.index import ChunkIndex
 
         vectors = self.embed(list(chunks))
-        index = ChunkIndex(vectors.shape[1])
-        index.add(vectors, list(chunks), [str(i) for i in range(len(chunks))])
-        near = index.neighbours(self.neighbours)
-        return pipeline.warm_after([(chunks[j], chunks[i]) for i, others in enumerate(near) for j in others])
+        if self.pool is None:
+            index = ChunkIndex(vectors.shape[1])
+            index.add(vectors, list(chunks), [str(i) for i in range(len(chunks))])
+            return [[chunks[j] for j in near] for near in index.neighbours(self.neighbours)]
+        if self._pool_index is None:  # the pool is embedded once, for every item
+            pooled = self.embed(self.pool)
+            self._pool_index = ChunkIndex(pooled.shape[1])
+            self._pool_index.add(pooled, self.pool, [str(i) for i in range(len(self.pool))])
+        index = self._pool_index
+        want = min(self.neighbours + 1, len(index))
+        return [[hit.text for hit in index.search(vector, want) if hit.text != chunk][:self.neighbours]
+                for chunk, vector in zip(chunks, vectors)]
+
+    def make_variants(self, pipeline: Pipeline, chunks: Sequence[str]) -> int:
+        """Make every passage's variants after its nearest passages; returns how many."""
+        return pipeline.warm_after([(other, chunk) for chunk, near in zip(chunks, self.nearest(chunks))
+                                    for other in near])
 
 
 def item_chunks(item: QAItem) -> list[str]:

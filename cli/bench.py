@@ -47,6 +47,10 @@ def bench_quality_cmd(
                                    "them), labelled METHOD+nbN and paired with the plain run."),
     neighbours: int = typer.Option(1, "--neighbours", min=1, max=8, help="Nearest passages per passage for "
                                                                          "--in-context."),
+    neighbour_pool: str = typer.Option("", "--neighbour-pool", help="Where --in-context finds each passage's "
+                                       "neighbours: the item's own passages (default), `corpus` (every chunk "
+                                       "ingested in the cache directory, as `warm --neighbours` finds them) or "
+                                       "a MuSiQue-format file (all its passages)."),
     early_stop: str = typer.Option("", "--early-stop", help="Also run cachecraft with these early-stop layers "
                                    "(layers or depths below 1, as config early_stop_layers, e.g. 0.5 or 12,18), "
                                    "labelled cachecraft@ALPHA/E... and paired with the plain cachecraft run."),
@@ -82,13 +86,17 @@ def bench_quality_cmd(
 
         again = parse_methods(in_context, config.cacheblend_ratio if ratio is None else ratio, config.policy_alpha)
         embed = Embedder(config.embedder).embed
-        specs += [InContext(m, neighbours, embed) for m in again]
+        pool = _neighbour_pool(neighbour_pool, config)
+        specs += [InContext(m, neighbours, embed, pool) for m in again]
+    elif neighbour_pool:
+        raise UserError("--neighbour-pool says where --in-context finds neighbours: add --in-context")
     lm = load_model_quietly(config)
     # The policy the default method runs with (the config's, else the model's fit) and where
     # each value came from: a resumed run must use the same, and the result says which it was.
     policy, sources = policy_settings(config, query_fit(lm, config))
     settings = {"model": lm.name, "fingerprint": lm.fingerprint, "dataset": str(dataset),
-                "config": {k: str(getattr(config, k)) for k in RUN_SETTINGS}, "policy": policy}
+                "config": {k: str(getattr(config, k)) for k in RUN_SETTINGS}, "policy": policy,
+                **({"neighbour_pool": neighbour_pool} if neighbour_pool else {})}
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task("items", total=len(items))
         try:
@@ -102,6 +110,7 @@ def bench_quality_cmd(
                "kv_dtype": config.kv_dtype, "warm_context": config.warm_context, "dataset": str(dataset),
                "limit": len(items), "skip": skip, "rows": str(rows),
                "in_context_neighbours": neighbours if in_context.strip() else 0,
+               "neighbour_pool": neighbour_pool or "item",
                "policy": {"values": policy, "sources": sources}, **result}
     write_result(out, payload)
     print_quality_table(result["methods"])
@@ -355,6 +364,27 @@ def bench_eviction_cmd(
                       f"{r['hit_rate']:.3f}", f"{r['compute_saved']:.1%}", str(r["evictions"]))
     console.print(table)
     console.print(f"wrote {out}")
+
+
+def _neighbour_pool(pool: str, config) -> list[str] | None:
+    """The passages --in-context finds neighbours among (None: each item's own)."""
+    if not pool:
+        return None
+    if pool == "corpus":
+        from cachecraft.retrieval.corpus import Corpus
+
+        chunks = [c.prompt_text for c in Corpus(config.corpus_dir, config.embedder).chunks()]
+        if len(chunks) < 2:
+            raise UserError(f"--neighbour-pool corpus: the corpus in {config.cache_dir} holds {len(chunks)} "
+                            "chunk(s); run `cachecraft ingest` first")
+        return chunks
+    from cachecraft.dataset import load_items
+    from cachecraft.evaluation import item_chunks
+
+    path = Path(pool)
+    if not path.is_file():
+        raise UserError(f"--neighbour-pool: no file at {path} (give `corpus` or a MuSiQue-format file)")
+    return [chunk for item in load_items(path) for chunk in item_chunks(item)]
 
 
 # Config values a resumed bench quality run must share with the run it continues.

@@ -61,6 +61,24 @@ def test_bench_quality_writes_results(tiny_dir, dataset, tmp_path, cache_dir):
     assert [r["item"] for r in json.loads(held_out.read_text())["items"]] == [1]  # its place in the file
 
 
+def test_bench_quality_finds_in_context_neighbours_in_a_pool(tiny_dir, dataset, tmp_path, cache_dir):
+    """Item 0's three passages get one variant each, made after its nearest passage among
+    both items' six (the pool), and the result says where the neighbours came from."""
+    out = tmp_path / "pool.json"
+    common = ["bench", "quality", "--dataset", str(dataset), "--limit", "1", "--methods", "full",
+              "--model", str(tiny_dir), "--max-new-tokens", "2", "--out", str(out)]
+    result = runner.invoke(app, [*common, "--in-context", "reuse", "--neighbour-pool", str(dataset)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["neighbour_pool"] == str(dataset)
+    assert [r["in_context_variants"] for r in data["items"] if r["method"] == "reuse+nb1"] == [3]
+    one_line_error(runner.invoke(app, [*common, "--neighbour-pool", str(dataset)]), "add --in-context")
+    one_line_error(runner.invoke(app, [*common, "--in-context", "reuse", "--neighbour-pool",
+                                       str(tmp_path / "none.json")]), "no file at")
+    one_line_error(runner.invoke(app, [*common, "--in-context", "reuse", "--neighbour-pool", "corpus"]),
+                   "run `cachecraft ingest` first")
+
+
 def test_bench_quality_can_make_the_caches_after_the_warm_context(tiny_dir, dataset, tmp_path, cache_dir):
     kls = {}
     for context in ("none", "builtin"):

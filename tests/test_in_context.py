@@ -169,3 +169,19 @@ def test_compare_methods_pairs_an_in_context_run_with_its_plain_run():
     assert diff["mean"] == pytest.approx(((0.1 - 0.4) + (0.1 - 0.2) + (0.2 - 0.3)) / 3)
     assert InContext.base_label("cachecraft+nb1") == "cachecraft" and InContext.base_label("cachecraft") is None
     assert InContext.base_label("x+nbz") is None
+
+
+def test_neighbours_come_from_a_pool_when_one_is_given():
+    """On a circle of unit vectors (similarity falls with the angle): without a pool a
+    passage's neighbours are the item's other passages; with one, the pool's passages,
+    its own text never among them, each pool text once however often it appears."""
+    where = {"a": 0, "b": 50, "c": 100, "p": 10, "q": 45, "r": 95, "s": 170}
+    embed = lambda texts: np.array([_at(where[t]) for t in texts], dtype=np.float32)  # noqa: E731
+    method = parse_methods("reuse")[0]
+    assert InContext(method, 1, embed).nearest(["a", "b", "c"]) == [["b"], ["a"], ["b"]]  # 50, 50, 50 away
+    pooled = InContext(method, 2, embed, pool=["p", "q", "r", "s", "b", "q"])
+    assert pooled.pool == ["p", "q", "r", "s", "b"]
+    # a (0): p 10, q 45 away; b (50, in the pool): q 5, p 40 - never b itself; c (100): r 5, b 50
+    assert pooled.nearest(["a", "b", "c"]) == [["p", "q"], ["q", "p"], ["r", "b"]]
+    with pytest.raises(ValueError, match="at least two different"):
+        InContext(method, 1, embed, pool=["p", "p"])
