@@ -416,5 +416,12 @@ def test_a_looping_answer_is_answered_again_from_a_full_prefill(pipeline, monkey
     streamer = Restartable()
     assert pipeline.answer(CHUNKS, QUESTION, method="reuse", streamer=streamer).text == full.text
     assert streamer.ends == 2 and streamer.notes == ["the answer repeated itself; answering again from a full prefill"]
+    import threading
+
+    from cachecraft.engine import GenerationOptions
+
+    gone = threading.Event()
+    gone.set()  # a client that went away: its answer is not made again
+    assert not pipeline.answer(CHUNKS, QUESTION, method="reuse", generation=GenerationOptions(cancel=gone)).escalated
     pipeline.config = dataclasses.replace(pipeline.config, repetition_fallback=False)
     assert not pipeline.answer(CHUNKS, QUESTION, method="reuse").escalated

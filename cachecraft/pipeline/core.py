@@ -155,7 +155,8 @@ class Pipeline:
             self._learn_use(reports)
         text = self.lm.tokenizer.decode(new_ids, skip_special_tokens=True)
         abandoned = first_try_ttft = None
-        if fallback and degenerate_repetition(text):
+        cancelled = generation is not None and generation.cancel is not None and generation.cancel.is_set()
+        if fallback and not cancelled and degenerate_repetition(text):
             # A loop full prefill may not share: answer again from exact KV, and say so
             abandoned, first_try_ttft = text, ttft
             log.info("the %s answer degenerated into repetition; answering again from a full prefill",
