@@ -77,10 +77,43 @@ def degenerate_repetition(text: str) -> bool:
     if any(lines.count(line) >= 3 for line in set(lines)):
         return True
     words = text.split()
+    return any(_run_ends_at(words, end) for end in range(1, len(words) + 1))
+
+
+def _run_ends_at(words: list[str], end: int) -> bool:
+    """Whether ``words[:end]`` ends in a degenerate run (as :func:`degenerate_repetition` counts one)."""
     for n in range(1, 9):
         needed = 4 if n == 1 else 3
-        for start in range(0, len(words) - n * needed + 1):
-            unit = words[start:start + n]
-            if all(words[start + k * n:start + (k + 1) * n] == unit for k in range(1, needed)):
-                return True
+        start = end - n * needed
+        if start >= 0 and all(words[start + k * n:start + (k + 1) * n] == words[start:start + n]
+                              for k in range(1, needed)):
+            return True
     return False
+
+
+class RepetitionWatch:
+    """:func:`degenerate_repetition` for an answer as it grows, one call per new token:
+    given texts that each extend the last, true once the words and lines completed so far
+    hold a degenerate run. Each call checks only the runs ending at words and lines
+    completed since the last (a word or line still being written may yet grow), so a long
+    answer costs no more per token than a short one; once the answer is done,
+    :func:`degenerate_repetition` also counts its last word and line."""
+
+    def __init__(self) -> None:
+        self.words_checked = self.lines_checked = 0
+
+    def __call__(self, text: str) -> bool:
+        words = text.split()
+        if text and not text[-1].isspace():
+            words.pop()
+        if any(_run_ends_at(words, end) for end in range(self.words_checked + 1, len(words) + 1)):
+            return True
+        self.words_checked = len(words)
+        parts = text.splitlines(keepends=True)
+        if parts and parts[-1].splitlines()[0] == parts[-1]:  # no line break after it yet
+            parts.pop()
+        lines = [part.strip() for part in parts]
+        if any(lines[i] and lines[:i + 1].count(lines[i]) >= 3 for i in range(self.lines_checked, len(lines))):
+            return True
+        self.lines_checked = len(lines)
+        return False

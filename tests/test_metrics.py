@@ -47,3 +47,44 @@ def test_degenerate_repetition_by_hand():
     assert not degenerate_repetition("a a a b")  # three is not yet a degenerate run of one word
     assert not degenerate_repetition("The command `git bisect` is used to find which commit introduced a bug.")
     assert not degenerate_repetition("")
+
+
+def test_repetition_watch_by_hand():
+    from cachecraft.metrics import RepetitionWatch
+
+    def watch(*texts):
+        w = RepetitionWatch()
+        return [w(t) for t in texts]
+
+    assert watch("+ + + +", "+ + + + ") == [False, True]  # the fourth '+' counts once a space ends it
+    assert watch("[verse]\n[verse]\n[verse]", "[verse]\n[verse]\n[verse]\n") == [False, True]
+    assert watch("a b a b a b c") == [True]  # 'a b' three times, ending at the last finished word
+    assert watch("git bisect, then", "git bisect, then git bisect good") == [False, False]
+    assert watch("a\nb\n\n\n\nc\n") == [False]  # empty lines are not a repeated line
+
+
+def test_repetition_watch_agrees_with_the_whole_text_check():
+    """Fed a text token by token (random pieces from a small vocabulary, so runs are
+    common): whenever the watch says yes, the whole-text check says yes for that text
+    (what the pipeline checks once generation stops), and once the text has moved past a
+    loop (one more line break) the watch has said yes."""
+    import random
+
+    from cachecraft.metrics import RepetitionWatch, degenerate_repetition
+
+    rng = random.Random(7)
+    pieces = ["a", " a", " b", "b", " ", "\n", "a\n", " c d", "\n\n", " a b"]
+    fired_texts = 0
+    for _ in range(400):
+        text, watch, fired = "", RepetitionWatch(), False
+        for _ in range(rng.randint(1, 25)):
+            text += rng.choice(pieces)
+            if watch(text):
+                assert degenerate_repetition(text), repr(text)
+                fired = True
+                break
+        if not fired:
+            fired = watch(text + "\n")
+        assert fired == degenerate_repetition(text + "\n"), repr(text)
+        fired_texts += fired
+    assert 50 < fired_texts < 350  # both outcomes were exercised

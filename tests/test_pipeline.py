@@ -400,7 +400,8 @@ def test_a_looping_answer_is_answered_again_from_a_full_prefill(pipeline, monkey
     pipeline.warm(CHUNKS)
     full = pipeline.answer(CHUNKS, QUESTION, method="full")
     first_try = pipeline.answer(CHUNKS, QUESTION, method="reuse", max_new_tokens=1)
-    monkeypatch.setattr(core, "degenerate_repetition", lambda text: True)  # every answer "loops"
+    monkeypatch.setattr(core, "degenerate_repetition", lambda text: True)  # every answer "loops",
+    monkeypatch.setattr(core, "RepetitionWatch", lambda: (lambda text: True))  # from its first token
     answer = pipeline.answer(CHUNKS, QUESTION, method="reuse")
     assert answer.escalated and answer.abandoned_text == first_try.text  # the first try stopped at its first token
     assert answer.text == full.text and answer.new_tokens == full.new_tokens

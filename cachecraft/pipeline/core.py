@@ -33,7 +33,7 @@ from cachecraft.engine import (BlendResult, GenerationOptions, LayerSource, Segm
                                sampled_layers)
 from cachecraft.kv import ChunkKV, chunk_key, kv_bytes_per_token, variant_key
 from cachecraft.methods import Full, Method, PrefillHooks, RequestContext, parse_method, variant_info
-from cachecraft.metrics import degenerate_repetition
+from cachecraft.metrics import RepetitionWatch, degenerate_repetition
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.pipeline.cost import COST_PROFILE, cost_model_from_profile, cost_profile, device_label, measure_cost_model
 from cachecraft.pipeline.reports import Answer, ChunkReport, PrefillTrace, Source, WarmReport
@@ -143,9 +143,9 @@ class Pipeline:
             observer(trace)
         recomputed, recompute = result.recomputed, result.recompute_fraction
         fallback = self._falls_back(chosen, streamer)
-        new_ids = generate_from(self.lm.model, self.lm.tokenizer, result,
-                                max_new_tokens=max_new_tokens or self.config.max_new_tokens, streamer=streamer,
-                                options=generation, until=degenerate_repetition if fallback else None)
+        limit = max_new_tokens or self.config.max_new_tokens
+        new_ids = generate_from(self.lm.model, self.lm.tokenizer, result, max_new_tokens=limit, streamer=streamer,
+                                options=generation, until=RepetitionWatch() if fallback else None)
         if trace is not None:
             trace.answer_ids = new_ids
         reports = self._report(request, prepared, recomputed)
@@ -166,8 +166,7 @@ class Pipeline:
             _, again = self._prefill(Full(), request)
             int(again.logits.argmax())
             ttft, recompute = time.perf_counter() - start, 1.0
-            new_ids = generate_from(self.lm.model, self.lm.tokenizer, again,
-                                    max_new_tokens=max_new_tokens or self.config.max_new_tokens,
+            new_ids = generate_from(self.lm.model, self.lm.tokenizer, again, max_new_tokens=limit,
                                     streamer=streamer, options=generation)
             text = self.lm.tokenizer.decode(new_ids, skip_special_tokens=True)
         answer = Answer(generation.cut(text) if generation is not None else text, chosen.label, ttft,
