@@ -761,6 +761,111 @@ def print_scaling_table(result: dict) -> None:
                       f"full, agreement {again['agreement_f1']:.3f} ({'met' if again['met'] else 'not met'})")
 
 
+@bench_app.command("gpu")
+@friendly
+def bench_gpu_cmd(
+    ctx: typer.Context,
+    dataset: Path = typer.Option(..., help="MuSiQue-format JSON file whose passages make the contexts."),
+    out: Path = typer.Option(Path("benchmarks/results/gpu.json"), help="Where to write the JSON result "
+                             "(rewritten after each shape and tier, so a stopped run keeps what it finished)."),
+    shapes: str = typer.Option("llama-3.1-8b,qwen2.5-7b", help="Model shapes, built with random weights: "
+                               "llama-3.1-8b, qwen2.5-7b, or tiny-llama (a few layers, to try it on a CPU)."),
+    tiers: str = typer.Option("gpu,cpu,disk", help="Tiers the chunk-caches are loaded from, one sweep each "
+                              "(gpu: already on the device; cpu: pinned host memory; disk)."),
+    contexts: str = typer.Option("4000,8000,16000,32000", help="Prompt lengths in tokens."),
+    chunk_tokens: int = typer.Option(512, min=16, help="Tokens per chunk."),
+    methods: str = typer.Option("full,prefix,reuse,cacheblend@0.15",
+                                help="Methods besides the fixed-fraction cachecraft runs; name@ratio sets a ratio."),
+    fractions: str = typer.Option("0.02,0.05,0.10", help="Recompute fractions cachecraft runs at (its floor, "
+                                  "alpha 0: random weights make its own choice meaningless); '' for none."),
+    tokenizer: list[str] = typer.Option([], help="Tokenizer directory for every shape, or SHAPE=DIR for one "
+                                        "(default: the bundled model's named by the shape). Repeatable."),
+    max_new_tokens: int = typer.Option(4, min=1, help="Answer length (random weights: only the TTFT counts)."),
+) -> None:
+    """Time to first token and peak GPU memory of every method on 7-8B model shapes with
+    random weights, with the chunk-caches in each tier. Meant for a CUDA machine (the
+    config's device and dtype: bfloat16 there); tiny-llama runs anywhere.
+
+    Example: cachecraft bench gpu --dataset data/musique_dev.json --out benchmarks/results/gpu_h100.json
+    """
+    from rich.progress import Progress
+
+    from cachecraft.bench.common import write_result
+    from cachecraft.bench.gpu import GPU_TIERS, SHAPES, fixed_fraction_methods, run_gpu
+    from cachecraft.dataset import load_items
+    from cachecraft.methods import parse_methods
+
+    config = load_config(ctx)
+    shape_list = [s.strip() for s in shapes.split(",") if s.strip()]
+    unknown = [s for s in shape_list if s not in SHAPES]
+    if unknown or not shape_list:
+        raise UserError(f"--shapes must name shapes from {', '.join(SHAPES)}, got {shapes!r}")
+    tier_list = [t.strip() for t in tiers.split(",") if t.strip()]
+    if not tier_list or any(t not in GPU_TIERS for t in tier_list):
+        raise UserError(f"--tiers must name tiers from {', '.join(GPU_TIERS)}, got {tiers!r}")
+    try:
+        fraction_list = [float(f) for f in fractions.split(",") if f.strip()]
+        specs = parse_methods(methods, config.cacheblend_ratio, config.policy_alpha) if methods.strip() else []
+        specs += fixed_fraction_methods(fraction_list)
+    except ValueError as exc:
+        raise UserError(f"--fractions: {exc}") from None
+    tokenizer_for = _tokenizer_source(tokenizer, config)
+    items = load_items(dataset)
+    ensure_dir(config.cache_dir)
+    command = invocation(ctx, "bench gpu")
+
+    def save(runs: list[dict]) -> None:
+        write_result(out, {"benchmark": "gpu", "command": command, "weights": "random (timing only)",
+                           "dtype": config.dtype, "kv_dtype": config.kv_dtype, "dataset": str(dataset),
+                           "runs": runs})
+
+    with Progress(console=err_console, transient=True) as progress:
+        task = progress.add_task("building the model", total=None)
+        try:
+            runs = run_gpu(shape_list, config, items, specs, tokenizer_for=tokenizer_for, tiers=tier_list,
+                           contexts=_ints(contexts, "--contexts"), chunk_tokens=chunk_tokens,
+                           max_new_tokens=max_new_tokens, on_run=save,
+                           on_step=lambda what, done, total: progress.update(
+                               task, description=what, completed=done, total=total))
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+    for run in runs:
+        console.print(f"[bold]{run['shape']}[/], caches in the {run['tier']} tier")
+        print_scaling_table(run)
+    console.print(f"wrote {out}")
+
+
+def _tokenizer_source(given: list[str], config):
+    """``bundled name -> tokenizer``: from ``--tokenizer`` values (DIR, or SHAPE=DIR), else
+    the bundled model's own tokenizer."""
+    from cachecraft.bench.gpu import SHAPES
+
+    every, per_shape = None, {}
+    for value in given:
+        shape, eq, path = value.partition("=")
+        if eq:
+            if shape not in SHAPES:
+                raise UserError(f"--tokenizer {value!r}: unknown shape {shape!r}")
+            per_shape[SHAPES[shape].tokenizer] = Path(path)
+        else:
+            every = Path(value)
+    for path in [every, *per_shape.values()]:
+        if path is not None and not path.is_dir():
+            raise UserError(f"--tokenizer: {path} is not a directory")
+
+    def tokenizer_for(bundled: str):
+        from transformers import AutoTokenizer
+
+        path = per_shape.get(bundled, every)
+        if path is None:
+            from cachecraft.model.loader import bundled_gguf, convert_gguf
+
+            path = convert_gguf(bundled_gguf(bundled, config.models_dir), config.models_dir)
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+    return tokenizer_for
+
+
 @bench_app.command("report")
 @friendly
 def bench_report_cmd(

@@ -210,3 +210,21 @@ def test_revisit_rows_reuse_the_earlier_requests_variants(cache_dir):
     assert requests["full"]["prefix_overlap"] is None
     assert result["summary"]["goal_revisit"]["method"] == "cachecraft@0.1 revisit"
     assert "revisit" in result["setup"] and not list(cache_dir.iterdir())
+
+
+def test_a_shared_warm_store_gives_every_method_the_caches_it_would_warm_itself(tmp_path):
+    """Warmed once and shared, or once per method: the same caches, so the same answers and KL."""
+    rows = {}
+    for share in (False, True):
+        _, rows[share] = one_point(tmp_path / str(share), "full,prefix,reuse,cacheblend,cachecraft", 180, 60,
+                                   share_warm=share)
+    assert list(rows[True]) == list(rows[False])
+    for method, row in rows[True].items():
+        alone = rows[False][method]
+        assert (row["answer"], row["kl"], row["recompute_fraction"], row["cached_chunks"]) == \
+            (alone["answer"], alone["kl"], alone["recompute_fraction"], alone["cached_chunks"]), method
+    # warmed once: on the first method that uses the caches; the later ones found them ready
+    assert rows[True]["reuse"]["setup_s"] > 0
+    assert rows[True]["cacheblend@0.15"]["setup_s"] == rows[True]["cachecraft@0.1"]["setup_s"] == 0.0
+    assert all(row["peak_gpu_mb"] is None for row in rows[True].values())  # on the CPU
+    assert not list((tmp_path / "True").iterdir())  # the shared store is removed too

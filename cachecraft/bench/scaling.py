@@ -108,9 +108,13 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
                 contexts: Sequence[int] = DEFAULT_CONTEXTS, chunk_counts: Sequence[int] = DEFAULT_CHUNK_COUNTS,
                 fixed_context: int = 4000, chunk_tokens: int = 512, repeats: int = 2, prefix_shared: int = 1,
                 max_new_tokens: int = 32, tier: str = "cpu", cold: bool = False, revisit: bool = False,
-                whole_read: bool = False, on_step: Callable[[str, int, int], None] | None = None) -> dict:
+                whole_read: bool = False, share_warm: bool = False,
+                on_step: Callable[[str, int, int], None] | None = None) -> dict:
     """Run both sweeps; returns ``{"scaling": [...], "requests": [...], "summary": {...}, "setup": {...}}``.
-    ``on_step(description, done, total)`` is called after each timed request."""
+    ``on_step(description, done, total)`` is called after each timed request. With
+    ``share_warm``, the methods of one request that use warm chunk-caches read them from
+    one store warmed once (each still in a fresh pipeline): the same caches, made once
+    rather than once per method."""
     points = plan_points(contexts, chunk_counts, fixed_context=fixed_context, chunk_tokens=chunk_tokens)
     if not points:
         raise ValueError("nothing to run: give at least one context length or chunk count")
@@ -131,7 +135,8 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
     builder = builder_for(lm.tokenizer, config)
     starts = [(r * len(items)) // repeats for r in range(repeats)]  # questions far apart in the file
     streams = [passage_stream(builder, items, s, longest) for s in starts]
-    runner = _Runner(lm, config, prefix_shared=prefix_shared, max_new_tokens=max_new_tokens, tier=tier)
+    runner = _Runner(lm, config, prefix_shared=prefix_shared, max_new_tokens=max_new_tokens, tier=tier,
+                     share_warm=share_warm)
     runner.warm_up(order, [builder.tokenizer.decode(streams[0][i:i + 32]) for i in (0, 32)])
     total = len(points) * repeats * len(order)
     rows: list[dict] = []
@@ -146,6 +151,7 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
                             len(rows), total)
     finally:
         gc.unfreeze()
+        runner.release_shared()
     table = aggregate(rows)
     setup = {"full": "one plain prefill of the whole prompt in the same engine, nothing saved",
              "chunk_caches": "made ahead of time by Pipeline.warm, after the system prefix and the warm "
@@ -164,7 +170,11 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
                            "during it" if whole_read else None,
              "loading_bandwidths": {setting: {t: FREE if math.isinf(b) else b for t, b in model.bandwidths.items()}
                                     for setting, model in runner.learned.items()} or None,
-             "fresh_pipeline_per_request": True, "chunk_tokens": chunk_tokens, "fixed_context": fixed_context,
+             "fresh_pipeline_per_request": True,
+             "shared_warm_store": ("the methods of one request that use warm chunk-caches read them from one "
+                                   "store warmed once; setup_s is that warm's, on the first of them"
+                                   if share_warm else None),
+             "chunk_tokens": chunk_tokens, "fixed_context": fixed_context,
              "repeats": repeats, "prefix_shared": prefix_shared, "tier": tier, "max_new_tokens": max_new_tokens,
              "context_tokens": "whole prompt: system prefix, chunks and question",
              "peak_rss_mb": "process RSS sampled through the request (prefill and answer), after freed heap "
@@ -192,7 +202,8 @@ class _Runner:
     """Runs one method on one request through a fresh pipeline over a scratch store
     (``full`` too: its pipeline has nothing cached and keeps nothing)."""
 
-    def __init__(self, lm: LoadedModel, config: Config, *, prefix_shared: int, max_new_tokens: int, tier: str):
+    def __init__(self, lm: LoadedModel, config: Config, *, prefix_shared: int, max_new_tokens: int, tier: str,
+                 share_warm: bool = False):
         import torch
 
         from cachecraft.pipeline.cost import measure_cost_model
@@ -203,6 +214,8 @@ class _Runner:
         # A server measures its cost model once at start-up; so do we, outside the timed requests.
         self.cost_model = measure_cost_model(lm, kv_dtype=getattr(torch, config.kv_dtype))
         self.learned: dict[str, CostModel] = {}  # per setting, as the last request left it (bandwidths timed)
+        self.share_warm = share_warm
+        self._shared: tuple[tuple[str, ...], Path, object] | None = None  # (chunks, directory, warmed store)
 
     def warm_up(self, order: Sequence[tuple[Method, str]], chunks: list[str]) -> None:
         """One untimed small request per method, so lazy initialisation is not timed."""
@@ -213,7 +226,7 @@ class _Runner:
             setting: str = "warm") -> tuple[dict, object]:
         """Time ``spec`` on one request (``setting``: warm, cold, revisit or whole, see the module doc); its row
         (quality against ``reference``) and its answer."""
-        (answer, trace), mem, setup_s = self._through_pipeline(spec, chunks, question, setting)
+        (answer, trace), mem, setup_s, peak_gpu_mb = self._through_pipeline(spec, chunks, question, setting)
         ref, ref_trace = reference or (answer, trace)
         row = {"method": spec.label + SETTING_SUFFIX[setting], "context_tokens": answer.prompt_tokens,
                "ttft_s": answer.ttft_s,
@@ -222,7 +235,8 @@ class _Runner:
                "agreement_f1": token_f1(first_line(answer.text), first_line(ref.text)),
                "exact_match": float(exact_match(answer.text, ref.text)),
                "kl": kl_divergence(ref_trace.logits, trace.logits),
-               "peak_rss_mb": mem.peak_mb, "rss_growth_mb": mem.growth_mb, "setup_s": setup_s,
+               "peak_rss_mb": mem.peak_mb, "rss_growth_mb": mem.growth_mb, "peak_gpu_mb": peak_gpu_mb,
+               "setup_s": setup_s,
                "cached_chunks": sum(c.tier != "miss" for c in answer.chunks),
                "prefix_overlap": _mean_overlap(answer.chunks), "answer": answer.text}
         return row, (answer, trace)
@@ -234,18 +248,15 @@ class _Runner:
         from cachecraft.pipeline import Pipeline
         from cachecraft.store import TieredStore
 
+        if self.share_warm and spec.uses_cache and setting == "warm":
+            return self._on_shared_store(spec, chunks, question)
+        self.release_shared()  # its caches would sit in memory beside this request's
         scratch = Path(tempfile.mkdtemp(prefix=f"scaling-{spec.name}-", dir=self.config.cache_dir))
         config = self.config.replace(cache_dir=scratch, **({"stream_kv": False} if setting == "whole" else {}))
         try:
             with TieredStore(config, tiers=(self.tier,)) as store:
                 pipeline = Pipeline(config, lm=self.lm, store=store)
-                # One prefill cost for every setting (measured, then moved by each full prefill), so
-                # a setting's rows differ from another's only in how the caches are read; bandwidths
-                # as this setting has timed them so far.
-                learned = self.learned.get(setting)
-                pipeline.cost_model = dataclasses.replace(
-                    self.cost_model, bandwidths=learned.bandwidths if learned else pipeline.starting_bandwidths(),
-                    timed=learned.timed if learned else frozenset())
+                self._start_from_learned(pipeline, setting)
                 start = time.perf_counter()
                 if setting == "revisit":
                     pipeline.answer(shuffled(chunks), EARLIER_QUESTION, method=spec, max_new_tokens=1, record=False)
@@ -255,16 +266,69 @@ class _Runner:
                     earlier = chunks[:self.prefix_shared] or ["An earlier, unrelated passage.\n\n"]
                     pipeline.answer(earlier, EARLIER_QUESTION, method="prefix", max_new_tokens=1, record=False)
                 setup_s = time.perf_counter() - start
-                _release_freed_memory()
-                with PeakRSS() as mem:
-                    answer = answer_traced(pipeline, chunks, question, spec, record=False)
-                self.learned[setting] = pipeline.cost_model  # later requests start from what this one timed
-                self.cost_model = dataclasses.replace(
-                    self.cost_model, prefill_s_per_token_layer=pipeline.cost_model.prefill_s_per_token_layer)
+                answer, mem, peak_gpu_mb = self._timed(pipeline, spec, chunks, question, setting)
                 store.close(persist=False)
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-        return answer, mem, setup_s
+        return answer, mem, setup_s, peak_gpu_mb
+
+    def _start_from_learned(self, pipeline, setting: str) -> None:
+        """One prefill cost for every setting (measured, then moved by each full prefill), so a
+        setting's rows differ from another's only in how the caches are read; bandwidths as
+        this setting has timed them so far."""
+        learned = self.learned.get(setting)
+        pipeline.cost_model = dataclasses.replace(
+            self.cost_model, bandwidths=learned.bandwidths if learned else pipeline.starting_bandwidths(),
+            timed=learned.timed if learned else frozenset())
+
+    def _timed(self, pipeline, spec: Method, chunks: list[str], question: str, setting: str):
+        """The timed request: its answer and trace, peak RSS and peak GPU memory (MB, on CUDA)."""
+        import torch
+
+        _release_freed_memory()
+        on_gpu = self.lm.device.type == "cuda"
+        if on_gpu:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        with PeakRSS() as mem:
+            answer = answer_traced(pipeline, chunks, question, spec, record=False)
+        peak_gpu_mb = torch.cuda.max_memory_allocated() / 2**20 if on_gpu else None
+        self.learned[setting] = pipeline.cost_model  # later requests start from what this one timed
+        self.cost_model = dataclasses.replace(
+            self.cost_model, prefill_s_per_token_layer=pipeline.cost_model.prefill_s_per_token_layer)
+        return answer, mem, peak_gpu_mb
+
+    def _on_shared_store(self, spec: Method, chunks: list[str], question: str):
+        """Like :meth:`_through_pipeline` for a warm request, over the one store warmed for
+        these chunks (warmed now, when the chunks are new; setup_s is then that warm's)."""
+        from cachecraft.pipeline import Pipeline
+        from cachecraft.store import TieredStore
+
+        setup_s = 0.0
+        if self._shared is None or self._shared[0] != tuple(chunks):
+            self.release_shared()
+            scratch = Path(tempfile.mkdtemp(prefix="scaling-shared-", dir=self.config.cache_dir))
+            config = self.config.replace(cache_dir=scratch)
+            store = TieredStore(config, tiers=(self.tier,))
+            self._shared = (tuple(chunks), scratch, store)
+            warmer = Pipeline(config, lm=self.lm, store=store)
+            self._start_from_learned(warmer, "warm")
+            start = time.perf_counter()
+            warmer.warm(chunks)
+            setup_s = time.perf_counter() - start
+        _, scratch, store = self._shared
+        pipeline = Pipeline(self.config.replace(cache_dir=scratch), lm=self.lm, store=store)
+        self._start_from_learned(pipeline, "warm")
+        answer, mem, peak_gpu_mb = self._timed(pipeline, spec, chunks, question, "warm")
+        return answer, mem, setup_s, peak_gpu_mb
+
+    def release_shared(self) -> None:
+        """Close and delete the shared warm store, if any."""
+        if self._shared is not None:
+            _, scratch, store = self._shared
+            self._shared = None
+            store.close(persist=False)
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _mean_overlap(chunks) -> float | None:
@@ -313,6 +377,8 @@ def aggregate(rows: Sequence[dict]) -> list[dict]:
                     "kl": mean(mine, "kl"), "recompute_fraction": mean(mine, "recompute_fraction"),
                     "token_layers": mean(mine, "token_layers"), "peak_rss_mb": max(r["peak_rss_mb"] for r in mine),
                     "rss_growth_mb": max(r["rss_growth_mb"] for r in mine), "setup_s": mean(mine, "setup_s"),
+                    "peak_gpu_mb": max((r["peak_gpu_mb"] for r in mine if r.get("peak_gpu_mb") is not None),
+                                       default=None),
                     "prefix_overlap": (mean(mine, "prefix_overlap")
                                        if all(r.get("prefix_overlap") is not None for r in mine) else None)})
     return out

@@ -31,6 +31,8 @@ def measure_cost_model(lm, tokens: int = 128, repeats: int = 3, kv_dtype: torch.
         for _ in range(repeats + 1):
             start = time.perf_counter()
             blended_prefill(adapter, [Segment(ids, "question")])
+            if lm.device.type == "cuda":  # the kernels run after the call returns: time them, not their launch
+                torch.cuda.synchronize(lm.device)
             seconds.append(time.perf_counter() - start)
     elapsed = max(statistics.median(seconds[1:]), 1e-9)
     per_layer = kv_bytes_per_token(1, adapter.num_kv_heads, adapter.head_dim, kv_dtype)

@@ -42,6 +42,7 @@ class LayerReader:
     stats: AttentionStats | None
     num_layers: int
     metadata: dict[str, str]
+    device: torch.device  # where the layers are handed out
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         raise NotImplementedError
@@ -72,6 +73,7 @@ class MemoryLayerReader(LayerReader):
     def __init__(self, tier: str, key: str, kv: ChunkKV, dtype: torch.dtype | None,
                  device: torch.device | str) -> None:
         self.tier, self.key, self._kv, self._dtype, self._device = tier, key, kv, dtype, device
+        self.device = torch.device(device)
         self.chunk, self.fingerprint, self.token_ids = kv.chunk, kv.fingerprint, kv.token_ids
         self.prefix, self.stats, self.num_layers = kv.prefix, kv.stats, kv.num_layers
         self.prefix_tokens = kv.prefix_tokens
@@ -100,6 +102,7 @@ class DiskLayerReader(LayerReader):
                  on_complete: Callable[[ChunkKV], None] | None = None) -> None:
         self.tier, self.key, self._blob = "disk", key, blob
         self._dtype, self._device = dtype, device
+        self.device = torch.device(device)
         self._on_corrupt, self._on_complete = on_corrupt, on_complete
         self.metadata = dict(blob.metadata)
         self.chunk, self.fingerprint = self.metadata["chunk"], self.metadata["fingerprint"]

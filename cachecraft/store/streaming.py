@@ -20,6 +20,12 @@ soon as that layer has arrived.
 loading controller can use this machine's bandwidth rather than a guess; read them
 after :meth:`close`.
 
+On CUDA the thread copies onto a stream of its own: copies on the compute stream would
+wait for every kernel queued before them, so the engine would stall at each layer with
+the GPU idle. Each layer carries an event; ``layer(i)`` makes the compute stream wait
+for it (the host does not wait) and marks the tensors as used there, so the allocator
+does not hand their memory to the copy stream again while compute still reads them.
+
 A layer that fails its checksum makes that variant's ``layer(i)`` raise
 :class:`CorruptEntryError` (the store has already removed the entry); the other
 variants keep streaming. Layers are handed out in the reader's dtype (stored dtype
@@ -28,6 +34,7 @@ unless asked otherwise); the engine converts them while copying them into place.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Iterator, Sequence
@@ -52,6 +59,7 @@ class StreamedKV:
         self.num_layers: int = reader.num_layers
         self._stream = stream
         self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._ready: list[torch.cuda.Event | None] = []  # per layer: copied once this event is reached
         self._error: BaseException | None = None
         self._finished = False
 
@@ -77,7 +85,13 @@ class StreamedKV:
             self._stream.arrived.wait_for(lambda: len(self._layers) > index or self._error is not None
                                           or self._finished)
             if len(self._layers) > index:
-                return self._layers[index]
+                pair, ready = self._layers[index], self._ready[index]
+                if ready is not None:
+                    compute = torch.cuda.current_stream(pair[0].device)
+                    compute.wait_event(ready)
+                    for tensor in pair:
+                        tensor.record_stream(compute)
+                return pair
             if self._error is not None:
                 raise self._error
         raise RuntimeError(f"the stream of {self.key} ended after {len(self._layers)} of "
@@ -98,16 +112,23 @@ class LayerStream:
                 self._streamed.append(kv)
             else:  # already in memory where compute runs: hand out its layers as they are, no copy
                 kv._layers = [held.layer(i) for i in range(held.num_layers)]
+                kv._ready = [None] * held.num_layers
                 kv._finished = True
                 reader.close()
         self.read_bytes: dict[str, int] = {}  # per tier, bytes read on the thread (held variants: none)
         self.read_seconds: dict[str, float] = {}  # per tier, time spent reading them
         self._stop = threading.Event()
+        self._copy_stream = _copy_stream_for(self._readers)
         self._thread = threading.Thread(target=self._read, name="cachecraft-kv-stream", daemon=True)
         if self._readers:
             self._thread.start()
 
     def _read(self) -> None:
+        side = self._copy_stream
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            self._read_layers(side)
+
+    def _read_layers(self, side: "torch.cuda.Stream | None") -> None:
         iterators: list[Iterator[tuple[torch.Tensor, torch.Tensor]] | None] = []
         for reader, kv in zip(self._readers, self._streamed):
             iterators.append(self._guarded(kv, lambda: iter(reader)))
@@ -122,9 +143,14 @@ class LayerStream:
                 if pair is None:
                     iterators[i] = None
                     continue
+                ready = None
+                if side is not None and pair[0].device.type == "cuda":
+                    ready = torch.cuda.Event()
+                    ready.record(side)
                 self._count(kv.tier, pair, time.perf_counter() - start)
                 with self.arrived:
                     kv._layers.append(pair)
+                    kv._ready.append(ready)
                     self.arrived.notify_all()
         else:
             for it, kv in zip(iterators, self._streamed):
@@ -170,3 +196,12 @@ class LayerStream:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _copy_stream_for(readers: Sequence[LayerReader]) -> "torch.cuda.Stream | None":
+    """A CUDA stream for the thread's copies when any reader hands layers out on a GPU."""
+    devices = {r.device for r in readers if getattr(r, "device", None) is not None and r.device.type == "cuda"}
+    if not devices:
+        return None
+    device = next(iter(devices))
+    return torch.cuda.Stream(device=device if device.index is not None else torch.cuda.current_device())

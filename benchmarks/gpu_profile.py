@@ -1,0 +1,86 @@
+"""Where a cachecraft request's time goes on a GPU: one request, profiled.
+
+A random-weight model of a real shape (see ``cachecraft bench gpu``), a context of
+``--tokens`` tokens in 512-token chunks warmed into one tier, then one request with
+``cachecraft`` at a fixed recompute fraction under ``torch.profiler``. Prints the
+request's wall time, the GPU's busy time within it, and the operators that cost most on
+each side; writes the summary and the tables into OUT.
+
+    python benchmarks/gpu_profile.py OUT --dataset data/musique_dev.json --tokenizer DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from cachecraft.bench.gpu import SHAPES, fixed_fraction_methods, random_model
+from cachecraft.bench.scaling import Point, cut_chunks, passage_stream
+from cachecraft.config import Config
+from cachecraft.dataset import load_items
+from cachecraft.model.loader import resolve_device
+from cachecraft.pipeline import Pipeline
+from cachecraft.prompt import builder_for
+from cachecraft.store import TieredStore
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--dataset", type=Path, required=True)
+    parser.add_argument("--tokenizer", type=Path, required=True)
+    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    parser.add_argument("--tokens", type=int, default=32000)
+    parser.add_argument("--tier", default="cpu", choices=("gpu", "cpu", "disk"))
+    parser.add_argument("--fraction", type=float, default=0.05)
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    config = Config.load(overrides={"max_new_tokens": 1, "repetition_fallback": False})
+    device = resolve_device(config.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    lm = random_model(args.shape, AutoTokenizer.from_pretrained(str(args.tokenizer)), device, dtype)
+    items = load_items(args.dataset)
+    builder = builder_for(lm.tokenizer, config)
+    point = Point("context", args.tokens, round(args.tokens / 512))
+    chunks = cut_chunks(builder, passage_stream(builder, items, 0, args.tokens), items[0].question, point)
+    (method,) = fixed_fraction_methods([args.fraction])
+    on_gpu = device.type == "cuda"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with TieredStore(config, tiers=(args.tier,)) as store:
+        pipe = Pipeline(config, lm=lm, store=store)
+        pipe.warm(chunks)
+        for _ in range(2):  # warm-up: lazy initialisation, kernels' first launches, the cost model
+            pipe.answer(chunks, items[1].question, method=method, record=False)
+        sync()
+        start = time.perf_counter()
+        with profile(activities=activities) as prof:
+            answer = pipe.answer(chunks, items[0].question, method=method, record=False)
+            sync()
+        wall = time.perf_counter() - start
+        store.close(persist=False)
+    events = prof.key_averages()
+    gpu_busy_us = sum(e.self_device_time_total for e in events)
+    summary = {"shape": args.shape, "tokens": answer.prompt_tokens, "tier": args.tier,
+               "fraction": args.fraction, "recompute_fraction": answer.recompute_fraction,
+               "ttft_s": answer.ttft_s, "profiled_wall_s": wall, "gpu_busy_s": gpu_busy_us / 1e6,
+               "device": torch.cuda.get_device_name(device) if on_gpu else "cpu"}
+    by_gpu = events.table(sort_by="self_device_time_total", row_limit=25)
+    by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=25)
+    (args.out / "profile.json").write_text(json.dumps(summary, indent=2))
+    (args.out / "profile_gpu.txt").write_text(by_gpu)
+    (args.out / "profile_cpu.txt").write_text(by_cpu)
+    print(json.dumps(summary, indent=2))
+    print(by_gpu)
+    print(by_cpu)
+
+
+if __name__ == "__main__":
+    main()

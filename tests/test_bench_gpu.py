@@ -1,0 +1,80 @@
+"""``bench gpu`` on the CPU with the tiny shape: models built from shapes, fixed fractions, the JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cachecraft.bench.gpu import SHAPES, fixed_fraction_methods, random_model
+from cachecraft.cli.app import app
+from cachecraft.methods import CacheCraft
+from tests.conftest import tiny_tokenizer
+
+
+def words(start: int, n: int) -> str:
+    return " ".join(f"w{i}" for i in range(start, start + n))
+
+
+@pytest.fixture
+def long_dataset(tmp_path):
+    """Six items of four 40-word passages: about a thousand tokens in the tiny tokenizer."""
+    items = [{"ctxs": [{"title": "w1", "text": words(10 + 9 * i + 2 * j, 40)} for j in range(4)],
+              "question": words(250 + i, 4), "answers": [words(1, 1)]} for i in range(6)]
+    path = tmp_path / "data.json"
+    path.write_text(json.dumps(items))
+    return path
+
+
+def test_a_shape_is_built_as_published_with_random_weights():
+    lm = random_model("tiny-llama", tiny_tokenizer(), torch.device("cpu"), torch.float32)
+    dims = SHAPES["tiny-llama"].dims
+    config = lm.model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.num_key_value_heads, config.vocab_size) == \
+        (dims["num_hidden_layers"], dims["hidden_size"], dims["num_key_value_heads"], dims["vocab_size"])
+    assert lm.adapter.num_layers == 4 and lm.model.lm_head.weight.dtype == torch.float32
+    again = random_model("tiny-llama", tiny_tokenizer(), torch.device("cpu"), torch.float32)
+    assert again.fingerprint == lm.fingerprint  # seeded: the same weights each time
+    big_vocab = type("Tok", (), {"__len__": lambda self: 50_000})()
+    with pytest.raises(ValueError, match="do not fit"):
+        random_model("tiny-llama", big_vocab, torch.device("cpu"), torch.float32)
+
+
+def test_fixed_fractions_are_the_policy_with_a_floor_and_no_alpha():
+    methods = fixed_fraction_methods([0.02, 0.1])
+    assert all(isinstance(m, CacheCraft) and m.ratio == 0.0 for m in methods)
+    assert [m.floor for m in methods] == [0.02, 0.1]
+    assert [m.label for m in methods] == ["cachecraft@0/F0.02", "cachecraft@0/F0.1"]
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        fixed_fraction_methods([0.0])
+
+
+def test_command_writes_one_sweep_per_tier(long_dataset, tmp_path, cache_dir):
+    tok = tmp_path / "tok"
+    tiny_tokenizer().save_pretrained(tok)
+    out = tmp_path / "gpu.json"
+    args = ["bench", "gpu", "--dataset", str(long_dataset), "--shapes", "tiny-llama", "--tiers", "cpu,disk",
+            "--contexts", "600", "--chunk-tokens", "100", "--methods", "full,prefix,reuse", "--fractions", "0.1",
+            "--tokenizer", str(tok), "--out", str(out)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "gpu" and data["weights"].startswith("random")
+    assert data["command"].startswith("cachecraft bench gpu")
+    assert [(r["shape"], r["tier"]) for r in data["runs"]] == [("tiny-llama", "cpu"), ("tiny-llama", "disk")]
+    cpu, disk = data["runs"]
+    assert [r["method"] for r in cpu["scaling"]] == ["full", "prefix", "reuse", "cachecraft@0/F0.1"]
+    assert [r["method"] for r in disk["scaling"]] == ["full", "reuse", "cachecraft@0/F0.1"]  # prefix: once
+    assert cpu["setup"]["tier"] == "cpu" and disk["setup"]["tier"] == "disk"
+    assert cpu["layers"] == 4 and cpu["kv_bytes_per_token"] == 2 * 4 * 2 * 32 * 2  # K and V, float16
+    for run in data["runs"]:
+        craft = next(r for r in run["scaling"] if r["method"] == "cachecraft@0/F0.1")
+        # a tenth of each cached chunk, rounded down per chunk
+        assert 0.09 <= craft["recompute_fraction"] <= 0.1
+        assert all(r["peak_gpu_mb"] is None for r in run["scaling"])
+    for bad, message in ((["--shapes", "gpt-5"], "--shapes"), (["--tiers", "ssd"], "--tiers"),
+                         (["--fractions", "2"], "--fractions"), (["--tokenizer", str(tmp_path / "no")], "not a dir")):
+        failed = CliRunner().invoke(app, [*args, *bad])
+        assert failed.exit_code == 1 and message in failed.output, failed.output
