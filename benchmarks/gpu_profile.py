@@ -4,7 +4,7 @@ A random-weight model of a real shape (see ``cachecraft bench gpu``), a context 
 ``--tokens`` tokens in 512-token chunks warmed into one tier, then one request with
 ``cachecraft`` at a fixed recompute fraction under ``torch.profiler``. Prints the
 request's wall time, the GPU's busy time within it, and the operators that cost most on
-each side; writes the summary and the tables into OUT.
+each side; writes them into OUT/profile.txt.
 
     python benchmarks/gpu_profile.py OUT --dataset data/musique_dev.json --tokenizer DIR
 """
@@ -74,12 +74,9 @@ def main() -> None:
                "device": torch.cuda.get_device_name(device) if on_gpu else "cpu"}
     by_gpu = events.table(sort_by="self_device_time_total", row_limit=25)
     by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=25)
-    (args.out / "profile.json").write_text(json.dumps(summary, indent=2))
-    (args.out / "profile_gpu.txt").write_text(by_gpu)
-    (args.out / "profile_cpu.txt").write_text(by_cpu)
-    print(json.dumps(summary, indent=2))
-    print(by_gpu)
-    print(by_cpu)
+    report = "\n\n".join([json.dumps(summary, indent=2), "by GPU time:", by_gpu, "by CPU time:", by_cpu])
+    (args.out / "profile.txt").write_text(report)
+    print(report)
 
 
 if __name__ == "__main__":
