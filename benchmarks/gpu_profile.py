@@ -2,7 +2,9 @@
 
 A random-weight model of a real shape (see ``cachecraft bench gpu``), a context of
 ``--tokens`` tokens in 512-token chunks warmed into one tier, then one request with
-``cachecraft`` at a fixed recompute fraction under ``torch.profiler``. Prints the
+``cachecraft`` at a fixed recompute fraction under ``torch.profiler``, after timing two
+requests in each variant of the attention calls (the blocks of 128 queries used before,
+the shipped blocks, the shipped blocks with cuDNN's attention left out). Prints the
 request's wall time, the GPU's busy time within it, and the operators that cost most on
 each side; writes them into OUT/profile.txt.
 
@@ -12,17 +14,20 @@ each side; writes them into OUT/profile.txt.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from cachecraft.bench.gpu import SHAPES, fixed_fraction_methods, random_model
 from cachecraft.bench.scaling import Point, cut_chunks, passage_stream
 from cachecraft.config import Config
 from cachecraft.dataset import load_items
+from cachecraft.engine import attention
 from cachecraft.model.loader import resolve_device
 from cachecraft.pipeline import Pipeline
 from cachecraft.prompt import builder_for
@@ -54,11 +59,27 @@ def main() -> None:
     on_gpu = device.type == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    variants = {  # name: (queries per masked attention call, attention backends; None: torch's choice)
+        "blocks of 128 queries (before)": (128, None),
+        "shipped": (attention.CUDA_QUERY_BLOCK, None),
+        "shipped, cuDNN attention left out": (attention.CUDA_QUERY_BLOCK,
+                                              [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                               SDPBackend.MATH]),
+    }
+    shipped_block, ttfts = attention.CUDA_QUERY_BLOCK, {}
     with TieredStore(config, tiers=(args.tier,)) as store:
         pipe = Pipeline(config, lm=lm, store=store)
         pipe.warm(chunks)
-        for _ in range(2):  # warm-up: lazy initialisation, kernels' first launches, the cost model
-            pipe.answer(chunks, items[1].question, method=method, record=False)
+        for name, (block, backends) in variants.items():
+            attention.CUDA_QUERY_BLOCK = attention.CPU_QUERY_BLOCK = block
+            try:
+                with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+                    pipe.answer(chunks, items[1].question, method=method, record=False)  # warm-up
+                    ttfts[name] = [pipe.answer(chunks, items[i].question, method=method, record=False).ttft_s
+                                   for i in (2, 3)]
+            except (RuntimeError, torch.OutOfMemoryError) as exc:  # a variant that cannot run says why
+                ttfts[name] = f"failed: {str(exc).splitlines()[0]}"
+        attention.CUDA_QUERY_BLOCK = attention.CPU_QUERY_BLOCK = shipped_block
         sync()
         start = time.perf_counter()
         with profile(activities=activities) as prof:
@@ -71,7 +92,8 @@ def main() -> None:
     summary = {"shape": args.shape, "tokens": answer.prompt_tokens, "tier": args.tier,
                "fraction": args.fraction, "recompute_fraction": answer.recompute_fraction,
                "ttft_s": answer.ttft_s, "profiled_wall_s": wall, "gpu_busy_s": gpu_busy_us / 1e6,
-               "device": torch.cuda.get_device_name(device) if on_gpu else "cpu"}
+               "device": torch.cuda.get_device_name(device) if on_gpu else "cpu",
+               "ttft_s_by_variant": ttfts}
     by_gpu = events.table(sort_by="self_device_time_total", row_limit=25)
     by_cpu = events.table(sort_by="self_cpu_time_total", row_limit=25)
     report = "\n\n".join([json.dumps(summary, indent=2), "by GPU time:", by_gpu, "by CPU time:", by_cpu])

@@ -474,3 +474,14 @@ def test_until_ends_generation_once_the_answer_text_satisfies_it(tiny_llama):
                             until=third_call).tolist()
     assert stopped == free[:3]  # asked after each new token, the answer's text alone
     assert seen == [tiny_llama.tokenizer.decode(free[:n], skip_special_tokens=True) for n in (1, 2, 3)]
+
+
+def test_masked_attention_gives_the_same_result_in_any_block_size():
+    """The GPU's one large block and the CPU's small blocks compute the same attention."""
+    g = torch.Generator().manual_seed(3)
+    q, keys, values = (torch.randn(4, 300, 16, generator=g), torch.randn(2, 300, 16, generator=g),
+                       torch.randn(2, 300, 16, generator=g))
+    active = torch.sort(torch.randperm(300, generator=g)[:90]).values
+    outs = [_AttentionPlan(active, 300, block=b).attend(q[:, active], keys, values, 0.25, True) for b in (7, 128, 4096)]
+    assert torch.allclose(outs[0], outs[1], atol=1e-6) and torch.allclose(outs[1], outs[2], atol=1e-6)
+    assert len(_AttentionPlan(active, 300).blocks) == 1  # on the CPU: blocks of 128 queries

@@ -78,6 +78,14 @@ def _mass_per_key(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, scal
     return total
 
 
+# Queries per masked attention call. On the CPU, small blocks follow the causal triangle
+# closely. On a GPU each call costs the host 1-2 ms (cuDNN's attention, measured on an
+# H200 at 32k tokens: 457 calls, 0.78 s of a 1.68 s request), far more than the part of
+# the triangle that large blocks compute for nothing.
+CPU_QUERY_BLOCK = 128
+CUDA_QUERY_BLOCK = 4096
+
+
 class _AttentionPlan:
     """Query blocks for attention over the whole prompt from a sorted subset of positions.
 
@@ -90,7 +98,9 @@ class _AttentionPlan:
 
     DENSE_SHARE = 0.85  # measured: at 6k tokens on CPU, masked blocks lose above about this share
 
-    def __init__(self, active: torch.Tensor, n_total: int, block: int = 128):
+    def __init__(self, active: torch.Tensor, n_total: int, block: int | None = None):
+        if block is None:
+            block = CUDA_QUERY_BLOCK if active.device.type == "cuda" else CPU_QUERY_BLOCK
         self.full = active.numel() == n_total
         self.dense = not self.full and active.numel() >= self.DENSE_SHARE * n_total
         self.active, self.n_total = active, n_total
