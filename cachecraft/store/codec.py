@@ -67,10 +67,13 @@ def assemble(small: dict[str, torch.Tensor], metadata: dict[str, str], keys: lis
     return dataclasses.replace(base, keys=stack_layers(keys), values=stack_layers(values))
 
 
-def copy_to(t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str) -> torch.Tensor:
+def copy_to(t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | str,
+            non_blocking: bool = False) -> torch.Tensor:
     """A fresh copy of ``t`` in ``dtype`` (None: its own) on ``device``.
 
-    A same-dtype CPU copy is one plain memory copy; anything else goes through torch.
+    A same-dtype CPU copy is one plain memory copy; anything else goes through torch
+    (``non_blocking``: from pinned memory to a GPU, returns before the copy is done; the
+    caller waits on the current stream before using the result).
     """
     target = t.dtype if dtype is None else dtype
     if target == t.dtype and torch.device(device).type == "cpu" and t.device.type == "cpu" and t.dim() > 0:
@@ -78,7 +81,7 @@ def copy_to(t: torch.Tensor, dtype: torch.dtype | None, device: torch.device | s
         out = torch.empty(t.shape, dtype=t.dtype)
         out.view(as_int).numpy()[...] = t.detach().contiguous().view(as_int).numpy()
         return out
-    return t.to(device=device, dtype=target, copy=True)
+    return t.to(device=device, dtype=target, copy=True, non_blocking=non_blocking)
 
 
 def checksum(data) -> str:

@@ -80,9 +80,12 @@ class MemoryLayerReader(LayerReader):
         self.metadata = kv.to_tensors()[1]
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        # From pinned host memory to a GPU the copies need not be waited for one by one:
+        # whoever iterates (a LayerStream) waits for the layer on the stream they ran on.
+        early = self.device.type == "cuda" and self._kv.keys.is_pinned()
         for layer in range(self.num_layers):
-            yield (copy_to(self._kv.keys[layer], self._dtype, self._device),
-                   copy_to(self._kv.values[layer], self._dtype, self._device))
+            yield (copy_to(self._kv.keys[layer], self._dtype, self._device, non_blocking=early),
+                   copy_to(self._kv.values[layer], self._dtype, self._device, non_blocking=early))
 
     def read_all(self) -> ChunkKV:
         return dataclasses.replace(self._kv, keys=copy_to(self._kv.keys, self._dtype, self._device),

@@ -22,7 +22,8 @@ after :meth:`close`.
 
 On CUDA the thread copies onto a stream of its own: copies on the compute stream would
 wait for every kernel queued before them, so the engine would stall at each layer with
-the GPU idle. Each layer carries an event; ``layer(i)`` makes the compute stream wait
+the GPU idle. It issues one layer of every variant (from pinned memory without waiting
+for each copy), then waits once for them all. Each layer carries an event; ``layer(i)`` makes the compute stream wait
 for it (the host does not wait) and marks the tensors as used there, so the allocator
 does not hand their memory to the copy stream again while compute still reads them.
 
@@ -135,6 +136,7 @@ class LayerStream:
         for layer in range(max((kv.num_layers for kv in self._streamed), default=0)):
             if self._stop.is_set():
                 break
+            issued = []  # (variant, its K and V of this layer, seconds the thread spent on them)
             for i, (it, kv) in enumerate(zip(iterators, self._streamed)):
                 if it is None or layer >= kv.num_layers:
                     continue
@@ -143,15 +145,12 @@ class LayerStream:
                 if pair is None:
                     iterators[i] = None
                     continue
-                ready = None
-                if side is not None and pair[0].device.type == "cuda":
-                    ready = torch.cuda.Event()
-                    ready.record(side)
-                self._count(kv.tier, pair, time.perf_counter() - start)
-                with self.arrived:
-                    kv._layers.append(pair)
-                    kv._ready.append(ready)
-                    self.arrived.notify_all()
+                if side is None:  # hand each variant's layer over as soon as it is read
+                    self._hand_over(kv, pair, None, time.perf_counter() - start)
+                else:
+                    issued.append((kv, pair, time.perf_counter() - start))
+            if issued:
+                self._hand_over_layer(issued, side)
         else:
             for it, kv in zip(iterators, self._streamed):
                 if it is not None:  # run the reader past its last layer (a disk reader then promotes)
@@ -160,6 +159,29 @@ class LayerStream:
             self._finish(kv)
         for reader in self._readers:
             reader.close()
+
+    def _hand_over(self, kv: StreamedKV, pair: tuple[torch.Tensor, torch.Tensor],
+                   ready: "torch.cuda.Event | None", seconds: float) -> None:
+        self._count(kv.tier, pair, seconds)
+        with self.arrived:
+            kv._layers.append(pair)
+            kv._ready.append(ready)
+            self.arrived.notify_all()
+
+    def _hand_over_layer(self, issued: list, side: "torch.cuda.Stream") -> None:
+        """One layer of every variant, its copies issued on ``side`` (from pinned memory
+        they run while the thread moves on): one event for them all, waited for here so
+        the loading time is the copies' own, shared out by bytes."""
+        ready = torch.cuda.Event()
+        ready.record(side)
+        start = time.perf_counter()
+        ready.synchronize()
+        waited = time.perf_counter() - start
+        sizes = [sum(t.numel() * t.element_size() for t in pair) for _, pair, _ in issued]
+        total = sum(sizes) or 1
+        for (kv, pair, seconds), size in zip(issued, sizes):
+            self._hand_over(kv, pair, ready if pair[0].device.type == "cuda" else None,
+                            seconds + waited * size / total)
 
     def _count(self, tier: str, pair: tuple[torch.Tensor, torch.Tensor], seconds: float) -> None:
         self.read_bytes[tier] = self.read_bytes.get(tier, 0) + sum(t.numel() * t.element_size() for t in pair)
