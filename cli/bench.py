@@ -832,7 +832,10 @@ def bench_gpu_cmd(
     for run in runs:
         console.print(f"[bold]{run['shape']}[/], caches in the {run['tier']} tier")
         print_scaling_table(run)
-    console.print(f"wrote {out}")
+    from cachecraft.bench.plots import gpu_speedups
+
+    plot = gpu_speedups([json.loads(out.read_text())], out.with_suffix(".png"))
+    console.print(f"wrote {out}" + (f" and {plot}" if plot else ""))
 
 
 def _tokenizer_source(given: list[str], config):

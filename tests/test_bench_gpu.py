@@ -62,6 +62,7 @@ def test_command_writes_one_sweep_per_tier(long_dataset, tmp_path, cache_dir):
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["benchmark"] == "gpu" and data["weights"].startswith("random")
+    assert out.with_suffix(".png").stat().st_size > 10_000  # the speedups plotted
     assert data["command"].startswith("cachecraft bench gpu")
     assert [(r["shape"], r["tier"]) for r in data["runs"]] == [("tiny-llama", "cpu"), ("tiny-llama", "disk")]
     cpu, disk = data["runs"]
@@ -78,3 +79,21 @@ def test_command_writes_one_sweep_per_tier(long_dataset, tmp_path, cache_dir):
                          (["--fractions", "2"], "--fractions"), (["--tokenizer", str(tmp_path / "no")], "not a dir")):
         failed = CliRunner().invoke(app, [*args, *bad])
         assert failed.exit_code == 1 and message in failed.output, failed.output
+
+
+def test_the_readme_table_shows_each_tier_with_speedups_recompute_and_peak_memory():
+    from cachecraft.bench.readme import gpu_table
+
+    def row(method, tokens, ttft, speedup, recompute, peak):
+        return {"method": method, "context_tokens": tokens, "ttft_s": ttft, "speedup_vs_full": speedup,
+                "recompute_fraction": recompute, "peak_gpu_mb": peak}
+    run = {"shape": "s", "parameters": 8.0e9, "kv_bytes_per_token": 131072, "tier": "gpu",
+           "scaling": [row("full", 100, 1.0, 1.0, 1.0, 2048), row("reuse", 100, 0.25, 4.0, 0.0, 3072),
+                       row("cachecraft@0/F0.05", 100, 0.5, 2.0, 0.05, 4096)]}
+    data = {"command": "cachecraft bench gpu", "date": "2026-11-26T00:00:00", "code": {"commit": "abc"},
+            "machine": {"gpu": "G", "torch": "2"}, "runs": [run, {**run, "tier": "disk"}]}
+    table = gpu_table(data)
+    assert "| prompt tokens | full | reuse | cachecraft 5% |" in table
+    assert "| 100 | 1.00 s | 0.25 s (4.0x) | 0.50 s (2.0x, 5%) |" in table
+    assert "8.0B parameters, 128 KiB of chunk-cache per token), caches in the **disk** tier" in table
+    assert "at 100 tokens, caches in the gpu tier" in table and "full 2.0, reuse 3.0, cachecraft 5% 4.0." in table

@@ -578,3 +578,51 @@ def diagnose_profiles(data: dict, path: Path) -> Path | None:
         fig.suptitle(f"reused chunk-caches against full prefill ({data.get('model', '?')}, "
                      f"{len(data.get('rows') or [])} items)")
         return _save(fig, path)
+
+
+# -- GPU ----------------------------------------------------------------------------------------
+
+FIXED_FRACTION = re.compile(r"^cachecraft@0/F(?P<fraction>[\d.]+)$")
+
+
+def gpu_label(label: str) -> str:
+    """``cachecraft@0/F0.05`` (the policy at a fixed fraction) -> ``cachecraft 5%``; others as they are."""
+    fixed = FIXED_FRACTION.match(label)
+    return f"cachecraft {float(fixed['fraction']) * 100:g}%" if fixed else label
+
+
+def gpu_speedups(results: Sequence[dict], path: Path, published: tuple[float, float] = (2.2, 3.3)) -> Path | None:
+    """Speedup over full against prompt length: one panel per (model shape, tier) of
+    ``bench gpu`` results, one line per method, CacheBlend's published range shaded."""
+    runs = [run for data in results for run in data.get("runs") or []]
+    if not runs:
+        return None
+    shapes = list(dict.fromkeys(run["shape"] for run in runs))
+    tiers = list(dict.fromkeys(run["tier"] for run in runs))
+    device = next((data["machine"].get("gpu") for data in results if data.get("machine")), None) or "GPU"
+    methods = list(dict.fromkeys(r["method"] for run in runs for r in run["scaling"]))
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(len(shapes), len(tiers), figsize=(5.2 * len(tiers), 4.4 * len(shapes)),
+                                 squeeze=False, sharey=True)
+        for run in runs:
+            ax = axes[shapes.index(run["shape"])][tiers.index(run["tier"])]
+            ax.axhspan(*published, color="#1f77b4", alpha=0.08, label="CacheBlend's paper: 2.2-3.3x")
+            ax.axhline(1.0, color=COLORS["full"], linewidth=1, linestyle=":")
+            rows = [r for r in run["scaling"] if r["method"] != "full"]
+            for label in dict.fromkeys(r["method"] for r in rows):
+                i = methods.index(label)  # the same marker for a method in every panel
+                mine = sorted((r for r in rows if r["method"] == label), key=lambda r: r["context_tokens"])
+                fixed = FIXED_FRACTION.match(label)
+                ax.plot([r["context_tokens"] for r in mine], [r["speedup_vs_full"] for r in mine],
+                        "--" if fixed else "-", marker=MARKERS[i % len(MARKERS)], color=color(label), linewidth=2,
+                        markersize=7, alpha=0.9, label=gpu_label(label))
+            _log_axis(ax, "x")
+            _log_axis(ax, "y")
+            ax.set_title(f"{run['shape']}, caches in the {run['tier']} tier")
+            ax.set_xlabel("prompt length (tokens)")
+            ax.set_ylabel("speedup over full prefill (TTFT, x)")
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), title="method")
+        fig.suptitle(f"Time to first token on an {device}, random weights (1 question per point)", fontsize=15)
+        fig.tight_layout()
+        return _save(fig, path)

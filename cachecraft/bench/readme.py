@@ -247,11 +247,53 @@ def calibrate_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def gpu_table(data: dict) -> str:
+    """Markdown tables of a ``bench gpu`` result: TTFT (speedup over full; recompute where
+    the method recomputes) per prompt length and method, one table per tier, then peak GPU
+    memory at the longest prompt."""
+    from cachecraft.bench.plots import gpu_label
+
+    machine = data["machine"]
+    made = [f"{machine.get('gpu', 'GPU')}", f"torch {machine['torch']}", "random weights",
+            f"{data['date'][:10]}{_commit(data)}"]
+    lines = [f"`{data['command']}` (" + ", ".join(made) + "; one question per point)"]
+    for run in data["runs"]:
+        rows = run["scaling"]
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        cell = {(r["method"], r["context_tokens"]): r for r in rows}
+        lines += ["", f"{run['shape']} ({run['parameters'] / 1e9:.1f}B parameters, "
+                  f"{run['kv_bytes_per_token'] // 1024} KiB of chunk-cache per token), caches in the "
+                  f"**{run['tier']}** tier:", "",
+                  "| prompt tokens | " + " | ".join(gpu_label(m) for m in methods) + " |",
+                  "|---" * (len(methods) + 1) + "|"]
+        for n in sorted({r["context_tokens"] for r in rows}):
+            cells = []
+            for m in methods:
+                r = cell.get((m, n))
+                if r is None:
+                    cells.append("-")
+                elif m == "full":
+                    cells.append(f"{r['ttft_s']:.2f} s")
+                else:
+                    share = "" if m in ("prefix", "reuse") else f", {r['recompute_fraction']:.0%}"
+                    cells.append(f"{r['ttft_s']:.2f} s ({r['speedup_vs_full']:.1f}x{share})")
+            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    gpu_runs = [run for run in data["runs"] if run["tier"] == "gpu"] or data["runs"][:1]
+    for run in gpu_runs:
+        top = max(r["context_tokens"] for r in run["scaling"])
+        peaks = [f"{gpu_label(r['method'])} {r['peak_gpu_mb'] / 1024:.1f}" for r in run["scaling"]
+                 if r["context_tokens"] == top and r.get("peak_gpu_mb") is not None]
+        if peaks:
+            lines += ["", f"Peak GPU memory (GiB) at {top} tokens, caches in the {run['tier']} tier (the model's "
+                      "weights and the tier's caches included): " + ", ".join(peaks) + "."]
+    return "\n".join(lines)
+
+
 # A result is rendered by the kind of benchmark that wrote it (its JSON's "benchmark" field);
 # the names here are results whose table differs from their kind's.
 BY_BENCHMARK = {"quality": quality_table, "calibrate": calibrate_table, "cluster": cluster_table,
                 "diagnose": diagnose_table, "serve": serve_table, "workload": workload_table,
-                "store": store_table, "eviction": eviction_table, "scaling": scaling_table}
+                "store": store_table, "eviction": eviction_table, "scaling": scaling_table, "gpu": gpu_table}
 RENDERERS = {"scaling_8k_revisit": method_rows_table, "scaling_8k_sweep": method_rows_table}
 BLOCK = re.compile(r"<!-- results:([\w.\-]+) -->\n")
 
