@@ -778,7 +778,8 @@ def bench_gpu_cmd(
                                 help="Methods besides the fixed-fraction cachecraft runs; name@ratio sets a ratio."),
     fractions: str = typer.Option("0.02,0.05,0.10", help="Recompute fractions cachecraft runs at (its floor, "
                                   "alpha 0: random weights make its own choice meaningless); '' for none."),
-    tokenizer: list[str] = typer.Option([], help="Tokenizer directory for every shape, or SHAPE=DIR for one "
+    tokenizer: list[str] = typer.Option([], metavar="DIR|SHAPE=DIR",
+                                        help="Tokenizer directory for every shape, or SHAPE=DIR for one "
                                         "(default: the bundled model's named by the shape). Repeatable."),
     max_new_tokens: int = typer.Option(4, min=1, help="Answer length (random weights: only the TTFT counts)."),
 ) -> None:
@@ -786,7 +787,7 @@ def bench_gpu_cmd(
     random weights, with the chunk-caches in each tier. Meant for a CUDA machine (the
     config's device and dtype: bfloat16 there); tiny-llama runs anywhere.
 
-    Example: cachecraft bench gpu --dataset data/musique_dev.json --out benchmarks/results/gpu_h100.json
+    Example: cachecraft bench gpu --dataset musique_dev.json --shapes llama-3.1-8b --out gpu.json
     """
     from rich.progress import Progress
 

@@ -114,7 +114,7 @@ def run_gpu(shapes: Sequence[str], config: Config, items: Sequence[QAItem], spec
     runs: list[dict] = []
     for shape_name in shapes:
         lm = random_model(shape_name, tokenizer_for(SHAPES[shape_name].tokenizer), device, dtype)
-        kv_bytes = (2 * lm.adapter.num_layers * lm.model.config.num_key_value_heads * lm.adapter.head_dim
+        kv_bytes = (2 * lm.adapter.num_layers * lm.adapter.num_kv_heads * lm.adapter.head_dim
                     * torch.tensor([], dtype=getattr(torch, config.kv_dtype)).element_size())
         facts = {"shape": shape_name, "layers": lm.adapter.num_layers,
                  "parameters": sum(p.numel() for p in lm.model.parameters()), "kv_bytes_per_token": kv_bytes}

@@ -23,9 +23,10 @@ after :meth:`close`.
 On CUDA the thread copies onto a stream of its own: copies on the compute stream would
 wait for every kernel queued before them, so the engine would stall at each layer with
 the GPU idle. It issues one layer of every variant (from pinned memory without waiting
-for each copy), then waits once for them all. Each layer carries an event; ``layer(i)`` makes the compute stream wait
-for it (the host does not wait) and marks the tensors as used there, so the allocator
-does not hand their memory to the copy stream again while compute still reads them.
+for each copy), then waits once for them all. Each layer carries an event; ``layer(i)``
+makes the compute stream wait for it (the host does not wait) and marks the tensors as
+used there, so the allocator does not hand their memory to the copy stream again while
+compute still reads them.
 
 A layer that fails its checksum makes that variant's ``layer(i)`` raise
 :class:`CorruptEntryError` (the store has already removed the entry); the other
