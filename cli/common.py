@@ -34,9 +34,9 @@ def _flags_without_types() -> None:
     (``--json <bool>``), which reads as if the flag took a value; flags show none."""
     from typer.core import TyperOption
 
-    shown = TyperOption.display_type_rich
-    if getattr(shown, "flags_without_types", False):
-        return
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "flags_without_types", False):
+        return  # an older typer shows no types in its help: nothing to hide
 
     def display_type_rich(self, ctx):
         return None if self.is_flag and self.metavar is None else shown(self, ctx)

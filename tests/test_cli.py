@@ -180,3 +180,14 @@ def test_real_subprocess_check_model(tiny_dir, tmp_path):
                          capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 1
     assert bad.stderr.strip().count("\n") == 0 and "dataset file not found" in bad.stderr
+
+
+def test_help_formatting_tweak_leaves_a_typer_without_rich_types_alone(monkeypatch):
+    """An older typer has no ``display_type_rich``: the CLI still imports and runs."""
+    from typer.core import TyperOption
+
+    from cachecraft.cli import common
+
+    monkeypatch.setattr(TyperOption, "display_type_rich", None)  # as if typer had none
+    common._flags_without_types()  # no error, and nothing patched in
+    assert TyperOption.display_type_rich is None
