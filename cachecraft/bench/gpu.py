@@ -28,11 +28,11 @@ import torch
 
 from cachecraft.config import Config
 from cachecraft.dataset import QAItem
+from cachecraft.kv import kv_bytes_per_token
 from cachecraft.methods import CacheCraft, Method, Prefix
 from cachecraft.model.loader import LoadedModel, wrap_model
 
 DEFAULT_CONTEXTS = (4000, 8000, 16000, 32000)
-DEFAULT_FRACTIONS = (0.02, 0.05, 0.10)
 GPU_TIERS = ("gpu", "cpu", "disk")
 
 
@@ -114,8 +114,8 @@ def run_gpu(shapes: Sequence[str], config: Config, items: Sequence[QAItem], spec
     runs: list[dict] = []
     for shape_name in shapes:
         lm = random_model(shape_name, tokenizer_for(SHAPES[shape_name].tokenizer), device, dtype)
-        kv_bytes = (2 * lm.adapter.num_layers * lm.adapter.num_kv_heads * lm.adapter.head_dim
-                    * torch.tensor([], dtype=getattr(torch, config.kv_dtype)).element_size())
+        kv_bytes = kv_bytes_per_token(lm.adapter.num_layers, lm.adapter.num_kv_heads, lm.adapter.head_dim,
+                                      config.kv_dtype)
         facts = {"shape": shape_name, "layers": lm.adapter.num_layers,
                  "parameters": sum(p.numel() for p in lm.model.parameters()), "kv_bytes_per_token": kv_bytes}
         for i, tier in enumerate(tiers):

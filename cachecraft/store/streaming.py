@@ -223,7 +223,7 @@ class LayerStream:
 
 def _copy_stream_for(readers: Sequence[LayerReader]) -> "torch.cuda.Stream | None":
     """A CUDA stream for the thread's copies when any reader hands layers out on a GPU."""
-    devices = {r.device for r in readers if getattr(r, "device", None) is not None and r.device.type == "cuda"}
+    devices = {r.device for r in readers if r.device.type == "cuda"}
     if not devices:
         return None
     device = next(iter(devices))
