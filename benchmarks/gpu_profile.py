@@ -6,7 +6,11 @@ A random-weight model of a real shape (see ``cachecraft bench gpu``), a context 
 requests in each variant of the attention calls (the blocks of 128 queries used before,
 the shipped blocks, the shipped blocks with cuDNN's attention left out). Prints the
 request's wall time, the GPU's busy time within it, and the operators that cost most on
-each side; writes them into OUT/profile.txt.
+each side; writes them into OUT/profile.txt. ``--variants shipped`` times the shipped
+attention alone; a plain full prefill is timed beside it either way. At ``--fraction 1``
+the plan recomputes every chunk (as the loading controller plans when recomputing beats
+loading); the chunk-caches such a request makes are not kept, so each timed request
+recomputes everything again.
 
     python benchmarks/gpu_profile.py OUT --dataset data/musique_dev.json --tokenizer DIR
 """
@@ -43,6 +47,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32000)
     parser.add_argument("--tier", default="cpu", choices=("gpu", "cpu", "disk"))
     parser.add_argument("--fraction", type=float, default=0.05)
+    parser.add_argument("--variants", default="all", choices=("all", "shipped"))
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
@@ -66,10 +71,15 @@ def main() -> None:
                                               [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                                                SDPBackend.MATH]),
     }
+    if args.variants == "shipped":
+        variants = {"shipped": variants["shipped"]}
     shipped_block, ttfts = attention.CUDA_QUERY_BLOCK, {}
     with TieredStore(config, tiers=(args.tier,)) as store:
         pipe = Pipeline(config, lm=lm, store=store)
         pipe.warm(chunks)
+        pipe.keep_new_variants = args.fraction < 1  # else the next request would find exact variants
+        ttfts["full"] = [pipe.answer(chunks, items[i].question, method="full", record=False).ttft_s
+                         for i in (1, 2, 3)]
         for name, (block, backends) in variants.items():
             attention.CUDA_QUERY_BLOCK = attention.CPU_QUERY_BLOCK = block
             try:

@@ -95,6 +95,22 @@ def test_chunks_variants_entries_and_tiers(catalog):
     assert [e.kind for e in catalog.events(kind="lost")] == ["lost", "lost"]
 
 
+def test_available_variants_of_many_chunks_in_one_query_match_one_chunk_at_a_time(catalog, monkeypatch):
+    add_variant(catalog, "v1", "c1", tier="cpu", owner="me")
+    add_variant(catalog, "v2", "c1", tier="disk")
+    add_variant(catalog, "v4", "c2", tier="disk")
+    add_variant(catalog, "v3", "c1", tier="gpu", owner="other")  # not readable by "me"
+    add_variant(catalog, "v5", "c3", tier=None)  # recorded, never stored
+    monkeypatch.setattr("cachecraft.catalog.db._IN_BATCH", 2)  # c1, c2 in one query; c3, c9 in another
+    with catalog.read() as tx:
+        many = tx.available_variants_of(["c1", "c2", "c3", "c9", "c1"], "me")
+        one = {c: tx.available_variants(c, "me") for c in ("c1", "c2", "c3", "c9")}
+    assert list(many) == ["c1", "c2", "c3", "c9"]  # asked once each, in order
+    assert {c: [(r.key, r.tier) for r in rs] for c, rs in many.items()} == {
+        "c1": [("v1", "cpu"), ("v2", "disk")], "c2": [("v4", "disk")], "c3": [], "c9": []}
+    assert many == one
+
+
 def test_stored_variants_are_those_some_tier_holds(catalog):
     add_variant(catalog, "v2", "c1", tier="disk")
     add_variant(catalog, "v1", "c1", tier="cpu", owner="other-process")

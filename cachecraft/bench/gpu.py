@@ -93,12 +93,14 @@ def fixed_fraction_methods(fractions: Sequence[float]) -> list[Method]:
 def run_gpu(shapes: Sequence[str], config: Config, items: Sequence[QAItem], specs: Sequence[Method], *,
             tokenizer_for: Callable[[str], object], tiers: Sequence[str] = GPU_TIERS,
             contexts: Sequence[int] = DEFAULT_CONTEXTS, chunk_tokens: int = 512, max_new_tokens: int = 4,
-            on_step: Callable[[str, int, int], None] | None = None,
+            cold: bool = False, on_step: Callable[[str, int, int], None] | None = None,
             on_run: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """One ``bench scaling`` context sweep per (shape, tier), on ``config``'s device and
     dtype; returns ``[{"shape", "tier", "layers", "parameters", "kv_bytes_per_token", **sweep}]``.
     ``prefix`` (which loads nothing from a tier) runs with the first tier only; ``full``
-    runs with every tier, as each sweep's own reference. ``on_run(runs so far)`` is
+    runs with every tier, as each sweep's own reference. With ``cold``, the first tier's
+    sweep also times cachecraft on a first-time request (every chunk a miss), which loads
+    nothing, so one tier tells it all. ``on_run(runs so far)`` is
     called after each sweep, so a long run can be saved as it goes."""
     from cachecraft.bench.scaling import run_scaling
     from cachecraft.model.loader import resolve_device, resolve_dtype
@@ -124,7 +126,8 @@ def run_gpu(shapes: Sequence[str], config: Config, items: Sequence[QAItem], spec
                     on_step(f"{_s} {_t}: {what}", done, total)) if on_step else None
             result = run_scaling(lm, config, items, mine, contexts=contexts, chunk_counts=(),
                                  chunk_tokens=chunk_tokens, repeats=1, max_new_tokens=max_new_tokens,
-                                 tier=tier, share_warm=True, on_step=step)
+                                 tier=tier, share_warm=True, cold=cold and i == 0,
+                                 on_step=step)
             runs.append({**facts, "tier": tier, **result})
             if on_run:
                 on_run(runs)

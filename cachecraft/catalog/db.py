@@ -21,7 +21,7 @@ import sqlite3
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from sqlalchemy import create_engine, delete, event, func, inspect, select, text, update
 from sqlalchemy import exc as sa_exc
@@ -48,6 +48,9 @@ RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 30.0
 MAX_EVENTS = 200_000
 WRITE_LOCK_ID = 0x63616368  # the advisory lock PostgreSQL writers queue on ("cach")
+# Keys per IN list in one query (SQLite allows 32766 bound parameters; a prompt of 500
+# chunks stays one query).
+_IN_BATCH = 500
 
 
 def catalog_path(cache_dir: str | Path) -> Path:
@@ -236,17 +239,29 @@ class CatalogTx:
 
         ``tier`` in each record is the fastest such tier.
         """
-        rows = self.session.execute(
-            select(Variant, Entry.tier).join(Entry, Entry.variant_key == Variant.key)
-            .where(Variant.chunk_key == chunk_key)
-            .where(((Entry.tier == "disk") & (Entry.owner == node)) | (Entry.owner == owner))).all()
+        return self.available_variants_of([chunk_key], owner, node)[chunk_key]
+
+    def available_variants_of(self, chunk_keys: Sequence[str], owner: str,
+                              node: str = "") -> dict[str, list[VariantRecord]]:
+        """:meth:`available_variants` of each chunk in ``chunk_keys``, in one query: per
+        chunk key, its readable variants oldest first (an empty list for none)."""
+        wanted = list(dict.fromkeys(chunk_keys))
         tiers: dict[str, set[str]] = {}
         found: dict[str, Variant] = {}
-        for variant, tier in rows:
-            found[variant.key] = variant
-            tiers.setdefault(variant.key, set()).add(tier)
-        out = [_variant_record(v, tier=fastest_tier(tiers[k])) for k, v in found.items()]
-        return sorted(out, key=lambda r: (r.created_at, r.key))
+        for start in range(0, len(wanted), _IN_BATCH):  # bound the IN list a query carries
+            rows = self.session.execute(
+                select(Variant, Entry.tier).join(Entry, Entry.variant_key == Variant.key)
+                .where(Variant.chunk_key.in_(wanted[start:start + _IN_BATCH]))
+                .where(((Entry.tier == "disk") & (Entry.owner == node)) | (Entry.owner == owner))).all()
+            for variant, tier in rows:
+                found[variant.key] = variant
+                tiers.setdefault(variant.key, set()).add(tier)
+        out: dict[str, list[VariantRecord]] = {key: [] for key in wanted}
+        for key, variant in found.items():
+            out[variant.chunk_key].append(_variant_record(variant, tier=fastest_tier(tiers[key])))
+        for records in out.values():
+            records.sort(key=lambda r: (r.created_at, r.key))
+        return out
 
     def touch(self, variant_key: str, now: float | None = None, hits: int = 1) -> None:
         """Count ``hits`` hits (default one) on a variant."""

@@ -30,6 +30,9 @@ class VariantLookup(Protocol):
     def load_fraction(self, variant: str) -> float | None:
         """The recompute fraction that hides loading ``variant`` from its tier (None: not stored)."""
 
+    def tier_of(self, variant: str) -> str | None:
+        """The tier ``variant`` would load from (None: not stored)."""
+
 
 @dataclass(frozen=True)
 class RequestContext:

@@ -35,12 +35,13 @@ from cachecraft.kv import ChunkKV, chunk_key, kv_bytes_per_token, variant_key
 from cachecraft.methods import Full, Method, PrefillHooks, RequestContext, parse_method, variant_info
 from cachecraft.metrics import RepetitionWatch, degenerate_repetition
 from cachecraft.model.loader import LoadedModel, load_model
+from cachecraft.pipeline.lookup import PlannerStatsMemo, RequestLookup
 from cachecraft.pipeline.cost import COST_PROFILE, cost_model_from_profile, cost_profile, device_label, measure_cost_model
 from cachecraft.pipeline.reports import Answer, ChunkReport, PrefillTrace, Source, WarmReport
 from cachecraft.policy.loading import DEFAULT_BANDWIDTHS, CostModel
 from cachecraft.policy.calibrate import ANY_DEVICE, POLICY_PROFILE
 from cachecraft.policy.shipped import shipped_fit
-from cachecraft.policy.planner import (FITTED_KEYS, PolicyParams, RecomputePlan, VariantInfo, expected_reuse,
+from cachecraft.policy.planner import (FITTED_KEYS, PolicyParams, RecomputePlan, expected_reuse,
                                        params_from_config, policy_settings)
 from cachecraft.prefix_cache import PrefixCache
 from cachecraft.prompt import PromptBuilder, PromptInputError, PromptPieces, builder_for
@@ -95,6 +96,7 @@ class Pipeline:
         self.cost_model: CostModel | None = None  # from the catalog, else measured, on first use
         self._stored_cost_model: CostModel | None = None  # as the catalog holds it
         self._token_counts: dict[str, int] = {}
+        self.planner_stats = PlannerStatsMemo(lambda variant: self.store.stats_of(variant))  # read once each
         self.pending = PendingRequests(config.cache_dir)  # request rows waiting for a lost catalog
         self._sources: dict[str, str] = {}  # chunk key -> the document it came from (catalog rows)
         self._warm: tuple[tuple[int, ...], str] | None = None  # warm context ids and chunk key
@@ -328,41 +330,6 @@ class Pipeline:
                 removed += bool(self.store.delete(record.key))
         return removed
 
-    # -- what methods may ask (cachecraft.methods.VariantLookup) ------------------------------
-    def independent_variant(self, key: str, prefix_key: str) -> str | None:
-        """An independent variant: the one :meth:`warm` makes, else one made alone, else any."""
-        records = self.store.variants_of(key)
-        for wanted in (self._warm_key_of(prefix_key), (prefix_key,)):
-            match = [r for r in records if tuple(r.prefix) == wanted]
-            if match:
-                return match[0].key
-        return records[0].key if records else None
-
-    def variant_infos(self, key: str, prefix_key: str) -> list[VariantInfo]:
-        """Every stored variant of ``key`` made after the system prefix ``prefix_key``,
-        with the statistics the planner reads."""
-        infos = []
-        for record in self.store.variants_of(key):
-            if not record.prefix or record.prefix[0] != prefix_key:
-                continue  # made under another system prompt
-            stats = self.store.stats_of(record.key)
-            if stats is None:
-                continue
-            chunks = tuple(record.prefix[1:])
-            sizes = tuple(self._chunk_tokens(k) for k in chunks)
-            tokens = int(stats.outside.shape[1])
-            infos.append(VariantInfo(record.key, chunks, stats.inter[:, 1:], stats.intra, tokens, sizes))
-        return infos
-
-    def variant_count(self, key: str) -> int:
-        """How many variants of chunk ``key`` are stored."""
-        return len(self.store.variants_of(key))
-
-    def load_fraction(self, variant: str) -> float | None:
-        """The recompute fraction that hides loading ``variant`` from its tier (None: not stored)."""
-        tier = self.store.locate(variant)
-        return None if tier is None else self.ensure_cost_model().r_load(tier)
-
     # -- planning, loading, prefill ------------------------------------------------------------
     def builder_with(self, question_template: str | None) -> PromptBuilder:
         """The prompt builder for ``question_template`` (None: the config's); the system
@@ -378,8 +345,10 @@ class Pipeline:
         pieces = self.builder_with(question_template).build(chunk_texts, question, max_tokens=self.lm.max_context)
         keys = tuple(chunk_key(self.lm.fingerprint, ids) for ids in pieces.chunks)
         self._note_sources(keys, sources)
+        lookup = RequestLookup(self.store, keys, self.planner_stats, self._warm_key_of, self._chunk_tokens,
+                               lambda tier: self.ensure_cost_model().r_load(tier))
         return RequestContext(pieces, chunk_key(self.lm.fingerprint, pieces.prefix), keys, self.lm.adapter,
-                              self.policy, self.config.check_layer, self, self.prefix_cache)
+                              self.policy, self.config.check_layer, lookup, self.prefix_cache)
 
     def _prefill(self, method: Method, request: RequestContext) -> tuple[PreparedRequest, BlendResult]:
         """Plan, load and run the blended prefill; a damaged chunk-cache found on the way
@@ -419,7 +388,7 @@ class Pipeline:
         kvs, tiers = self._load_variants(load.wanted, loading, count_hits)
         used = [name if kv is not None else None for name, kv in zip(load.wanted, kvs)]
         for i, (found, wanted) in enumerate(zip(load.found or (), load.wanted)):
-            tier = self.store.locate(found) if wanted is None and found else None
+            tier = request.lookup.tier_of(found) if wanted is None and found else None
             if tier is not None:  # found but computed in full by choice: still a hit, at fraction 1.0
                 tiers[i], used[i] = tier, found
         segments = method.segments(request, prefix_kv, kvs)

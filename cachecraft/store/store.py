@@ -353,17 +353,22 @@ class TieredStore:
 
     def variants_of(self, chunk: str) -> list[VariantRecord]:
         """Variants of a chunk this store can read (tier = the fastest it can read from)."""
+        return self.variants_of_chunks([chunk])[chunk]
+
+    def variants_of_chunks(self, chunks: Sequence[str]) -> dict[str, list[VariantRecord]]:
+        """:meth:`variants_of` for each of ``chunks``, the catalog asked once."""
         try:
             with self.catalog.read() as tx:
-                local = tx.available_variants(chunk, self.owner, self.node)
+                local = tx.available_variants_of(chunks, self.owner, self.node)
         except CatalogUnavailableError:  # what this process holds in memory is still usable
-            local = self._memory_variants(chunk)
+            local = {chunk: self._memory_variants(chunk) for chunk in chunks}
         if self.shared is None:
             return local
-        have = {r.key for r in local}
-        shared = [_shared_record(m, self.shared.name) for m in self.shared.variants_of(chunk)
-                  if m.variant not in have and m.dtype == self.config.kv_dtype]
-        return local + shared
+        for chunk, records in local.items():
+            have = {r.key for r in records}
+            records += [_shared_record(m, self.shared.name) for m in self.shared.variants_of(chunk)
+                        if m.variant not in have and m.dtype == self.config.kv_dtype]
+        return local
 
     def info(self, key: str) -> VariantRecord | None:
         """What the catalog records about a variant (live or evicted), or None."""

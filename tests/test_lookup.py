@@ -1,0 +1,137 @@
+"""One request's view of the stored chunk-caches: the catalog asked once, statistics read once."""
+
+from __future__ import annotations
+
+import torch
+
+from cachecraft.catalog import VariantRecord
+from cachecraft.config import Config
+from cachecraft.kv import AttentionStats
+from cachecraft.pipeline import Pipeline
+from cachecraft.pipeline.lookup import PlannerStatsMemo, RequestLookup
+from cachecraft.policy.planner import PolicyParams
+from cachecraft.store import TieredStore
+from tests.conftest import tiny_model
+from tests.test_pipeline import CHUNKS, QUESTION
+
+
+def stats(layers: int, prefix: int, tokens: int) -> AttentionStats:
+    inter = torch.arange(layers * prefix, dtype=torch.float32).reshape(layers, prefix)
+    return AttentionStats(outside=torch.zeros(layers, tokens), inter=inter, intra=torch.full((layers,), 1.0))
+
+
+class FakeStore:
+    """Answers variant lookups from a dict and counts how it was asked."""
+
+    shared_first = False
+
+    def __init__(self, records: dict[str, list[VariantRecord]], tiers: dict[str, str]):
+        self._records, self._tiers = records, tiers
+        self.asked: list[tuple[str, ...]] = []
+        self.located: list[str] = []
+
+    def variants_of_chunks(self, chunks):
+        self.asked.append(tuple(chunks))
+        return {c: list(self._records.get(c, [])) for c in chunks}
+
+    def variants_of(self, chunk):
+        self.asked.append((chunk,))
+        return list(self._records.get(chunk, []))
+
+    def locate(self, variant):
+        self.located.append(variant)
+        return self._tiers.get(variant)
+
+
+def record(key: str, chunk: str, prefix: tuple[str, ...], tier: str | None) -> VariantRecord:
+    return VariantRecord(key, chunk, prefix, 100, "float16", tier=tier)
+
+
+def lookup_over(store: FakeStore, reads: list[str]) -> RequestLookup:
+    table = {"a1": stats(2, 3, 5), "a2": stats(2, 2, 5), "b1": stats(2, 2, 7)}
+
+    def read(variant):
+        reads.append(variant)
+        return table.get(variant)
+
+    return RequestLookup(store, ["a", "b", "a"], PlannerStatsMemo(read), warm_prefix=lambda p: (p, "warm"),
+                         chunk_tokens={"a": 5, "b": 7, "warm": 11}.get, r_load={"disk": 0.25, "cpu": 0.0}.get)
+
+
+RECORDS = {"a": [record("a1", "a", ("sys", "b", "warm"), "disk"), record("a2", "a", ("sys", "warm"), "cpu"),
+                 record("a3", "a", ("other", "warm"), "disk")],
+           "b": [record("b1", "b", ("sys", "warm"), None)]}
+
+
+def test_a_request_asks_the_catalog_once_for_all_its_chunks_and_then_never_again():
+    store, reads = FakeStore(RECORDS, {"b1": "disk"}), []
+    lookup = lookup_over(store, reads)
+    assert store.asked == []  # nothing asked until a method asks
+    infos = lookup.variant_infos("a", "sys")
+    assert [i.variant for i in infos] == ["a1", "a2"]  # a3 was made under another system prompt
+    assert lookup.variant_count("a") == 3 and lookup.variant_count("b") == 1
+    assert lookup.independent_variant("a", "sys") == "a2"  # made after the warm context alone
+    assert lookup.independent_variant("b", "sys") == "b1"
+    assert store.asked == [("a", "b")]  # once, each chunk once
+
+
+def test_variant_infos_carry_the_statistics_the_planner_reads_without_the_system_prefix():
+    store, reads = FakeStore(RECORDS, {}), []
+    a1 = lookup_over(store, reads).variant_infos("a", "sys")[0]
+    assert a1.prefix == ("b", "warm") and a1.prefix_tokens == (7, 11) and a1.chunk_tokens == 5
+    assert a1.inter.tolist() == [[1.0, 2.0], [4.0, 5.0]]  # column 0 (the system prefix) dropped
+    assert a1.intra.tolist() == [1.0, 1.0]
+
+
+def test_statistics_are_read_once_per_variant_across_requests():
+    store, reads = FakeStore(RECORDS, {}), []
+    memo_lookup = lookup_over(store, reads)
+    memo_lookup.variant_infos("a", "sys")
+    again = RequestLookup(store, ["a"], memo_lookup._stats, warm_prefix=lambda p: None,
+                          chunk_tokens=lambda k: 1, r_load=lambda t: 0.0)
+    again.variant_infos("a", "sys")
+    assert reads == ["a1", "a2"]  # a3 is not under "sys": never read
+
+
+def test_a_bounded_memo_forgets_the_least_recently_used_and_never_remembers_a_miss():
+    reads = []
+    table = {"x": stats(1, 1, 1), "y": stats(1, 1, 2), "z": stats(1, 1, 3)}
+    memo = PlannerStatsMemo(lambda v: reads.append(v) or table.get(v), capacity=2)
+    for variant in ("x", "y", "x", "z", "x", "y", "gone", "gone"):
+        memo.get(variant)
+    # x, y read; x used again; z read and y dropped (least recent); x kept; y read again
+    assert reads == ["x", "y", "z", "y", "gone", "gone"]
+    assert memo.get("z") is not None and reads[-1] == "z"  # z was dropped when y came back
+
+
+def test_load_fractions_come_from_the_tier_the_record_names_else_the_store():
+    store, reads = FakeStore(RECORDS, {"b1": "disk"}), []
+    lookup = lookup_over(store, reads)
+    assert lookup.load_fraction("a1") == 0.25 and lookup.load_fraction("a2") == 0.0
+    assert lookup.tier_of("a1") == "disk" and store.located == []
+    assert lookup.load_fraction("b1") == 0.25 and store.located == ["b1"]  # its record names no tier
+    assert lookup.tier_of("nowhere") is None
+    store.shared_first = True  # a disk record may then load from the shared tier: the store says
+    assert lookup.tier_of("a1") is None and store.located[-1] == "a1"
+
+
+def test_planning_a_request_from_disk_asks_the_catalog_for_variants_once(cache_dir, monkeypatch):
+    config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 2}, environ={})
+    with TieredStore(config, tiers=("disk",)) as store:
+        pipe = Pipeline(config, lm=tiny_model("llama"), store=store, policy=PolicyParams(alpha=0.5, check_layer=2))
+        pipe.answer(CHUNKS, QUESTION)  # makes a variant of every chunk
+        calls = {"many": 0, "one": 0, "stats": 0}
+        for name, counter in (("variants_of_chunks", "many"), ("variants_of", "one"), ("stats_of", "stats")):
+            real = getattr(store, name)
+            monkeypatch.setattr(store, name, lambda *a, _r=real, _c=counter: calls.__setitem__(_c, calls[_c] + 1)
+                                or _r(*a))
+        reordered = [CHUNKS[1], CHUNKS[0], CHUNKS[2], CHUNKS[3]]
+        first = pipe.answer(reordered, QUESTION)
+        assert calls == {"many": 1, "one": 0, "stats": 4}
+        with store.catalog.read() as tx:
+            made = len(tx.stored_variants()) - 5  # the system prefix's and the four made before
+        assert made >= 1  # the first chunk, now with nothing before it, was made again in full
+        pipe.answer(reordered, QUESTION)
+        assert calls == {"many": 2, "one": 0, "stats": 4 + made}  # only the new variants' statistics read
+    assert 0 < first.recompute_fraction < 1
+    assert [c.tier for c in first.chunks] == ["disk"] * 4
