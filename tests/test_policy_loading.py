@@ -7,7 +7,7 @@ import pytest
 from cachecraft.policy.loading import (FULL_WEIGHT_BYTES, MIN_OBSERVED_BYTES, OBSERVED_WEIGHT, CostModel,
                                        cheapest_tier, load_hiding_fraction, raise_fractions, tier_for_new_variant)
 from tests.conftest import tiny_model
-from cachecraft.pipeline.cost import measure_cost_model
+from cachecraft.pipeline.cost import measure_cost_model, per_token_seconds
 
 # 1 ms of prefill and 2000 KV bytes per token; loading hides at 2000 / (bw * 0.001).
 BANDWIDTHS = {"gpu": 1e9, "cpu": 1e8, "disk": 1e7}  # r_load: 0.002, 0.02, 0.2
@@ -65,6 +65,20 @@ def test_cost_model_measure_on_a_tiny_model():
     assert model.num_layers == 4
     assert model.kv_bytes_per_token_layer == 2 * 2 * 16 * 2  # K and V, 2 KV heads, head_dim 16, float16
     assert 0 < model.r_load("cpu") <= 1
+
+
+def test_cost_model_measure_at_two_sizes_takes_the_slope():
+    lm = tiny_model("llama")
+    model = measure_cost_model(lm, tokens=(8, 32), repeats=1)
+    assert model.prefill_s_per_token_layer > 0 and model.num_layers == 4
+
+
+def test_the_prefill_rate_is_the_slope_between_sizes_without_the_fixed_cost():
+    assert per_token_seconds([128], [0.064]) == pytest.approx(0.0005)  # one size: its average
+    # 0.05 s of launches plus 40 us a token: the slope finds the 40 us, the average would not
+    assert per_token_seconds([1024, 2048], [0.05 + 1024 * 4e-5, 0.05 + 2048 * 4e-5]) == pytest.approx(4e-5)
+    assert per_token_seconds([2048, 1024], [0.05 + 2048 * 4e-5, 0.05 + 1024 * 4e-5]) == pytest.approx(4e-5)
+    assert per_token_seconds([1024, 2048], [0.2, 0.1]) == pytest.approx(0.1 / 2048)  # noise: the longest's average
 
 
 def test_a_timed_full_prefill_moves_the_prefill_rate_by_its_weight():

@@ -170,6 +170,8 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
                            "during it" if whole_read else None,
              "loading_bandwidths": {setting: {t: FREE if math.isinf(b) else b for t, b in model.bandwidths.items()}
                                     for setting, model in runner.learned.items()} or None,
+             "prefill_s_per_token": {"measured at start": runner.measured_prefill_s_per_token,
+                                     "after the sweep": runner.cost_model.prefill_s_per_token},
              "fresh_pipeline_per_request": True,
              "shared_warm_store": ("the methods of one request that use warm chunk-caches read them from one "
                                    "store warmed once; setup_s is that warm's, on the first of them"
@@ -213,6 +215,7 @@ class _Runner:
         self.config = config.replace(max_new_tokens=max_new_tokens)
         # A server measures its cost model once at start-up; so do we, outside the timed requests.
         self.cost_model = measure_cost_model(lm, kv_dtype=getattr(torch, config.kv_dtype))
+        self.measured_prefill_s_per_token = self.cost_model.prefill_s_per_token
         self.learned: dict[str, CostModel] = {}  # per setting, as the last request left it (bandwidths timed)
         self.share_warm = share_warm
         self._shared: tuple[tuple[str, ...], Path, object] | None = None  # (chunks, directory, warmed store)

@@ -8,7 +8,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -17,26 +17,55 @@ from cachecraft.kv import kv_bytes_per_token
 from cachecraft.policy.loading import DEFAULT_BANDWIDTHS, CostModel
 
 
-def measure_cost_model(lm, tokens: int = 128, repeats: int = 3, kv_dtype: torch.dtype = torch.float16,
+# Prompt sizes the start-up measurement times, per device type. On a CPU a prefill's time
+# grows in proportion from a few hundred tokens, so one short prompt tells the rate. On a
+# GPU a short one is bound by kernel launches and host work: on an H100, with Llama-3.1-8B's
+# shape, the rate a 128-token prefill gave made the loading controller recompute 13-50% of
+# chunks it loaded from disk (its choices imply 0.3-1.3 ms a token, against 45-50 us for
+# full prefills of 4k-32k tokens), and the request took 3-4x longer than a full prefill,
+# where recomputing every chunk keeps up with one. There the rate is the slope between two
+# longer prompts: what one more token costs, launches left out.
+PROBE_TOKENS: dict[str, tuple[int, ...]] = {"cpu": (128,), "cuda": (1024, 2048)}
+
+
+def per_token_seconds(sizes: Sequence[int], seconds: Sequence[float]) -> float:
+    """Prefill seconds per token from timings of prompts of ``sizes`` tokens: one size, its
+    average; several, the slope between the shortest and the longest (the average of the
+    longest where timing noise makes the slope zero or negative)."""
+    assert sizes and len(sizes) == len(seconds), "one timing per size"
+    (n0, t0), (n1, t1) = min(zip(sizes, seconds)), max(zip(sizes, seconds))
+    if n1 > n0 and t1 > t0:
+        return (t1 - t0) / (n1 - n0)
+    return max(t1, 1e-9) / n1
+
+
+def measure_cost_model(lm, tokens: int | Sequence[int] | None = None, repeats: int = 3,
+                       kv_dtype: torch.dtype = torch.float16,
                        bandwidths: Mapping[str, float] | None = None) -> CostModel:
-    """Time a full prefill of ``tokens`` tokens on ``lm`` (a LoadedModel; median of
-    ``repeats`` after one warm-up); KV bytes per token from its shape and ``kv_dtype``."""
+    """Time full prefills of ``tokens`` tokens on ``lm`` (a LoadedModel; per size, the
+    median of ``repeats`` after one warm-up; default :data:`PROBE_TOKENS` for its device),
+    rate by :func:`per_token_seconds`; KV bytes per token from its shape and ``kv_dtype``."""
     adapter = lm.adapter
-    ids = [(i * 7919) % 1000 + 10 for i in range(tokens)]
+    if tokens is None:
+        tokens = PROBE_TOKENS.get(lm.device.type, PROBE_TOKENS["cpu"])
+    sizes = (tokens,) if isinstance(tokens, int) else tuple(tokens)
     vocab = getattr(getattr(lm.model, "config", None), "vocab_size", None)
-    if vocab:
-        ids = [i % vocab for i in ids]
-    seconds = []
+    medians = []
     with torch.inference_mode():
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            blended_prefill(adapter, [Segment(ids, "question")])
-            if lm.device.type == "cuda":  # the kernels run after the call returns: time them, not their launch
-                torch.cuda.synchronize(lm.device)
-            seconds.append(time.perf_counter() - start)
-    elapsed = max(statistics.median(seconds[1:]), 1e-9)
+        for size in sizes:
+            ids = [(i * 7919) % 1000 + 10 for i in range(size)]
+            if vocab:
+                ids = [i % vocab for i in ids]
+            seconds = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                blended_prefill(adapter, [Segment(ids, "question")])
+                if lm.device.type == "cuda":  # the kernels run after the call returns: time them, not their launch
+                    torch.cuda.synchronize(lm.device)
+                seconds.append(time.perf_counter() - start)
+            medians.append(statistics.median(seconds[1:]))
     per_layer = kv_bytes_per_token(1, adapter.num_kv_heads, adapter.head_dim, kv_dtype)
-    return CostModel(elapsed / tokens / adapter.num_layers, per_layer, adapter.num_layers,
+    return CostModel(per_token_seconds(sizes, medians) / adapter.num_layers, per_layer, adapter.num_layers,
                      dict(bandwidths if bandwidths is not None else DEFAULT_BANDWIDTHS))
 
 
