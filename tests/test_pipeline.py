@@ -160,8 +160,11 @@ def test_the_cost_model_is_measured_once_and_kept_per_model_and_device(cache_dir
     pipe = Pipeline(config, lm=lm, store=TieredStore(config, tiers=("cpu", "disk")))
     start = pipe.ensure_cost_model()
     assert measured == [1] and set(pipe.startup_s) == {"cost model"}  # lm given: no model loading
-    pipe.answer(CHUNKS, QUESTION, method="full")  # a plain full prefill moves the rate
-    learned = pipe.cost_model
+    short = pipe.answer(CHUNKS[:1], QUESTION, method="full")
+    assert short.prompt_tokens < 128 and pipe.cost_model == start  # shorter than the probe: tells nothing
+    long_chunks = [" ".join(f"w{i}" for i in range(10 + 60 * j, 70 + 60 * j)) + "\n\n" for j in range(3)]
+    assert pipe.answer(long_chunks, QUESTION, method="full").prompt_tokens >= 128
+    learned = pipe.cost_model  # a plain full prefill as long as the probe moves the rate
     assert learned.prefill_s_per_token_layer != start.prefill_s_per_token_layer
     pipe.close()  # what it learned is kept
     stored = pipe.catalog.profile(lm.fingerprint, device_label(lm.device), COST_PROFILE)

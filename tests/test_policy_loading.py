@@ -7,7 +7,7 @@ import pytest
 from cachecraft.policy.loading import (FULL_WEIGHT_BYTES, MIN_OBSERVED_BYTES, OBSERVED_WEIGHT, CostModel,
                                        cheapest_tier, load_hiding_fraction, raise_fractions, tier_for_new_variant)
 from tests.conftest import tiny_model
-from cachecraft.pipeline.cost import measure_cost_model, per_token_seconds
+from cachecraft.pipeline.cost import measure_cost_model, per_token_seconds, teaches_rate
 
 # 1 ms of prefill and 2000 KV bytes per token; loading hides at 2000 / (bw * 0.001).
 BANDWIDTHS = {"gpu": 1e9, "cpu": 1e8, "disk": 1e7}  # r_load: 0.002, 0.02, 0.2
@@ -79,6 +79,11 @@ def test_the_prefill_rate_is_the_slope_between_sizes_without_the_fixed_cost():
     assert per_token_seconds([1024, 2048], [0.05 + 1024 * 4e-5, 0.05 + 2048 * 4e-5]) == pytest.approx(4e-5)
     assert per_token_seconds([2048, 1024], [0.05 + 2048 * 4e-5, 0.05 + 1024 * 4e-5]) == pytest.approx(4e-5)
     assert per_token_seconds([1024, 2048], [0.2, 0.1]) == pytest.approx(0.1 / 2048)  # noise: the longest's average
+
+
+def test_only_a_full_prefill_as_long_as_the_longest_probe_teaches_the_rate():
+    assert not teaches_rate(127, "cpu") and teaches_rate(128, "cpu")
+    assert not teaches_rate(2047, "cuda") and teaches_rate(2048, "cuda:0")  # a GPU's short prefills time launches
 
 
 def test_a_timed_full_prefill_moves_the_prefill_rate_by_its_weight():

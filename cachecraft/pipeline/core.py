@@ -36,7 +36,8 @@ from cachecraft.methods import Full, Method, PrefillHooks, RequestContext, parse
 from cachecraft.metrics import RepetitionWatch, degenerate_repetition
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.pipeline.lookup import PlannerStatsMemo, RequestLookup
-from cachecraft.pipeline.cost import COST_PROFILE, cost_model_from_profile, cost_profile, device_label, measure_cost_model
+from cachecraft.pipeline.cost import (COST_PROFILE, cost_model_from_profile, cost_profile, device_label,
+                                     measure_cost_model, teaches_rate)
 from cachecraft.pipeline.reports import Answer, ChunkReport, PrefillTrace, Source, WarmReport
 from cachecraft.policy.loading import DEFAULT_BANDWIDTHS, CostModel
 from cachecraft.policy.calibrate import ANY_DEVICE, POLICY_PROFILE
@@ -493,8 +494,10 @@ class Pipeline:
             log.warning("the cost model was not stored (%s)", exc)
 
     def _learn_prefill(self, tokens: int, seconds: float) -> None:
-        """Fold one timed full prefill into the cost model's prefill rate."""
-        self.cost_model = self.ensure_cost_model().observe_prefill(tokens, seconds)
+        """Fold one timed full prefill into the cost model's prefill rate (one long enough
+        to tell it: see :func:`teaches_rate`)."""
+        if teaches_rate(tokens, self.lm.device):
+            self.cost_model = self.ensure_cost_model().observe_prefill(tokens, seconds)
 
     def _learn_bandwidth(self, tier: str, nbytes: int, seconds: float) -> None:
         """Fold one timed load from ``tier`` into the cost model's bandwidth for it."""

@@ -28,6 +28,14 @@ from cachecraft.policy.loading import DEFAULT_BANDWIDTHS, CostModel
 PROBE_TOKENS: dict[str, tuple[int, ...]] = {"cpu": (128,), "cuda": (1024, 2048)}
 
 
+def teaches_rate(tokens: int, device: torch.device | str) -> bool:
+    """Whether a timed full prefill of ``tokens`` tokens on ``device`` may move the prefill
+    rate: only one at least as long as the longest start-up probe there. A short one on a
+    GPU times launches and host work: in `bench gpu`, the 32-token warm-up requests moved
+    the rate from 26 us a token to 74-154 us."""
+    return tokens >= max(PROBE_TOKENS.get(torch.device(device).type, PROBE_TOKENS["cpu"]))
+
+
 def per_token_seconds(sizes: Sequence[int], seconds: Sequence[float]) -> float:
     """Prefill seconds per token from timings of prompts of ``sizes`` tokens: one size, its
     average; several, the slope between the shortest and the longest (the average of the
