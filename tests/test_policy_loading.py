@@ -7,7 +7,7 @@ import pytest
 from cachecraft.policy.loading import (FULL_WEIGHT_BYTES, MIN_OBSERVED_BYTES, OBSERVED_WEIGHT, CostModel,
                                        cheapest_tier, load_hiding_fraction, raise_fractions, tier_for_new_variant)
 from tests.conftest import tiny_model
-from cachecraft.pipeline.cost import measure_cost_model, per_token_seconds, teaches_rate
+from cachecraft.pipeline.cost import measure_cost_model, per_token_seconds, probe_sizes, teaches_rate
 
 # 1 ms of prefill and 2000 KV bytes per token; loading hides at 2000 / (bw * 0.001).
 BANDWIDTHS = {"gpu": 1e9, "cpu": 1e8, "disk": 1e7}  # r_load: 0.002, 0.02, 0.2
@@ -82,8 +82,17 @@ def test_the_prefill_rate_is_the_slope_between_sizes_without_the_fixed_cost():
 
 
 def test_only_a_full_prefill_as_long_as_the_longest_probe_teaches_the_rate():
-    assert not teaches_rate(127, "cpu") and teaches_rate(128, "cpu")
-    assert not teaches_rate(2047, "cuda") and teaches_rate(2048, "cuda:0")  # a GPU's short prefills time launches
+    assert not teaches_rate(127, "cpu", 8192) and teaches_rate(128, "cpu", 8192)
+    # a GPU's short prefills time launches; a model with a short window is probed (and taught) within it
+    assert not teaches_rate(2047, "cuda", 8192) and teaches_rate(2048, "cuda:0", 8192)
+    assert teaches_rate(1000, "cuda", 1000) and not teaches_rate(999, "cuda", 1000)
+
+
+def test_probes_stay_within_the_window():
+    assert probe_sizes("cpu", 8192) == (128,) and probe_sizes("cuda", 8192) == (1024, 2048)
+    assert probe_sizes("cuda", 1500) == (1024, 1500) and probe_sizes("cuda", 1024) == (1024,)
+    lm = tiny_model("llama")  # a window of 1024 tokens
+    assert measure_cost_model(lm, tokens=(512, 4096), repeats=1).prefill_s_per_token_layer > 0
 
 
 def test_a_timed_full_prefill_moves_the_prefill_rate_by_its_weight():

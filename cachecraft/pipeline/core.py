@@ -496,7 +496,7 @@ class Pipeline:
     def _learn_prefill(self, tokens: int, seconds: float) -> None:
         """Fold one timed full prefill into the cost model's prefill rate (one long enough
         to tell it: see :func:`teaches_rate`)."""
-        if teaches_rate(tokens, self.lm.device):
+        if teaches_rate(tokens, self.lm.device, self.lm.max_context):
             self.cost_model = self.ensure_cost_model().observe_prefill(tokens, seconds)
 
     def _learn_bandwidth(self, tier: str, nbytes: int, seconds: float) -> None:

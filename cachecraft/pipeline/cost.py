@@ -28,12 +28,19 @@ from cachecraft.policy.loading import DEFAULT_BANDWIDTHS, CostModel
 PROBE_TOKENS: dict[str, tuple[int, ...]] = {"cpu": (128,), "cuda": (1024, 2048)}
 
 
-def teaches_rate(tokens: int, device: torch.device | str) -> bool:
+def probe_sizes(device: torch.device | str, max_context: int) -> tuple[int, ...]:
+    """The prompt sizes the start-up measurement times on ``device`` (:data:`PROBE_TOKENS`),
+    none longer than the model's window of ``max_context`` tokens."""
+    wanted = PROBE_TOKENS.get(torch.device(device).type, PROBE_TOKENS["cpu"])
+    return tuple(sorted({min(n, max_context) for n in wanted}))
+
+
+def teaches_rate(tokens: int, device: torch.device | str, max_context: int) -> bool:
     """Whether a timed full prefill of ``tokens`` tokens on ``device`` may move the prefill
     rate: only one at least as long as the longest start-up probe there. A short one on a
     GPU times launches and host work: in `bench gpu`, the 32-token warm-up requests moved
     the rate from 26 us a token to 74-154 us."""
-    return tokens >= max(PROBE_TOKENS.get(torch.device(device).type, PROBE_TOKENS["cpu"]))
+    return tokens >= max(probe_sizes(device, max_context))
 
 
 def per_token_seconds(sizes: Sequence[int], seconds: Sequence[float]) -> float:
@@ -51,12 +58,14 @@ def measure_cost_model(lm, tokens: int | Sequence[int] | None = None, repeats: i
                        kv_dtype: torch.dtype = torch.float16,
                        bandwidths: Mapping[str, float] | None = None) -> CostModel:
     """Time full prefills of ``tokens`` tokens on ``lm`` (a LoadedModel; per size, the
-    median of ``repeats`` after one warm-up; default :data:`PROBE_TOKENS` for its device),
-    rate by :func:`per_token_seconds`; KV bytes per token from its shape and ``kv_dtype``."""
+    median of ``repeats`` after one warm-up; default :func:`probe_sizes` for its device),
+    rate by :func:`per_token_seconds`; KV bytes per token from its shape and ``kv_dtype``.
+    No size is longer than the model's window."""
     adapter = lm.adapter
     if tokens is None:
-        tokens = PROBE_TOKENS.get(lm.device.type, PROBE_TOKENS["cpu"])
-    sizes = (tokens,) if isinstance(tokens, int) else tuple(tokens)
+        sizes = probe_sizes(lm.device, lm.max_context)
+    else:
+        sizes = tuple(sorted({min(n, lm.max_context) for n in ((tokens,) if isinstance(tokens, int) else tokens)}))
     vocab = getattr(getattr(lm.model, "config", None), "vocab_size", None)
     medians = []
     with torch.inference_mode():
