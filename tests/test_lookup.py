@@ -135,3 +135,32 @@ def test_planning_a_request_from_disk_asks_the_catalog_for_variants_once(cache_d
         assert calls == {"many": 2, "one": 0, "stats": 4 + made}  # only the new variants' statistics read
     assert 0 < first.recompute_fraction < 1
     assert [c.tier for c in first.chunks] == ["disk"] * 4
+
+
+def test_variants_slower_to_load_than_to_recompute_are_not_planned_with_nor_read(cache_dir, monkeypatch):
+    from cachecraft.policy.loading import CostModel
+    from tests.test_pipeline import traced
+
+    config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 2, "kv_dtype": "float32"}, environ={})
+    with TieredStore(config, tiers=("disk",)) as store:
+        pipe = Pipeline(config, lm=tiny_model("llama"), store=store, policy=PolicyParams(alpha=0.5, check_layer=2),
+                        keep_new_variants=False)
+        pipe.warm(CHUNKS)
+        layers = pipe.lm.adapter.num_layers
+        # r_load = 100 bytes / (1e5 B/s * 1e-3 s) per token and layer = 1.0: loading takes as long as recomputing
+        pipe.cost_model = CostModel(1e-3, 100, layers, {"gpu": float("inf"), "cpu": 1e9, "disk": 1e5})
+        reads = []
+        monkeypatch.setattr(store, "stats_of", lambda key: reads.append(key))
+        monkeypatch.setattr(store, "iter_layers", lambda *a, **k: reads.append("bytes"))
+        answer = traced(pipe, CHUNKS, QUESTION)
+        full = traced(pipe, CHUNKS, QUESTION, method="full")
+    assert reads == []  # neither the statistics nor the bytes of a variant not worth loading
+    assert answer.recompute_fraction == 1.0 and all(c.tier == "miss" for c in answer.chunks)
+    assert (answer.logits - full.logits).abs().max() < 1e-4  # computed in full: a full prefill's answer
+
+
+def test_a_variant_is_worth_loading_only_while_its_recompute_would_hide_less_than_the_whole_chunk():
+    from cachecraft.policy.rules import worth_loading
+
+    assert worth_loading(0.0) and worth_loading(0.999)
+    assert not worth_loading(1.0) and not worth_loading(3.3) and not worth_loading(None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar, Protocol, Sequence
+from typing import Callable, ClassVar, Protocol, Sequence
 
 from cachecraft.engine import BlendResult, LayerHook, LayerSource, Segment
 from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo
@@ -21,8 +21,10 @@ class VariantLookup(Protocol):
     def independent_variant(self, key: str, prefix_key: str) -> str | None:
         """A variant made without other chunks before it (the one ``warm`` makes first)."""
 
-    def variant_infos(self, key: str, prefix_key: str) -> list[VariantInfo]:
-        """Every variant of ``key`` made after ``prefix_key``, as the planner sees it."""
+    def variant_infos(self, key: str, prefix_key: str,
+                      keep: Callable[[str], bool] | None = None) -> list[VariantInfo]:
+        """Every variant of ``key`` made after ``prefix_key`` (that ``keep`` keeps, asked
+        before its statistics are read), as the planner sees it."""
 
     def variant_count(self, key: str) -> int:
         """How many variants of ``key`` are stored."""

@@ -2,7 +2,7 @@
 
 Plan: per chunk, the stored variant with the lowest Cache Fix Overhead and a token
 count from it (an exact prefix match recomputes nothing), raised where loading must be
-hidden; a chunk planned to be mostly recomputed is computed in full and kept as a new
+hidden; variants slower to load than their chunk is to recompute are left out; a chunk planned to be mostly recomputed is computed in full and kept as a new
 variant. Select: the planned counts go, in total, to the cached tokens the question
 looks at most at the check layer (with a drift shift: evenly over each chunk, whose other
 tokens then move by the drift those show). Observe: with early termination on, chunks the
@@ -20,7 +20,7 @@ from cachecraft.kv import ChunkKV
 from cachecraft.methods.base import LoadPlan, Method, PrefillHooks, RequestContext
 from cachecraft.methods.experimental import select_question_guided
 from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, layer_at, plan_request
-from cachecraft.policy.rules import early_stop_decision, hide_loading, keep_in_full
+from cachecraft.policy.rules import early_stop_decision, hide_loading, keep_in_full, worth_loading
 from cachecraft.selection import QuestionAttention, first_tokens, spread_tokens
 
 
@@ -63,7 +63,10 @@ class CacheCraft(Method):
 
     def load_plan(self, request: RequestContext) -> LoadPlan:
         lookup, keys = request.lookup, request.keys
-        infos = {key: lookup.variant_infos(key, request.prefix_key) for key in dict.fromkeys(keys)}
+        # a variant slower to load than its chunk is to recompute is left out: its chunk is
+        # computed in full (a miss), and its statistics are not read
+        loadable = lambda variant: worth_loading(lookup.load_fraction(variant))  # noqa: E731
+        infos = {key: lookup.variant_infos(key, request.prefix_key, keep=loadable) for key in dict.fromkeys(keys)}
         planned = plan_request(keys, [len(c) for c in request.pieces.chunks], infos, self.params(request))
         planned = hide_loading(planned, [lookup.load_fraction(p.variant) if p.variant else None
                                          for p in planned.chunks])

@@ -89,13 +89,17 @@ class RequestLookup:
                 return match[0].key
         return records[0].key if records else None
 
-    def variant_infos(self, key: str, prefix_key: str) -> list[VariantInfo]:
-        """Every stored variant of ``key`` made after the system prefix ``prefix_key``,
-        with the statistics the planner reads."""
+    def variant_infos(self, key: str, prefix_key: str,
+                      keep: Callable[[str], bool] | None = None) -> list[VariantInfo]:
+        """Every stored variant of ``key`` made after the system prefix ``prefix_key`` (and
+        passing ``keep``, asked before its statistics are read), with the statistics the
+        planner reads."""
         infos = []
         for record in self.records(key):
             if not record.prefix or record.prefix[0] != prefix_key:
                 continue  # made under another system prompt
+            if keep is not None and not keep(record.key):
+                continue
             stats = self._stats.get(record.key)
             if stats is None:
                 continue

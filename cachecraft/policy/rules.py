@@ -3,6 +3,8 @@
 - :func:`hide_loading`: CacheBlend's loading controller applied to a plan: a chunk
   whose cache comes from a slow tier recomputes at least the fraction that hides
   loading it (``r = max(r*, r_load)``).
+- :func:`worth_loading`: a variant whose load takes longer than recomputing its whole
+  chunk (``r_load >= 1``) is not loaded, nor planned with: its chunk is computed in full.
 - :func:`keep_in_full`: a chunk the plan would recompute mostly is computed in full
   instead, nothing loaded, while it has room for another variant; made in this
   request's context, it is then kept as a new variant.
@@ -22,6 +24,14 @@ from cachecraft.policy.planner import RecomputePlan
 
 MAX_VARIANTS_PER_CHUNK = 4
 KEEP_FIXED_FRACTION = 0.5  # a chunk planned to be at least this much recomputed is computed in full
+
+
+def worth_loading(r_load: float | None) -> bool:
+    """Whether a variant is worth loading: its tier's ``r_load`` (the fraction whose
+    recompute hides its load; None where it is not stored) is under 1. At 1 or more,
+    recomputing the whole chunk is done before its bytes would be (on an H100, Llama-3.1-8B's
+    caches from disk take 3x a full prefill)."""
+    return r_load is not None and r_load < 1.0
 
 
 def hide_loading(plan: RecomputePlan, r_loads: Sequence[float | None]) -> RecomputePlan:
