@@ -21,30 +21,23 @@ import argparse
 import contextlib
 import json
 import time
-from pathlib import Path
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from cachecraft.bench.gpu import SHAPES, fixed_fraction_methods, random_model
-from cachecraft.bench.scaling import Point, cut_chunks, passage_stream
+from cachecraft.bench.gpu import add_context_arguments, fixed_fraction_methods, shape_context
 from cachecraft.config import Config
 from cachecraft.dataset import load_items
 from cachecraft.engine import attention
 from cachecraft.model.loader import resolve_device
 from cachecraft.pipeline import Pipeline
-from cachecraft.prompt import builder_for
 from cachecraft.store import TieredStore
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--dataset", type=Path, required=True)
-    parser.add_argument("--tokenizer", type=Path, required=True)
-    parser.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
-    parser.add_argument("--tokens", type=int, default=32000)
+    add_context_arguments(parser, shape="llama-3.1-8b", tokens=32000)
     parser.add_argument("--tier", default="cpu", choices=("gpu", "cpu", "disk"))
     parser.add_argument("--fraction", type=float, default=0.05)
     parser.add_argument("--variants", default="all", choices=("all", "shipped"))
@@ -55,11 +48,9 @@ def main() -> None:
     config = Config.load(overrides={"max_new_tokens": 1, "repetition_fallback": False})
     device = resolve_device(config.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    lm = random_model(args.shape, AutoTokenizer.from_pretrained(str(args.tokenizer)), device, dtype)
     items = load_items(args.dataset)
-    builder = builder_for(lm.tokenizer, config)
-    point = Point("context", args.tokens, round(args.tokens / 512))
-    chunks = cut_chunks(builder, passage_stream(builder, items, 0, args.tokens), items[0].question, point)
+    lm, chunks = shape_context(args.shape, AutoTokenizer.from_pretrained(str(args.tokenizer)), device, dtype,
+                               config, items, args.tokens)
     (method,) = fixed_fraction_methods([args.fraction])
     on_gpu = device.type == "cuda"
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)

@@ -17,28 +17,21 @@ import argparse
 import json
 import statistics
 import tempfile
-from pathlib import Path
 
 import torch
 
 from cachecraft.bench.common import code_identity, machine
-from cachecraft.bench.gpu import SHAPES, random_model
-from cachecraft.bench.scaling import Point, cut_chunks, passage_stream
+from cachecraft.bench.gpu import add_context_arguments, shape_context
 from cachecraft.config import Config
 from cachecraft.dataset import load_items
 from cachecraft.pipeline import Pipeline
 from cachecraft.policy.loading import CostModel
-from cachecraft.prompt import builder_for
 from cachecraft.store import TieredStore
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--dataset", type=Path, required=True)
-    parser.add_argument("--tokenizer", type=Path, required=True)
-    parser.add_argument("--shape", default="tiny-llama", choices=sorted(SHAPES))
-    parser.add_argument("--tokens", type=int, default=8000)
+    add_context_arguments(parser, shape="tiny-llama", tokens=8000)
     parser.add_argument("--questions", type=int, default=5)
     parser.add_argument("--disk-bandwidth", type=float, default=1e4)
     args = parser.parse_args()
@@ -46,12 +39,9 @@ def main() -> None:
 
     config = Config.load(overrides={"max_new_tokens": 1, "repetition_fallback": False,
                                     "cache_dir": tempfile.mkdtemp(prefix="slow-tier-")})
-    lm = random_model(args.shape, AutoTokenizer.from_pretrained(str(args.tokenizer)), torch.device("cpu"),
-                      torch.float32)
     items = load_items(args.dataset)
-    builder = builder_for(lm.tokenizer, config)
-    point = Point("context", args.tokens, round(args.tokens / 512))
-    chunks = cut_chunks(builder, passage_stream(builder, items, 0, args.tokens), items[0].question, point)
+    lm, chunks = shape_context(args.shape, AutoTokenizer.from_pretrained(str(args.tokenizer)), torch.device("cpu"),
+                               torch.float32, config, items, args.tokens)
 
     def fresh(store: TieredStore) -> Pipeline:
         pipe = Pipeline(config, lm=lm, store=store, keep_new_variants=False)

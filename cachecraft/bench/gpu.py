@@ -82,6 +82,34 @@ def random_model(shape_name: str, tokenizer, device: torch.device, dtype: torch.
     return wrap_model(shape_name, model, tokenizer, device, dtype)
 
 
+def add_context_arguments(parser, shape: str, tokens: int) -> None:
+    """The arguments of the one-request scripts in ``benchmarks/``: OUT, ``--dataset``,
+    ``--tokenizer``, ``--shape`` and ``--tokens`` (for :func:`shape_context`)."""
+    from pathlib import Path
+
+    parser.add_argument("out", type=Path, help="where the results go")
+    parser.add_argument("--dataset", type=Path, required=True, help="MuSiQue-format file of passages")
+    parser.add_argument("--tokenizer", type=Path, required=True, help="tokenizer directory for the shape")
+    parser.add_argument("--shape", default=shape, choices=sorted(SHAPES))
+    parser.add_argument("--tokens", type=int, default=tokens, help="context length in tokens")
+
+
+def shape_context(shape_name: str, tokenizer, device: torch.device, dtype: torch.dtype, config: Config,
+                  items: Sequence[QAItem], tokens: int,
+                  chunk_tokens: int = 512) -> tuple[LoadedModel, list[str]]:
+    """A random-weight model of ``shape_name`` and a context of about ``tokens`` tokens of
+    ``items``' passages cut into ``chunk_tokens``-token chunks (as `bench scaling` cuts
+    them, the first item's question closing it): what the one-request scripts in
+    ``benchmarks/`` time."""
+    from cachecraft.bench.scaling import Point, cut_chunks, passage_stream
+    from cachecraft.prompt import builder_for
+
+    lm = random_model(shape_name, tokenizer, device, dtype)
+    builder = builder_for(lm.tokenizer, config)
+    point = Point("context", tokens, round(tokens / chunk_tokens))
+    return lm, cut_chunks(builder, passage_stream(builder, items, 0, tokens), items[0].question, point)
+
+
 def fixed_fraction_methods(fractions: Sequence[float]) -> list[Method]:
     """``cachecraft`` recomputing ``f`` of every cached chunk, for each ``f``: its floor, with alpha 0."""
     bad = [f for f in fractions if not 0.0 < f <= 1.0]
