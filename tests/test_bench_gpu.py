@@ -8,7 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cachecraft.bench.gpu import SHAPES, fixed_fraction_methods, random_model
+from cachecraft.bench.gpu import SHAPES, add_context_arguments, fixed_fraction_methods, random_model, shape_context
 from cachecraft.cli.app import app
 from cachecraft.methods import CacheCraft
 from tests.conftest import tiny_tokenizer
@@ -104,3 +104,21 @@ def test_the_readme_table_shows_each_tier_with_speedups_recompute_and_peak_memor
     assert "| 100 | 1.00 s | 0.25 s (4.0x) | 0.50 s (2.0x, 5%) |" in table
     assert "8.0B parameters, 128 KiB of chunk-cache per token), caches in the **disk** tier" in table
     assert "at 100 tokens, caches in the gpu tier" in table and "full 2.0, reuse 3.0, cachecraft 5% 4.0." in table
+
+
+def test_the_one_request_scripts_context_is_cut_as_bench_scaling_cuts_it(long_dataset, tmp_path):
+    import argparse
+
+    from cachecraft.config import Config
+    from cachecraft.dataset import load_items
+
+    parser = argparse.ArgumentParser()
+    add_context_arguments(parser, shape="tiny-llama", tokens=600)
+    args = parser.parse_args([str(tmp_path / "out"), "--dataset", str(long_dataset), "--tokenizer", "tok"])
+    assert (args.shape, args.tokens, args.out) == ("tiny-llama", 600, tmp_path / "out")
+    config = Config.load(overrides={"cache_dir": tmp_path / "cache"}, environ={})
+    lm, chunks = shape_context(args.shape, tiny_tokenizer(), torch.device("cpu"), torch.float32, config,
+                               load_items(args.dataset), args.tokens, chunk_tokens=100)
+    assert lm.adapter.num_layers == SHAPES["tiny-llama"].dims["num_hidden_layers"]
+    assert len(chunks) == 6  # 600 tokens in chunks of 100
+    assert all(len(lm.tokenizer(c, add_special_tokens=False)["input_ids"]) <= 101 for c in chunks)
