@@ -39,6 +39,33 @@ def client(redis_server):  # noqa: F811
     c.close()
 
 
+def test_a_request_looks_up_all_its_chunks_in_the_shared_tier_in_two_round_trips(tmp_path, redis_server,  # noqa: F811
+                                                                                  monkeypatch):
+    one, other = make_kv(11, layers=2), make_kv(12, layers=2)
+    again = make_kv(11, layers=2, prefix=("p",))  # a second variant of the first chunk
+    with node(tmp_path, "a", redis_server.url) as a:
+        for kv in (one, other, again):
+            a.put(kv, cost_s=0.1)
+    with node(tmp_path, "b", redis_server.url) as b:
+        alone = {c: b.shared.variants_of(c) for c in (one.chunk, other.chunk, "no-such-chunk")}
+        sent = []
+        real = b.shared.client.execute_command
+        monkeypatch.setattr(b.shared.client, "execute_command", lambda *a, **k: sent.append(a[0]) or real(*a, **k))
+        pipelined = []
+        real_pipe = b.shared.client.pipeline
+        monkeypatch.setattr(b.shared.client, "pipeline",
+                            lambda *a, **k: pipelined.append(1) or real_pipe(*a, **k))
+        many = b.shared.variants_of_chunks([one.chunk, other.chunk, "no-such-chunk", one.chunk])
+        records = b.variants_of_chunks([one.chunk, other.chunk])
+    assert many == alone  # the same answers as one chunk at a time
+    assert sorted(m.variant for m in many[one.chunk]) == sorted([one.variant, again.variant])
+    assert [m.variant for m in many[other.chunk]] == [other.variant] and many["no-such-chunk"] == []
+    assert pipelined == [1, 1] and sent == ["HMGET", "HMGET"]  # per lookup: one pipeline, one HMGET
+    assert {c: sorted(r.key for r in rs) for c, rs in records.items()} == {
+        one.chunk: sorted([one.variant, again.variant]), other.chunk: [other.variant]}
+    assert all(r.tier == "redis" for rs in records.values() for r in rs)
+
+
 def test_a_variant_put_on_one_node_is_read_bit_identical_on_another_and_promoted(tmp_path, redis_server, client):  # noqa: F811
     kv = make_kv(1, layers=3)
     with node(tmp_path, "a", redis_server.url) as a:

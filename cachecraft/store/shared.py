@@ -267,14 +267,27 @@ class RedisTier:
 
     def variants_of(self, chunk: str) -> list[SharedMeta]:
         """What the tier holds of a chunk (empty when unreachable)."""
-        def run() -> list[SharedMeta]:
-            keys = sorted(k.decode() for k in self.client.smembers(f"{PREFIX}chunk:{chunk}"))
-            if not keys:
-                return []
-            metas = [_parse_meta(r) for r in self.client.hmget(f"{PREFIX}meta", keys)]
-            return [m for m in metas if m is not None and m.chunk == chunk]
+        return self.variants_of_chunks([chunk])[chunk]
 
-        return self._call("lookup", run, default=[])
+    def variants_of_chunks(self, chunks: Sequence[str]) -> dict[str, list[SharedMeta]]:
+        """:meth:`variants_of` for each of ``chunks`` in two round trips, however many
+        chunks a request has (each chunk's members, then every variant's facts)."""
+        wanted = list(dict.fromkeys(chunks))
+
+        def run() -> dict[str, list[SharedMeta]]:
+            pipe = self.client.pipeline(transaction=False)
+            for chunk in wanted:
+                pipe.smembers(f"{PREFIX}chunk:{chunk}")
+            members = {chunk: sorted(k.decode() for k in found) for chunk, found in zip(wanted, pipe.execute())}
+            keys = [k for chunk in wanted for k in members[chunk]]
+            raws = dict(zip(keys, self.client.hmget(f"{PREFIX}meta", keys))) if keys else {}
+            out = {}
+            for chunk in wanted:
+                metas = [_parse_meta(raws[k]) for k in members[chunk]]
+                out[chunk] = [m for m in metas if m is not None and m.chunk == chunk]
+            return out
+
+        return self._call("lookup", run, default=None) or {chunk: [] for chunk in wanted}
 
     def meta(self, variant: str) -> SharedMeta | None:
         """The recorded facts about a variant, or None."""

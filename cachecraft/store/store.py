@@ -364,9 +364,10 @@ class TieredStore:
             local = {chunk: self._memory_variants(chunk) for chunk in chunks}
         if self.shared is None:
             return local
+        shared = self.shared.variants_of_chunks(list(local))
         for chunk, records in local.items():
             have = {r.key for r in records}
-            records += [_shared_record(m, self.shared.name) for m in self.shared.variants_of(chunk)
+            records += [_shared_record(m, self.shared.name) for m in shared[chunk]
                         if m.variant not in have and m.dtype == self.config.kv_dtype]
         return local
 
