@@ -169,6 +169,7 @@ def test_the_cost_model_is_measured_once_and_kept_per_model_and_device(cache_dir
     pipe.close()  # what it learned is kept
     stored = pipe.catalog.profile(lm.fingerprint, device_label(lm.device), COST_PROFILE)
     assert stored["prefill_s_per_token_layer"] == learned.prefill_s_per_token_layer
+    assert stored["probe_tokens"] == [128]  # on a CPU, one 128-token probe
 
     again = Pipeline(config, lm=lm, store=TieredStore(config, tiers=("cpu", "disk")))
     assert again.ensure_cost_model().prefill_s_per_token_layer == learned.prefill_s_per_token_layer

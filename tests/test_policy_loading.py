@@ -7,7 +7,8 @@ import pytest
 from cachecraft.policy.loading import (FULL_WEIGHT_BYTES, MIN_OBSERVED_BYTES, OBSERVED_WEIGHT, CostModel,
                                        cheapest_tier, load_hiding_fraction, raise_fractions, tier_for_new_variant)
 from tests.conftest import tiny_model
-from cachecraft.pipeline.cost import measure_cost_model, per_token_seconds, probe_sizes, teaches_rate
+from cachecraft.pipeline.cost import (cost_model_from_profile, cost_profile, measure_cost_model, per_token_seconds,
+                                     probe_sizes, teaches_rate)
 
 # 1 ms of prefill and 2000 KV bytes per token; loading hides at 2000 / (bw * 0.001).
 BANDWIDTHS = {"gpu": 1e9, "cpu": 1e8, "disk": 1e7}  # r_load: 0.002, 0.02, 0.2
@@ -86,6 +87,18 @@ def test_only_a_full_prefill_as_long_as_the_longest_probe_teaches_the_rate():
     # a GPU's short prefills time launches; a model with a short window is probed (and taught) within it
     assert not teaches_rate(2047, "cuda", 8192) and teaches_rate(2048, "cuda:0", 8192)
     assert teaches_rate(1000, "cuda", 1000) and not teaches_rate(999, "cuda", 1000)
+
+
+def test_a_stored_rate_measured_at_other_probe_sizes_is_measured_again():
+    model = CostModel(2e-4, 500, 4, {"cpu": 3e9, "disk": 5e8}, frozenset({"disk"}))
+    stored = cost_profile(model, (1024, 2048))
+    assert stored["probe_tokens"] == [1024, 2048] and stored["bandwidths"] == {"disk": 5e8}
+    back = cost_model_from_profile(stored, 4, 500, {"cpu": 3e9, "disk": 7e8}, (1024, 2048))
+    assert back == model  # the rate and the timed disk bandwidth come back; cpu as assumed
+    assert cost_model_from_profile(stored, 4, 500, {"cpu": 3e9, "disk": 7e8}, (128,)) is None
+    older = {k: v for k, v in stored.items() if k != "probe_tokens"}  # stored before probes were named
+    assert cost_model_from_profile(older, 4, 500, {"cpu": 3e9, "disk": 7e8}, (1024, 2048)) is None
+    assert cost_model_from_profile(older, 4, 500, {"cpu": 3e9, "disk": 7e8}) is not None  # no probe asked
 
 
 def test_probes_stay_within_the_window():

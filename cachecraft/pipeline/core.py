@@ -37,7 +37,7 @@ from cachecraft.metrics import RepetitionWatch, degenerate_repetition
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.pipeline.lookup import PlannerStatsMemo, RequestLookup
 from cachecraft.pipeline.cost import (COST_PROFILE, cost_model_from_profile, cost_profile, device_label,
-                                     measure_cost_model, teaches_rate)
+                                     measure_cost_model, probe_sizes, teaches_rate)
 from cachecraft.pipeline.reports import Answer, ChunkReport, PrefillTrace, Source, WarmReport
 from cachecraft.policy.loading import DEFAULT_BANDWIDTHS, CostModel
 from cachecraft.policy.calibrate import ANY_DEVICE, POLICY_PROFILE
@@ -444,7 +444,7 @@ class Pipeline:
             adapter = self.lm.adapter
             per_layer = kv_bytes_per_token(1, adapter.num_kv_heads, adapter.head_dim, self.store.stored_dtype)
             stored = cost_model_from_profile(self._cost_profile(), adapter.num_layers, per_layer,
-                                             self.starting_bandwidths())
+                                             self.starting_bandwidths(), self._probe_tokens())
             if stored is not None:
                 self.cost_model = self._stored_cost_model = stored
                 self.startup_s["cost model (stored)"] = time.perf_counter() - start
@@ -474,6 +474,10 @@ class Pipeline:
             found = None
         return found or shipped_fit(self.config.model, self.lm.model.config)
 
+    def _probe_tokens(self) -> tuple[int, ...]:
+        """The prompt sizes the prefill rate is measured at for this model and device."""
+        return probe_sizes(self.lm.device, self.lm.max_context)
+
     def _cost_profile(self) -> dict | None:
         try:
             return self.catalog.profile(self.lm.fingerprint, device_label(self.lm.device), COST_PROFILE)
@@ -488,7 +492,7 @@ class Pipeline:
             return
         try:
             self.catalog.save_profile(self.lm.fingerprint, device_label(self.lm.device), COST_PROFILE,
-                                      cost_profile(model))
+                                      cost_profile(model, self._probe_tokens()))
             self._stored_cost_model = model
         except CatalogError as exc:  # the next process measures again: nothing else is lost
             log.warning("the cost model was not stored (%s)", exc)

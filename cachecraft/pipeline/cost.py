@@ -109,29 +109,35 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def cost_profile(model: CostModel) -> dict[str, Any]:
-    """What of ``model`` is worth keeping: the prefill rate, its shape and each timed tier's
-    bandwidth (assumed and infinite ones are left out: they are not measurements)."""
+def cost_profile(model: CostModel, probe_tokens: Sequence[int] = ()) -> dict[str, Any]:
+    """What of ``model`` is worth keeping: the prefill rate, its shape, the probe sizes its
+    rate was first measured at, and each timed tier's bandwidth (assumed and infinite ones
+    are left out: they are not measurements)."""
     return {"prefill_s_per_token_layer": model.prefill_s_per_token_layer,
             "kv_bytes_per_token_layer": model.kv_bytes_per_token_layer, "num_layers": model.num_layers,
+            "probe_tokens": [int(n) for n in probe_tokens],
             "bandwidths": {t: model.bandwidths[t] for t in sorted(model.timed)
                            if math.isfinite(model.bandwidths.get(t, math.inf))}}
 
 
 def cost_model_from_profile(profile: Mapping[str, Any] | None, num_layers: int, kv_bytes_per_token_layer: int,
-                            bandwidths: Mapping[str, float]) -> CostModel | None:
+                            bandwidths: Mapping[str, float],
+                            probe_tokens: Sequence[int] | None = None) -> CostModel | None:
     """The cost model a stored :func:`cost_profile` describes, starting from ``bandwidths``
-    for untimed tiers; None when there is none, or it was measured for another shape."""
+    for untimed tiers; None when there is none, it was measured for another shape, or (given
+    ``probe_tokens``) its rate was measured at other probe sizes: a GPU's rate stored before
+    the probes were longer was the launch-bound one, so it is measured again."""
     if not profile:
         return None
     try:
         rate = float(profile["prefill_s_per_token_layer"])
         same_shape = (int(profile["num_layers"]) == num_layers
                       and int(profile["kv_bytes_per_token_layer"]) == kv_bytes_per_token_layer)
+        same_probe = probe_tokens is None or [int(n) for n in profile.get("probe_tokens") or ()] == list(probe_tokens)
         timed = {str(t): float(b) for t, b in dict(profile.get("bandwidths") or {}).items()}
     except (KeyError, TypeError, ValueError):
         return None
-    if not same_shape or not rate > 0 or not math.isfinite(rate):
+    if not same_shape or not same_probe or not rate > 0 or not math.isfinite(rate):
         return None
     timed = {t: b for t, b in timed.items() if b > 0 and math.isfinite(b) and math.isfinite(bandwidths.get(t, 0.0))}
     return CostModel(rate, kv_bytes_per_token_layer, num_layers, {**bandwidths, **timed}, frozenset(timed))
