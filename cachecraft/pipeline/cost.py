@@ -31,8 +31,12 @@ PROBE_TOKENS: dict[str, tuple[int, ...]] = {"cpu": (128,), "cuda": (1024, 2048)}
 def probe_sizes(device: torch.device | str, max_context: int) -> tuple[int, ...]:
     """The prompt sizes the start-up measurement times on ``device`` (:data:`PROBE_TOKENS`),
     none longer than the model's window of ``max_context`` tokens."""
-    wanted = PROBE_TOKENS.get(torch.device(device).type, PROBE_TOKENS["cpu"])
-    return tuple(sorted({min(n, max_context) for n in wanted}))
+    return _within_window(PROBE_TOKENS.get(torch.device(device).type, PROBE_TOKENS["cpu"]), max_context)
+
+
+def _within_window(sizes: Sequence[int], max_context: int) -> tuple[int, ...]:
+    """``sizes`` cut to the model's window, each once, shortest first."""
+    return tuple(sorted({min(n, max_context) for n in sizes}))
 
 
 def teaches_rate(tokens: int, device: torch.device | str, max_context: int) -> bool:
@@ -65,7 +69,7 @@ def measure_cost_model(lm, tokens: int | Sequence[int] | None = None, repeats: i
     if tokens is None:
         sizes = probe_sizes(lm.device, lm.max_context)
     else:
-        sizes = tuple(sorted({min(n, lm.max_context) for n in ((tokens,) if isinstance(tokens, int) else tokens)}))
+        sizes = _within_window((tokens,) if isinstance(tokens, int) else tokens, lm.max_context)
     vocab = getattr(getattr(lm.model, "config", None), "vocab_size", None)
     medians = []
     with torch.inference_mode():
