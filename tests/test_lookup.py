@@ -70,6 +70,8 @@ def test_a_request_asks_the_catalog_once_for_all_its_chunks_and_then_never_again
     infos = lookup.variant_infos("a", "sys")
     assert [i.variant for i in infos] == ["a1", "a2"]  # a3 was made under another system prompt
     assert lookup.variant_count("a") == 3 and lookup.variant_count("b") == 1
+    assert lookup.variant_count("a", "sys") == 2 and lookup.variant_count("a", "other") == 1
+    assert lookup.variant_count("b", "other") == 0
     assert lookup.independent_variant("a", "sys") == "a2"  # made after the warm context alone
     assert lookup.independent_variant("b", "sys") == "b1"
     assert store.asked == [("a", "b")]  # once, each chunk once
@@ -157,6 +159,40 @@ def test_variants_slower_to_load_than_to_recompute_are_not_planned_with_nor_read
     assert reads == []  # neither the statistics nor the bytes of a variant not worth loading
     assert answer.recompute_fraction == 1.0 and all(c.tier == "miss" for c in answer.chunks)
     assert (answer.logits - full.logits).abs().max() < 1e-4  # computed in full: a full prefill's answer
+
+
+def test_a_chunk_whose_variants_are_not_worth_loading_keeps_new_ones_only_up_to_the_cap(cache_dir):
+    from cachecraft.policy.loading import CostModel
+    from cachecraft.policy.rules import MAX_VARIANTS_PER_CHUNK
+
+    config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 2}, environ={})
+    with TieredStore(config, tiers=("disk",)) as store:
+        pipe = Pipeline(config, lm=tiny_model("llama"), store=store, policy=PolicyParams(alpha=0.5, check_layer=2))
+        pipe.warm(CHUNKS)  # one variant of each chunk
+        layers = pipe.lm.adapter.num_layers
+        # r_load = 1.0 from disk (as in the test above): no variant is worth loading, so
+        # each request computes every chunk in full, in its own order's context
+        pipe.cost_model = CostModel(1e-3, 100, layers, {"gpu": float("inf"), "cpu": 1e9, "disk": 1e5})
+        orders = [[CHUNKS[i] for i in order] for order in
+                  ([1, 0, 2, 3], [2, 1, 0, 3], [3, 2, 1, 0], [0, 3, 1, 2], [1, 3, 0, 2], [2, 0, 3, 1])]
+        for order in orders:
+            answer = pipe.answer(order, QUESTION)
+            assert answer.recompute_fraction == 1.0 and all(c.tier == "miss" for c in answer.chunks)
+        with store.catalog.read() as tx:
+            per_chunk = {}
+            for variant in tx.stored_variants():
+                per_chunk[variant.chunk_key] = per_chunk.get(variant.chunk_key, 0) + 1
+    # six orders put every chunk after six different contexts, yet each keeps only the cap
+    chunk_counts = sorted(n for chunk, n in per_chunk.items() if chunk in {c.chunk for c in answer.chunks})
+    assert chunk_counts == [MAX_VARIANTS_PER_CHUNK] * 4
+
+
+def test_room_for_another_variant_ends_at_the_cap():
+    from cachecraft.policy.rules import room_for_variant
+
+    assert room_for_variant(0) and room_for_variant(3)
+    assert not room_for_variant(4) and not room_for_variant(9)
+    assert room_for_variant(1, cap=2) and not room_for_variant(2, cap=2)
 
 
 def test_a_variant_is_worth_loading_only_while_its_recompute_would_hide_less_than_the_whole_chunk():

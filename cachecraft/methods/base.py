@@ -7,6 +7,7 @@ from typing import Callable, ClassVar, Protocol, Sequence
 
 from cachecraft.engine import BlendResult, LayerHook, LayerSource, Segment
 from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo
+from cachecraft.policy.rules import room_for_variant
 from cachecraft.prefix_cache import PrefixCache
 from cachecraft.prompt import PromptPieces
 
@@ -26,8 +27,8 @@ class VariantLookup(Protocol):
         """Every variant of ``key`` made after ``prefix_key`` (that ``keep`` keeps, asked
         before its statistics are read), as the planner sees it."""
 
-    def variant_count(self, key: str) -> int:
-        """How many variants of ``key`` are stored."""
+    def variant_count(self, key: str, prefix_key: str | None = None) -> int:
+        """How many variants of ``key`` are stored (made after ``prefix_key`` where given)."""
 
     def load_fraction(self, variant: str) -> float | None:
         """The recompute fraction that hides loading ``variant`` from its tier (None: not stored)."""
@@ -120,13 +121,16 @@ class Method:
 def plain_segments(request: RequestContext, prefix_kv: LayerSource | None, kvs: Sequence[LayerSource | None],
                    keep: bool) -> list[Segment]:
     """System prefix, chunks (cached where ``kvs`` has one) and question. With ``keep``,
-    an uncached chunk is saved with its statistics, to be kept as a variant, and an
+    an uncached chunk is saved with its statistics, to be kept as a variant, while its
+    chunk has room for one (:func:`cachecraft.policy.rules.room_for_variant`), and an
     uncached prefix is saved too."""
     pieces = request.pieces
     segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=request.prefix_key,
                         save=keep and prefix_kv is None)]
     for ids, key, kv in zip(pieces.chunks, request.keys, kvs):
-        fresh = keep and kv is None
+        # a chunk computed here although variants of it are stored (none worth loading
+        # from its tier) is not kept past the cap: only eviction would bound them
+        fresh = keep and kv is None and room_for_variant(request.lookup.variant_count(key, request.prefix_key))
         segments.append(Segment(ids, "chunk", cached=kv, key=key, save=fresh, collect_stats=fresh))
     segments.append(Segment(pieces.question, "question"))
     return segments

@@ -71,7 +71,7 @@ class CacheCraft(Method):
         planned = plan_request(keys, [len(c) for c in request.pieces.chunks], infos, self.params(request))
         planned = hide_loading(planned, [lookup.load_fraction(p.variant) if p.variant else None
                                          for p in planned.chunks])
-        plan = keep_in_full(planned, [lookup.variant_count(p.chunk) for p in planned.chunks])
+        plan = keep_in_full(planned, [lookup.variant_count(p.chunk, request.prefix_key) for p in planned.chunks])
         return LoadPlan(tuple(p.variant for p in plan.chunks), plan, tuple(p.variant for p in planned.chunks))
 
     def prepare(self, request: RequestContext, segments: list[Segment], load: LoadPlan | None) -> PrefillHooks:

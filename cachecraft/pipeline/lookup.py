@@ -109,9 +109,13 @@ class RequestLookup:
                                      tuple(self._chunk_tokens(k) for k in chunks)))
         return infos
 
-    def variant_count(self, key: str) -> int:
-        """How many variants of chunk ``key`` are stored."""
-        return len(self.records(key))
+    def variant_count(self, key: str, prefix_key: str | None = None) -> int:
+        """How many variants of chunk ``key`` are stored (made after the system prefix
+        ``prefix_key`` where given: those of another system prompt are not this one's)."""
+        records = self.records(key)
+        if prefix_key is None:
+            return len(records)
+        return sum(1 for r in records if r.prefix and r.prefix[0] == prefix_key)
 
     def tier_of(self, variant: str) -> str | None:
         """The tier ``variant`` would load from, or None: the one its record names where

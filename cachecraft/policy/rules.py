@@ -5,6 +5,8 @@
   loading it (``r = max(r*, r_load)``).
 - :func:`worth_loading`: a variant whose load takes longer than recomputing its whole
   chunk (``r_load >= 1``) is not loaded, nor planned with: its chunk is computed in full.
+- :func:`room_for_variant`: a chunk keeps a new variant while it has fewer than
+  :data:`MAX_VARIANTS_PER_CHUNK` under the request's system prompt.
 - :func:`keep_in_full`: a chunk the plan would recompute mostly is computed in full
   instead, nothing loaded, while it has room for another variant; made in this
   request's context, it is then kept as a new variant.
@@ -34,6 +36,12 @@ def worth_loading(r_load: float | None) -> bool:
     return r_load is not None and r_load < 1.0
 
 
+def room_for_variant(stored: int, cap: int = MAX_VARIANTS_PER_CHUNK) -> bool:
+    """Whether a chunk with ``stored`` variants (under this system prompt) may keep
+    another one made in this request: while it has fewer than ``cap``."""
+    return stored < cap
+
+
 def hide_loading(plan: RecomputePlan, r_loads: Sequence[float | None]) -> RecomputePlan:
     """Raise each planned chunk's count to ``ceil(r_load * tokens)`` where it recomputes
     anything at all (``r_loads``: per chunk, the fraction that hides loading its variant
@@ -56,7 +64,7 @@ def keep_in_full(plan: RecomputePlan, variant_counts: Sequence[int],
     assert len(variant_counts) == len(plan.chunks), "one variant count per chunk"
     chunks = []
     for chunk_plan, stored in zip(plan.chunks, variant_counts):
-        if chunk_plan.variant is not None and chunk_plan.fraction >= threshold and stored < cap:
+        if chunk_plan.variant is not None and chunk_plan.fraction >= threshold and room_for_variant(stored, cap):
             chunk_plan = replace(chunk_plan, variant=None, count=chunk_plan.tokens)
         chunks.append(chunk_plan)
     return replace(plan, chunks=tuple(chunks))
