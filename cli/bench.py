@@ -132,7 +132,9 @@ def bench_diagnose_cmd(
                                  help="What each chunk's cache is made after: system (the system prompt "
                                       "alone), warm (and the warm context), previous (and the chunk before "
                                       "it in the request), other (and another chunk of the request, not "
-                                      "the one before it), foreign (and a passage of the next item)."),
+                                      "the one before it), foreign (and a passage of the next item), related (and "
+                                      "three other chunks of the request, none right before it), corpus (and "
+                                      "five passages of the next item, in place of the warm context)."),
     model: Optional[str] = typer.Option(None, help="Model: smollm2, qwen2.5-coder-0.5b (the judge) or a path "
                                                    "(default: config model)."),
 ) -> None:

@@ -67,7 +67,7 @@ def test_every_selector_at_a_budget_of_one_is_the_full_prefill(tiny_llama, datas
     items = load_items(dataset, limit=2)
     result = run_diagnose(tiny_llama, config, items, [1.0])
     row = result["rows"][0]
-    assert set(row["contexts"]) == {"system", "warm", "previous", "other", "foreign"}
+    assert set(row["contexts"]) == {"system", "warm", "previous", "other", "foreign", "related", "corpus"}
     for context, entry in row["contexts"].items():
         assert entry["layers_v"][0] == pytest.approx(0.0, abs=1e-6) and entry["layers_k"][0] == pytest.approx(0.0,
                                                                                                           abs=1e-5)
@@ -77,7 +77,7 @@ def test_every_selector_at_a_budget_of_one_is_the_full_prefill(tiny_llama, datas
             assert figures["answer_kl"] == pytest.approx(0.0, abs=1e-5), (context, label)
             assert figures["kl"] == pytest.approx(0.0, abs=1e-5), (context, label)
             assert figures["token_agreement"] == 1.0, (context, label)
-    assert set(result["summary"]) == {"system", "warm", "previous", "other", "foreign"}
+    assert set(result["summary"]) == set(row["contexts"])
     # each context made different caches: reuse drifts by a different amount
     drift = {c: e["layers_v"][-1] for c, e in row["contexts"].items()}
     assert len({round(d, 6) for d in drift.values()}) == len(drift), drift

@@ -13,6 +13,12 @@ the setting a chunk's cache was made after:
   of the same kind, but not the real prefix;
 - ``foreign``: the system prompt and a passage of another item of the dataset (the next
   item's chunk at the same place): a passage of the same kind on an unrelated topic;
+- ``related``: the system prompt and three other chunks of the same request, none of
+  them right before it (the three after it, wrapping round): a variant made after
+  several related passages, as one made after a chunk's nearest neighbours would be;
+- ``corpus``: the system prompt and five passages of another item, one prefill shared by
+  every chunk: a warm context cut from the corpus, several passages long, in place of
+  neutral prose;
 
 the caches are reused untouched and with token selections at each budget, and we
 record, against the full prefill of the same prompt:
@@ -49,7 +55,8 @@ from cachecraft.evaluation import answer_traced, item_chunks, scratch_pipeline
 from cachecraft.metrics import answer_divergence, kl_divergence
 from cachecraft.selection import DeviationCheck, count_for, first_tokens, question_guided
 
-CONTEXTS = ("system", "warm", "previous", "other", "foreign")
+CONTEXTS = ("system", "warm", "previous", "other", "foreign", "related", "corpus")
+RELATED_CHUNKS, CORPUS_PASSAGES = 3, 5
 SELECTORS = ("firstk", "cacheblend", "qguided", "sink+q", "oracle")
 POSITION_BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, None))  # [lo, hi) inside a chunk
 
@@ -137,6 +144,11 @@ class _Item:
             elif context == "foreign" and foreign:
                 other_ids, other_kv = foreign[i % len(foreign)]
                 before = [Segment(other_ids, "chunk", cached=other_kv, fixable=False)]
+            elif context == "related" and count > 1:
+                others = [(i + step) % count for step in range(1, min(RELATED_CHUNKS, count - 1) + 1)]
+                before = [Segment(self.pieces.chunks[j], "chunk", cached=system[j], fixable=False) for j in others]
+            elif context == "corpus" and warm_kv is not None:  # the corpus context, made once by the caller
+                before = [Segment(warm_ids, "chunk", cached=warm_kv, fixable=False)]
             run = blended_prefill(self.adapter, [self.prefix(), *before, Segment(ids, "chunk", save=True)])
             caches.append(run.saved[len(before) + 1])
         return caches
@@ -167,17 +179,22 @@ def diagnose_item(pipeline, item: QAItem, budgets: Sequence[float], check_layer:
         warm_kv = warm_run.saved[1]
     row: dict = {"item": item.index, "chunk_tokens": sum(b - a for a, b in it.spans),
                  "answer": it.answer_text, "contexts": {}}
-    system, foreign = None, None
+    system, foreign, corpus = None, None, (None, None)
     if "foreign" in contexts and other_item is not None:
         foreign = []
         for text in item_chunks(other_item):
             ids = pipeline.builder.encode(text)
             run = blended_prefill(adapter, [it.prefix(), Segment(ids, "chunk", save=True)])
             foreign.append((ids, run.saved[1]))
+    if "corpus" in contexts and other_item is not None:
+        corpus_ids = [t for text in item_chunks(other_item)[:CORPUS_PASSAGES] for t in pipeline.builder.encode(text)]
+        run = blended_prefill(adapter, [it.prefix(), Segment(corpus_ids, "chunk", save=True)])
+        corpus = (run.saved[1], corpus_ids)
     for context in contexts:
-        if context in ("previous", "other") and system is None:
+        if context in ("previous", "other", "related") and system is None:
             system = it.make_caches("system")
-        caches = it.make_caches(context, warm_kv, warm_ids, system, foreign)
+        made_after = corpus if context == "corpus" else (warm_kv, warm_ids)
+        caches = it.make_caches(context, *made_after, system, foreign)
         if context == "system":
             system = caches
         reuse = blended_prefill(adapter, it.segments(caches))
