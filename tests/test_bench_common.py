@@ -39,6 +39,19 @@ def test_code_identity_names_the_commit_and_only_code_changes_mark_it_modified(t
     assert code_identity(tmp_path) == {"version": cachecraft.__version__, "commit": head, "modified": True}
 
 
+def test_a_result_names_the_code_the_run_started_with_and_says_when_it_changed(tmp_path, monkeypatch):
+    import cachecraft.bench.common as common
+
+    now = code_identity()
+    monkeypatch.setattr(common, "_CODE_AT_START", now)
+    written = json.loads(write_result(tmp_path / "same.json", {"x": 1}).read_text())
+    assert written["code"] == now and "changed_since_start" not in written["code"]
+    started = {"version": now["version"], "commit": "0" * 40, "modified": False}
+    monkeypatch.setattr(common, "_CODE_AT_START", started)  # a commit landed while the run went on
+    written = json.loads(write_result(tmp_path / "later.json", {"x": 1}).read_text())
+    assert written["code"] == {**started, "changed_since_start": now}
+
+
 def test_code_identity_outside_a_checkout_has_no_commit(tmp_path):
     assert code_identity(tmp_path) == {"version": cachecraft.__version__, "commit": None, "modified": None}
 

@@ -104,6 +104,9 @@ def code_identity(source_dir: Path | None = None) -> dict[str, Any]:
     return info
 
 
+_CODE_AT_START = code_identity()  # on first import: before a benchmark's run starts
+
+
 def with_settings(command: str, config: Config) -> str:
     """``command`` preceded by the environment variables that give ``config``'s
     non-default settings, so that the line alone reproduces a result."""
@@ -113,12 +116,22 @@ def with_settings(command: str, config: Config) -> str:
     return " ".join([*env, command])
 
 
+def running_code() -> dict[str, Any]:
+    """The :func:`code_identity` of the code this process runs: taken when the benchmarks
+    were first imported, before the run, so that a commit made while a long run goes on
+    is not named as the code that made its result (``changed_since_start`` then says so)."""
+    now = code_identity()
+    if now == _CODE_AT_START:
+        return now
+    return {**_CODE_AT_START, "changed_since_start": now}
+
+
 def write_result(path: str | Path, payload: dict[str, Any]) -> Path:
     """Write a result JSON atomically, adding date, machine and the code that made it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-               "machine": machine(), "code": code_identity(), **payload}
+               "machine": machine(), "code": running_code(), **payload}
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(payload, indent=2), encoding="utf-8")
     os.replace(tmp, path)
@@ -156,3 +169,4 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+

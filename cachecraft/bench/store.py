@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from cachecraft.bench.common import code_identity
+from cachecraft.bench.common import running_code
 from cachecraft.config import Config, default_cache_dir
 from cachecraft.kv import ChunkKV, kv_bytes_per_token
 from cachecraft.store import TieredStore
@@ -151,7 +151,7 @@ def run_store_benchmark(out_path: str | Path | None, *, cache_dir: str | Path | 
                         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
                         "device": torch.cuda.get_device_name(0) if cuda else None},
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "code": code_identity(),
+        "code": running_code(),
     }
     if out_path is not None:
         out_path = Path(out_path)
