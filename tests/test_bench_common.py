@@ -39,6 +39,28 @@ def test_code_identity_names_the_commit_and_only_code_changes_mark_it_modified(t
     assert code_identity(tmp_path) == {"version": cachecraft.__version__, "commit": head, "modified": True}
 
 
+@needs_git
+def test_two_commits_that_differ_only_in_results_and_docs_are_the_same_code(tmp_path):
+    from cachecraft.bench.common import same_code
+
+    (tmp_path / "cachecraft").mkdir()
+    (tmp_path / "cachecraft" / "engine.py").write_text("x = 1\n")
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "first")
+    first = code_identity(tmp_path)
+    (tmp_path / "README.md").write_text("docs\n")
+    _git(tmp_path, "add", ".")
+    _git(tmp_path, "commit", "-q", "-m", "docs")
+    docs = code_identity(tmp_path)
+    assert docs["commit"] != first["commit"] and same_code(first, docs, tmp_path)
+    (tmp_path / "cachecraft" / "engine.py").write_text("x = 2\n")
+    assert not same_code(first, code_identity(tmp_path), tmp_path)  # a code change not yet committed
+    _git(tmp_path, "commit", "-q", "-am", "code")
+    assert not same_code(first, code_identity(tmp_path), tmp_path) and not same_code(docs, code_identity(tmp_path),
+                                                                                      tmp_path)
+
+
 def test_a_result_names_the_code_the_run_started_with_and_says_when_it_changed(tmp_path, monkeypatch):
     import cachecraft.bench.common as common
 

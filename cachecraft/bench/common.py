@@ -116,13 +116,31 @@ def with_settings(command: str, config: Config) -> str:
     return " ".join([*env, command])
 
 
+def same_code(before: dict[str, Any], after: dict[str, Any], source_dir: Path | None = None) -> bool:
+    """Whether two :func:`code_identity` readings name the same code: equal, or two
+    commits of this checkout whose code (not results or docs) does not differ, neither
+    with uncommitted code changes."""
+    if before == after:
+        return True
+    if before.get("modified") or after.get("modified") or not before.get("commit") or not after.get("commit"):
+        return False
+    root = Path(source_dir) if source_dir is not None else Path(cachecraft.__file__).resolve().parent.parent
+    try:
+        done = subprocess.run(["git", "-C", str(root), "diff", "--quiet", before["commit"], after["commit"], "--",
+                               *_CODE_PATHS], capture_output=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
 def running_code() -> dict[str, Any]:
     """The :func:`code_identity` of the code this process runs: taken when the benchmarks
     were first imported, before the run, so that a commit made while a long run goes on
-    is not named as the code that made its result (``changed_since_start`` then says so)."""
+    is not named as the code that made its result. Where the code changed since (not
+    only results or docs), ``changed_since_start`` says to what."""
     now = code_identity()
-    if now == _CODE_AT_START:
-        return now
+    if same_code(_CODE_AT_START, now):
+        return _CODE_AT_START
     return {**_CODE_AT_START, "changed_since_start": now}
 
 
