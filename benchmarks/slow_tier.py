@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 
-from cachecraft.bench.common import code_identity, machine
+from cachecraft.bench.common import machine, running_code
 from cachecraft.bench.gpu import add_context_arguments, shape_context
 from cachecraft.config import Config
 from cachecraft.dataset import load_items
@@ -65,7 +65,7 @@ def main() -> None:
             times["first-time request"].append(
                 fresh(empty).answer(chunks, question, method="cachecraft", record=False).ttft_s)
     medians = {name: statistics.median(values) for name, values in times.items()}
-    result = {"benchmark": "slow_tier", "machine": machine(), "code": code_identity(), "shape": args.shape,
+    result = {"benchmark": "slow_tier", "machine": machine(), "code": running_code(), "shape": args.shape,
               "tokens": args.tokens, "disk_bandwidth": args.disk_bandwidth, "ttft_s": times,
               "median_ttft_s": medians, "recompute_fraction": recompute,
               "vs_full": {name: medians[name] / medians["full"] for name in medians}}

@@ -80,11 +80,16 @@ def machine() -> dict[str, Any]:
 _CODE_PATHS = ("cachecraft", "cli", "integrations", "pyproject.toml")
 
 
+def _source_root(source_dir: Path | None) -> Path:
+    """``source_dir``, else the directory that holds the ``cachecraft`` package."""
+    return Path(source_dir) if source_dir is not None else Path(cachecraft.__file__).resolve().parent.parent
+
+
 def code_identity(source_dir: Path | None = None) -> dict[str, Any]:
     """Which code made a result: the package version and, from a git checkout, the
     commit and whether the code (not results or docs) differed from it; ``commit`` is
     None outside a checkout (an installed wheel)."""
-    root = Path(source_dir) if source_dir is not None else Path(cachecraft.__file__).resolve().parent.parent
+    root = _source_root(source_dir)
     info: dict[str, Any] = {"version": cachecraft.__version__, "commit": None, "modified": None}
 
     def git(*args: str) -> str | None:
@@ -124,10 +129,9 @@ def same_code(before: dict[str, Any], after: dict[str, Any], source_dir: Path | 
         return True
     if before.get("modified") or after.get("modified") or not before.get("commit") or not after.get("commit"):
         return False
-    root = Path(source_dir) if source_dir is not None else Path(cachecraft.__file__).resolve().parent.parent
     try:
-        done = subprocess.run(["git", "-C", str(root), "diff", "--quiet", before["commit"], after["commit"], "--",
-                               *_CODE_PATHS], capture_output=True, timeout=10)
+        done = subprocess.run(["git", "-C", str(_source_root(source_dir)), "diff", "--quiet", before["commit"],
+                               after["commit"], "--", *_CODE_PATHS], capture_output=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return False
     return done.returncode == 0

@@ -127,14 +127,15 @@ class _Item:
         return Segment(self.pieces.prefix, "prefix", cached=self.prefix_kv)
 
     def make_caches(self, context: str, warm_kv=None, warm_ids=None, system=None, foreign=None) -> list:
-        """Each chunk's KV made after ``context`` (see the module doc). ``system`` holds the
+        """Each chunk's KV made after ``context`` (see the module doc). ``warm_kv`` and
+        ``warm_ids`` are the shared context of ``warm`` or ``corpus``; ``system`` holds the
         chunks' own caches made after the system prompt alone; ``foreign`` the (token ids,
         cache) pairs of another item's chunks, made the same way."""
         caches = []
         count = len(self.pieces.chunks)
         for i, ids in enumerate(self.pieces.chunks):
             before = []
-            if context == "warm" and warm_kv is not None:
+            if context in ("warm", "corpus") and warm_kv is not None:
                 before = [Segment(warm_ids, "chunk", cached=warm_kv, fixable=False)]
             elif context == "previous" and i > 0:
                 before = [Segment(self.pieces.chunks[i - 1], "chunk", cached=system[i - 1], fixable=False)]
@@ -147,8 +148,6 @@ class _Item:
             elif context == "related" and count > 1:
                 others = [(i + step) % count for step in range(1, min(RELATED_CHUNKS, count - 1) + 1)]
                 before = [Segment(self.pieces.chunks[j], "chunk", cached=system[j], fixable=False) for j in others]
-            elif context == "corpus" and warm_kv is not None:  # the corpus context, made once by the caller
-                before = [Segment(warm_ids, "chunk", cached=warm_kv, fixable=False)]
             run = blended_prefill(self.adapter, [self.prefix(), *before, Segment(ids, "chunk", save=True)])
             caches.append(run.saved[len(before) + 1])
         return caches
