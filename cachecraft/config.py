@@ -40,6 +40,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_DTYPES = ("float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _EVICTION = ("cachecraft", "lru", "lfu", "pgdsf")
+_CHUNK_ORDERS = ("given", "cache")
 _CATALOG_SCHEMES = ("postgresql://", "postgresql+psycopg://")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _URL_KEYS = ("catalog_url", "redis_url")
@@ -140,6 +141,9 @@ class Config:
     warm_context: str = "builtin"  # text chunk-caches are warmed after: builtin, none, or a text file
     warm_context_tokens: int = 1024
     warm_neighbours: int = 0  # also make each chunk's cache after each of its N nearest chunks in the index
+    # given: a request's chunks stay in the order given (retrieval's, best first); cache: they
+    # are chained so that chunks come right after a chunk one of their variants was made after
+    chunk_order: str = "given"
     # beyond one machine (both optional; empty: SQLite in cache_dir and local tiers only)
     catalog_url: str = ""  # postgresql+psycopg://user:password@host:port/database
     redis_url: str = ""  # redis://[:password@]host:port/db (rediss:// for TLS): a shared tier after disk
@@ -193,6 +197,8 @@ class Config:
               f"warm_context must be 'builtin', 'none' or an existing text file, got {self.warm_context!r}")
         check(self.warm_context_tokens >= 0, f"warm_context_tokens must be >= 0, got {self.warm_context_tokens}")
         check(0 <= self.warm_neighbours <= 8, f"warm_neighbours must be 0 to 8, got {self.warm_neighbours}")
+        check(self.chunk_order in _CHUNK_ORDERS,
+              f"chunk_order must be one of {_CHUNK_ORDERS}, got {self.chunk_order!r}")
         check(not self.catalog_url or self.catalog_url.startswith(_CATALOG_SCHEMES),
               f"catalog_url must be empty (SQLite in cache_dir) or start with one of {_CATALOG_SCHEMES}, "
               f"got {hide_password(self.catalog_url)!r}")

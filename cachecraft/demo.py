@@ -88,7 +88,7 @@ def _print_report(answer, console: Console) -> None:
     table = Table(title="cache report of the last cachecraft answer", title_justify="left")
     for column in ("source", "score", "tier", "variant", "CFO", "recompute"):
         table.add_column(column, justify="left" if column in ("source", "tier", "variant") else "right")
-    for source, chunk in zip(answer.sources, answer.chunks):
+    for source, chunk in answer.chunk_of_source():
         table.add_row(source.title, f"{source.score:.3f}", chunk.tier, (chunk.variant or "-")[:12],
                       "-" if chunk.cfo is None else f"{chunk.cfo:.3f}", f"{chunk.fraction:.0%}")
     console.print(table)

@@ -177,7 +177,7 @@ def compare(item: QAItem, answer: Answer, trace: PrefillTrace, forced: torch.Ten
             # ttft_s is then the kept answer's; answer_kl above is still the first try's)
             "escalated": float(answer.escalated), "first_try_ttft_s": answer.first_try_ttft_s,
             "first_try_repetition": float(degenerate_repetition(answer.abandoned_text or answer.text)),
-            "answer": answer.text}
+            "answer": answer.text, "order": answer.order}
 
 
 def evaluate_items(pipeline: Pipeline, items: Sequence[QAItem], methods: Sequence[Method], *,
@@ -208,6 +208,35 @@ def method_order(methods: Sequence[Method | InContext]) -> list[Method | InConte
     return [Full(), *plain, *(m for m in methods if isinstance(m, InContext))]
 
 
+def reordered_reference(pipeline: Pipeline, item: QAItem, chunks: Sequence[str], given: Reference,
+                        max_new_tokens: int, meter: Meter | None = None,
+                        on_answer: OnAnswer | None = None) -> tuple[dict, Reference]:
+    """Full's answer over the order the pipeline now gives ``chunks``: its row against
+    ``given`` (full's answer in the given order), and the reference it makes."""
+    with (meter() if meter else nullcontext()) as mem:
+        answer, trace = answer_traced(pipeline, chunks, item.question, Full(), max_new_tokens=max_new_tokens)
+    if on_answer:
+        on_answer(item, answer, trace)
+    ids = trace.answer_ids
+    reference = Reference(answer, trace.logits, ids, forced_logits(pipeline, trace, ids))
+    row = compare(item, answer, trace, forced_logits(pipeline, trace, given.answer_ids), given)
+    if mem is not None:
+        row.update(peak_rss_mb=mem.peak_mb, rss_growth_mb=mem.growth_mb)
+    trace.keys = trace.values = []
+    return row, reference
+
+
+def row_labels(order: Sequence[Method | InContext], chunk_order: str = "given") -> list[str]:
+    """The methods an item's rows name, in order: ``order``'s, and with ``chunk_order``
+    ``cache`` a ``full+nbN`` row (full over the order the in-context variants give the
+    prompt) before the first in-context run."""
+    labels = [m.label for m in order]
+    first = next((m for m in order if isinstance(m, InContext)), None)
+    if chunk_order == "cache" and first is not None:
+        labels.insert(labels.index(first.label), f"full{InContext.SUFFIX}{first.neighbours}")
+    return labels
+
+
 def evaluate_item(pipeline: Pipeline, item: QAItem, order: Sequence[Method | InContext], *, max_new_tokens: int,
                   meter: Meter | None = None, on_answer: OnAnswer | None = None) -> list[dict]:
     """Every method of ``order`` (the reference first) on one item; its caches are made
@@ -226,6 +255,14 @@ def evaluate_item(pipeline: Pipeline, item: QAItem, order: Sequence[Method | InC
             start = time.perf_counter()
             in_context = method.make_variants(pipeline, chunks)
             in_context_s = time.perf_counter() - start
+            if pipeline.config.chunk_order == "cache" and reference is not None:
+                # The prompt's order now follows the new variants: full's answer over that
+                # order is what they are compared with; its own row says what the order alone
+                # changed against full's answer in the given order
+                row, reference = reordered_reference(pipeline, item, chunks, reference, max_new_tokens, meter,
+                                                     on_answer)
+                rows.append({**row, "method": f"full{InContext.SUFFIX}{method.neighbours}",
+                             "in_context_variants": in_context, "in_context_warm_s": in_context_s, "warm_s": warm_s})
         inner = method.method if isinstance(method, InContext) else method
         with (meter() if meter else nullcontext()) as mem:
             answer, trace = answer_traced(pipeline, chunks, item.question, inner, max_new_tokens=max_new_tokens)

@@ -323,6 +323,10 @@ def query_cmd(
     top_k: Optional[int] = typer.Option(None, "--top-k", "-k", min=1, help="Chunks to retrieve (default: config "
                                         "top_k, 3)."),
     max_new_tokens: Optional[int] = typer.Option(None, min=1, help="Answer length limit (default: config)."),
+    chunk_order: Optional[str] = typer.Option(None, "--chunk-order", help="given: the chunks best first; cache: "
+                                              "each chunk placed right after a chunk one of its caches was made "
+                                              "after, where it has one (see warm --neighbours; default: config "
+                                              "chunk_order, given)."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (no streaming, no table)."),
     server: Optional[str] = typer.Option(None, help="Ask a running `cachecraft serve` at this URL instead of "
@@ -342,7 +346,8 @@ def query_cmd(
                           streamer_for, warn_low_relevance)
     if not question.strip():
         raise UserError("the question is empty")
-    config = load_config(ctx, model=model, **({"server": server} if server is not None else {}))
+    config = load_config(ctx, model=model, **({"server": server} if server is not None else {}),
+                         **({"chunk_order": chunk_order} if chunk_order is not None else {}))
     if config.server:  # the server has the model, corpus and tiers loaded (and checks the method)
         from .serve import remote_answer, remote_query
         result = remote_query(config, question, method=method, top_k=top_k, max_new_tokens=max_new_tokens,

@@ -47,6 +47,10 @@ def bench_quality_cmd(
                                    "them), labelled METHOD+nbN and paired with the plain run."),
     neighbours: int = typer.Option(1, "--neighbours", min=1, max=8, help="Nearest passages per passage for "
                                                                          "--in-context."),
+    chunk_order: Optional[str] = typer.Option(None, "--chunk-order", help="given: the passages in the item's "
+                                              "order; cache: chained after the passages their variants were made "
+                                              "after (then the --in-context runs are compared with full over "
+                                              "that order, a row full+nbN; default: config chunk_order, given)."),
     neighbour_pool: str = typer.Option("", "--neighbour-pool", help="Where --in-context finds each passage's "
                                        "neighbours: the item's own passages (default), `corpus` (every chunk "
                                        "ingested in the cache directory, as `warm --neighbours` finds them) or "
@@ -70,7 +74,8 @@ def bench_quality_cmd(
     from cachecraft.methods import parse_methods
     from cachecraft.policy.planner import policy_settings
 
-    config = load_config(ctx, model=model, warm_context=warm_context)
+    config = load_config(ctx, model=model, warm_context=warm_context,
+                         **({"chunk_order": chunk_order} if chunk_order is not None else {}))
     specs = parse_methods(methods, config.cacheblend_ratio if ratio is None else ratio, config.policy_alpha)
     items = load_items(dataset, limit, skip)
     rows = rows or out.with_suffix(".rows.jsonl")
@@ -96,7 +101,8 @@ def bench_quality_cmd(
     policy, sources = policy_settings(config, query_fit(lm, config))
     settings = {"model": lm.name, "fingerprint": lm.fingerprint, "dataset": str(dataset),
                 "config": {k: str(getattr(config, k)) for k in RUN_SETTINGS}, "policy": policy,
-                **({"neighbour_pool": neighbour_pool} if neighbour_pool else {})}
+                **({"neighbour_pool": neighbour_pool} if neighbour_pool else {}),
+                **({"chunk_order": config.chunk_order} if config.chunk_order != "given" else {})}
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task("items", total=len(items))
         try:
@@ -110,7 +116,7 @@ def bench_quality_cmd(
                "kv_dtype": config.kv_dtype, "warm_context": config.warm_context, "dataset": str(dataset),
                "limit": len(items), "skip": skip, "rows": str(rows),
                "in_context_neighbours": neighbours if in_context.strip() else 0,
-               "neighbour_pool": neighbour_pool or "item",
+               "neighbour_pool": neighbour_pool or "item", "chunk_order": config.chunk_order,
                "policy": {"values": policy, "sources": sources}, **result}
     write_result(out, payload)
     print_quality_table(result["methods"])

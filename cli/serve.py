@@ -117,7 +117,8 @@ def remote_answer(result: dict):
                   usage.get("completion_tokens", 0), report["recompute_fraction"],
                   [ChunkReport(**c) for c in report["chunk_reports"]], report["request_id"],
                   report.get("full_prefill_estimate_s"), [Source(**s) for s in report["sources"]],
-                  report.get("retrieval_s"), report.get("abandoned_text"), report.get("first_try_ttft_s"))
+                  report.get("retrieval_s"), report.get("abandoned_text"), report.get("first_try_ttft_s"),
+                  report.get("order"))
 
 
 def remote_stats(config) -> dict:

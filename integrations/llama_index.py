@@ -335,7 +335,8 @@ def cache_report(answer: Answer, texts: Sequence[str], sources: list[dict]) -> d
     report = answer.to_dict()
     report.pop("text", None)
     chunks = []
-    for chunk, text in zip(answer.chunks, texts):
+    in_prompt = [texts[i] for i in answer.order] if answer.order is not None else texts  # chunks' prompt order
+    for chunk, text in zip(answer.chunks, in_prompt):
         item = asdict(chunk)
         item["cache_key"] = item.pop("chunk")  # the store's key: model fingerprint + token ids
         item["content_hash"] = content_hash(text)

@@ -185,3 +185,92 @@ def test_neighbours_come_from_a_pool_when_one_is_given():
     assert pooled.nearest(["a", "b", "c"]) == [["p", "q"], ["q", "p"], ["r", "b"]]
     with pytest.raises(ValueError, match="at least two different"):
         InContext(method, 1, embed, pool=["p", "p"])
+
+
+@pytest.fixture
+def ordering_pipeline(cache_dir):
+    config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 4, "kv_dtype": "float32",
+                                    "warm_context": "none", "chunk_order": "cache"}, environ={})
+    with TieredStore(config, tiers=("cpu",)) as store:
+        yield Pipeline(config, lm=tiny_model("llama"), store=store, policy=PolicyParams(alpha=0.5, check_layer=2))
+
+
+def test_lookup_links_name_the_chunks_each_variant_was_made_right_after(ordering_pipeline):
+    pipe = ordering_pipeline
+    pipe.warm(CHUNKS[:2])
+    pipe.warm_after([(CHUNKS[2], CHUNKS[0]), (CHUNKS[1], CHUNKS[0])])
+    given = [CHUNKS[1], CHUNKS[0], CHUNKS[2]]
+    pieces = pipe.builder.build(given, "q")
+    keys = [chunk_key(pipe.lm.fingerprint, ids) for ids in pieces.chunks]
+    request = pipe._request(given, "q", None)
+    # chunk 0 (given second) was made after chunks 2 and 1; chunks 1 and 0 after the prompt alone
+    assert request.lookup.links(keys, request.prefix_key) == ([set(), {0, 2}, set()], {0, 1})
+    # under another system prompt nothing links
+    assert request.lookup.links(keys, "another prompt") == ([set(), set(), set()], set())
+
+
+def test_cache_order_puts_a_chunk_after_its_neighbour_and_answers_as_full_over_that_order(ordering_pipeline):
+    pipe = ordering_pipeline
+    pipe.warm(CHUNKS)
+    pipe.warm_after([(CHUNKS[2], CHUNKS[0])])  # chunk 0's cache made right after chunk 2
+    traces, full_traces = [], []
+    answer = pipe.answer(CHUNKS, QUESTION, observer=traces.append, record=False)
+    # chains [1] and [2, 0]; [2, 0] holds the first chunk given, so it comes first
+    assert answer.order == [2, 0, 1] and answer.to_dict()["order"] == [2, 0, 1]
+    moved = [CHUNKS[2], CHUNKS[0], CHUNKS[1]]
+    pieces = pipe.builder.build(moved, QUESTION)
+    assert traces[0].token_ids.tolist() == pieces.token_ids
+    prefix_key = chunk_key(pipe.lm.fingerprint, pieces.prefix)
+    key2, key0 = (chunk_key(pipe.lm.fingerprint, pieces.chunks[i]) for i in (0, 1))
+    # chunk 2 first, and chunk 0 right after it, are their variants' own contexts: nothing
+    # of either is recomputed (chunk 1, after both, is approximate)
+    assert answer.chunks[1].variant == variant_key(key0, (prefix_key, key2))
+    assert answer.chunks[0].cfo == answer.chunks[1].cfo == 0.0
+    assert answer.chunks[0].fraction == answer.chunks[1].fraction == 0.0
+    # full orders alike, and is the plain full prefill of that order
+    full = pipe.answer(CHUNKS, QUESTION, method="full", observer=full_traces.append, record=False)
+    assert full.order == [2, 0, 1]
+    pipe.config = pipe.config.replace(chunk_order="given")
+    given_traces = []
+    plain = pipe.answer(moved, QUESTION, method="full", observer=given_traces.append, record=False)
+    assert plain.order is None and plain.text == full.text
+    assert torch.equal(full_traces[0].logits, given_traces[0].logits)
+    assert pipe.answer(CHUNKS, QUESTION, method="reuse", record=False).order is None
+
+
+def test_the_chunk_order_is_a_checked_config_key(cache_dir):
+    with pytest.raises(Exception, match="chunk_order must be one of"):
+        Config.load(overrides={"cache_dir": cache_dir, "chunk_order": "random"}, environ={})
+
+
+def test_with_cache_order_the_in_context_runs_are_compared_with_full_over_their_order(tiny_llama, dataset,
+                                                                                      tmp_path):
+    item = load_items(dataset, limit=1)[0]
+    config = Config.load(overrides={"cache_dir": tmp_path / "bench", "max_new_tokens": 3, "warm_context": "none",
+                                    "policy_check_layer": 2, "chunk_order": "cache"}, environ={})
+    chunks = item_chunks(item)
+    # passage i's nearest is i + 2 (the last two: i - 2): the variants ask for another order
+    angles = [0.0, 100.0, 10.0, 110.0, 20.0, 120.0, 30.0, 130.0, 40.0, 140.0][:len(chunks)]
+    embed = lambda texts: np.array([_at(angles[chunks.index(t)]) for t in texts], dtype=np.float32)  # noqa: E731
+    plain = parse_methods("reuse")
+    result = run_quality(tiny_llama, config, [item], [InContext(plain[0], 1, embed), *plain], max_new_tokens=3)
+    rows = result["items"]
+    assert [r["method"] for r in rows] == ["full", "reuse", "full+nb1", "reuse+nb1"]
+    assert rows[0]["order"] is None or rows[0]["order"] == list(range(len(chunks)))
+    reordered = rows[2]["order"]
+    assert sorted(reordered) != reordered and sorted(reordered) == list(range(len(chunks)))
+    assert rows[3]["order"] == reordered
+    assert rows[2]["answer_kl"] > 0  # full over the new order, against full over the given one
+    assert set(result["comparisons"]["reuse+nb1"]) == {"vs full", "vs reuse", "vs full+nb1"}
+
+
+def test_each_source_is_paired_with_its_chunk_wherever_the_prompt_held_it():
+    from cachecraft.pipeline.reports import Answer, ChunkReport, Source
+
+    chunks = [ChunkReport(i, f"key{i}", 5, "cpu", None, None, None, None, 0.0, None) for i in range(3)]
+    sources = [Source(f"id{i}", f"title{i}", f"file{i}", 1.0 - i / 10, "text") for i in range(3)]
+    # the prompt held the third source first, then the first, then the second
+    answer = Answer("x", "cachecraft", 0.1, 20, 1, 0.0, chunks, sources=sources, order=[2, 0, 1])
+    assert [(s.id, c.position) for s, c in answer.chunk_of_source()] == [("id0", 1), ("id1", 2), ("id2", 0)]
+    plain = Answer("x", "cachecraft", 0.1, 20, 1, 0.0, chunks, sources=sources)
+    assert [(s.id, c.position) for s, c in plain.chunk_of_source()] == [("id0", 0), ("id1", 1), ("id2", 2)]

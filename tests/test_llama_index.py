@@ -235,3 +235,20 @@ def test_real_model_answers_and_second_query_hits(embed_model, tmp_path_factory)
     assert any(n.node.metadata["title"] == "Errors" for n in first.source_nodes)
     assert all(c["hit"] for c in again.metadata["cachecraft"]["chunks"])
     assert not any(c["hit"] for c in first.metadata["cachecraft"]["chunks"])
+
+
+def test_the_cache_report_names_each_chunk_by_its_text_in_the_order_the_prompt_held_them():
+    from cachecraft.integrations.llama_index import cache_report, content_hash
+    from cachecraft.pipeline.reports import Answer, ChunkReport
+
+    def report(position: int, tier: str) -> ChunkReport:
+        return ChunkReport(position, f"key{position}", 5, tier, None, None, None, None, 1.0, None)
+
+    # the prompt held the second text first (chunk_order "cache")
+    answer = Answer("x", "cachecraft", 0.1, 20, 1, 0.5, [report(0, "cpu"), report(1, "miss")], order=[1, 0])
+    out = cache_report(answer, ["first text", "second text"], [])
+    assert [c["content_hash"] for c in out["chunks"]] == [content_hash("second text"), content_hash("first text")]
+    assert [c["hit"] for c in out["chunks"]] == [True, False] and out["order"] == [1, 0]
+    given = cache_report(Answer("x", "cachecraft", 0.1, 20, 1, 0.5, [report(0, "cpu"), report(1, "miss")]),
+                         ["first text", "second text"], [])
+    assert [c["content_hash"] for c in given["chunks"]] == [content_hash("first text"), content_hash("second text")]

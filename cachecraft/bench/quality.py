@@ -30,7 +30,7 @@ from cachecraft.bench.common import PeakRSS
 from cachecraft.bench.intervals import bootstrap, paired, verdict
 from cachecraft.config import Config
 from cachecraft.dataset import QAItem
-from cachecraft.evaluation import InContext, OnAnswer, evaluate_items, method_order, scratch_pipeline
+from cachecraft.evaluation import InContext, OnAnswer, evaluate_items, method_order, row_labels, scratch_pipeline
 from cachecraft.methods import Full, Method
 
 # Quality figures per row, and whether lower is better.
@@ -98,7 +98,11 @@ def compare_methods(rows: list[dict], labels: Sequence[str]) -> dict:
     out: dict[str, dict] = {}
     for label in labels:
         own = plain_label(label)  # an in-context or early-stop run is also paired with its plain run
-        for base in (*BASELINES, *([own] if own and own not in BASELINES else [])):
+        _, sep, tail = label.rpartition(InContext.SUFFIX)
+        # an in-context run also against the baselines run with the same variants (the same
+        # prompt where the chunks' order follows them)
+        alike = [f"{b}{InContext.SUFFIX}{tail}" for b in BASELINES] if sep and tail.isdigit() else []
+        for base in (*BASELINES, *([own] if own and own not in BASELINES else []), *alike):
             if base not in by or base == label or label not in by:
                 continue
             items = [i for i in by[label] if i in by[base]]
@@ -125,7 +129,7 @@ def run_quality(lm, config: Config, items: Sequence[QAItem], methods: Sequence[M
     ``on_answer`` sees every answer and its prefill trace, as
     :func:`~cachecraft.evaluation.evaluate_items` says."""
     order = method_order(methods)
-    labels = [m.label for m in order]
+    labels = row_labels(order, config.chunk_order)
     settings = {**(settings or {}), "methods": labels, "items": [item.index for item in items],
                 "max_new_tokens": max_new_tokens}
     done: list[dict] = []

@@ -49,6 +49,7 @@ class RequestContext:
     check_layer: int  # CacheBlend's deviation-check layer
     lookup: VariantLookup
     prefix_cache: PrefixCache
+    order: tuple[int, ...] | None = None  # the chunks' given positions, in prompt order (None: as given)
 
 
 @dataclass(frozen=True)

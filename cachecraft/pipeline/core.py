@@ -22,7 +22,7 @@ import logging
 import math
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -41,6 +41,7 @@ from cachecraft.pipeline.cost import (COST_PROFILE, cost_model_from_profile, cos
 from cachecraft.pipeline.reports import Answer, ChunkReport, PrefillTrace, Source, WarmReport
 from cachecraft.policy.loading import DEFAULT_BANDWIDTHS, CostModel
 from cachecraft.policy.calibrate import ANY_DEVICE, POLICY_PROFILE
+from cachecraft.policy.ordering import cache_order
 from cachecraft.policy.shipped import shipped_fit
 from cachecraft.policy.planner import (FITTED_KEYS, PolicyParams, RecomputePlan, expected_reuse,
                                        params_from_config, policy_settings)
@@ -175,7 +176,8 @@ class Pipeline:
         answer = Answer(generation.cut(text) if generation is not None else text, chosen.label, ttft,
                         request.pieces.num_tokens, len(new_ids), recompute, reports,
                         full_prefill_estimate_s=self._estimate_full(request.pieces.num_tokens),
-                        abandoned_text=abandoned, first_try_ttft_s=first_try_ttft)
+                        abandoned_text=abandoned, first_try_ttft_s=first_try_ttft,
+                        order=list(request.order) if request.order is not None else None)
         if record:
             answer.request_id = self._record(question, answer)
             self.store.record_pending()  # hit counts kept while the catalog was away
@@ -348,8 +350,14 @@ class Pipeline:
         self._note_sources(keys, sources)
         lookup = RequestLookup(self.store, keys, self.planner_stats, self._warm_key_of, self._chunk_tokens,
                                lambda tier: self.ensure_cost_model().r_load(tier))
-        return RequestContext(pieces, chunk_key(self.lm.fingerprint, pieces.prefix), keys, self.lm.adapter,
-                              self.policy, self.config.check_layer, lookup, self.prefix_cache)
+        prefix_key = chunk_key(self.lm.fingerprint, pieces.prefix)
+        order = None
+        if self.config.chunk_order == "cache" and len(keys) > 1:
+            order = cache_order(*lookup.links(keys, prefix_key))
+            pieces = replace(pieces, chunks=tuple(pieces.chunks[i] for i in order))
+            keys = tuple(keys[i] for i in order)
+        return RequestContext(pieces, prefix_key, keys, self.lm.adapter, self.policy, self.config.check_layer,
+                              lookup, self.prefix_cache, order)
 
     def _prefill(self, method: Method, request: RequestContext) -> tuple[PreparedRequest, BlendResult]:
         """Plan, load and run the blended prefill; a damaged chunk-cache found on the way

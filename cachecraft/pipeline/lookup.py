@@ -117,6 +117,24 @@ class RequestLookup:
             return len(records)
         return sum(1 for r in records if r.prefix and r.prefix[0] == prefix_key)
 
+    def links(self, keys: Sequence[str], prefix_key: str) -> tuple[list[set[int]], set[int]]:
+        """What :func:`cachecraft.policy.ordering.cache_order` reads of the stored variants of
+        ``keys`` (a request's chunks, as given) made after the system prefix ``prefix_key``:
+        for each chunk, the positions of the chunks one of its variants was made right after,
+        and the chunks with a variant made after the system prefix alone."""
+        position = {key: i for i, key in enumerate(keys)}
+        after: list[set[int]] = [set() for _ in keys]
+        starts: set[int] = set()
+        for j, key in enumerate(keys):
+            for record in self.records(key):
+                if not record.prefix or record.prefix[0] != prefix_key:
+                    continue  # made under another system prompt
+                if len(record.prefix) == 1:
+                    starts.add(j)
+                elif record.prefix[-1] in position:
+                    after[j].add(position[record.prefix[-1]])
+        return after, starts
+
     def tier_of(self, variant: str) -> str | None:
         """The tier ``variant`` would load from, or None: the one its record names where
         this request found it, else the store's answer (also for a disk record when the

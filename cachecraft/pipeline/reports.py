@@ -33,7 +33,8 @@ class ChunkReport:
 
 @dataclass(frozen=True)
 class Source:
-    """A retrieved corpus chunk that went into the prompt (same order as the chunk reports)."""
+    """A retrieved corpus chunk that went into the prompt (best first; the chunk reports follow
+    the prompt, the same order unless ``Answer.order`` says otherwise)."""
 
     id: str
     title: str
@@ -94,6 +95,16 @@ class Answer:
     # the kept answer's, counted from the start of the request)
     abandoned_text: str | None = None
     first_try_ttft_s: float | None = None
+    # With ``chunk_order = "cache"``: the chunks' given positions (0 = the first chunk given,
+    # in a query the best retrieved) in the order the prompt held them; None: as given
+    order: list[int] | None = None
+
+    def chunk_of_source(self) -> list[tuple[Source, ChunkReport]]:
+        """Each source (best first) with the report of its chunk, wherever the prompt held it."""
+        place = range(len(self.chunks)) if self.order is None else self.order
+        at = {given: position for position, given in enumerate(place)}
+        return [(source, self.chunks[at[i]]) for i, source in enumerate(self.sources)
+                if at.get(i, len(self.chunks)) < len(self.chunks)]
 
     @property
     def escalated(self) -> bool:
@@ -123,5 +134,6 @@ class Answer:
                 "full_prefill_estimate_s": self.full_prefill_estimate_s, "saved_s": self.saved_s,
                 "retrieval_s": self.retrieval_s, "escalated": self.escalated,
                 "abandoned_text": self.abandoned_text, "first_try_ttft_s": self.first_try_ttft_s,
+                "order": self.order,
                 "chunks": [c.__dict__ for c in self.chunks],
                 "sources": [s.__dict__ for s in self.sources]}
