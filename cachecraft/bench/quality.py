@@ -99,10 +99,13 @@ def compare_methods(rows: list[dict], labels: Sequence[str]) -> dict:
     for label in labels:
         own = plain_label(label)  # an in-context or early-stop run is also paired with its plain run
         _, sep, tail = label.rpartition(InContext.SUFFIX)
-        # an in-context run also against the baselines run with the same variants (the same
-        # prompt where the chunks' order follows them)
-        alike = [f"{b}{InContext.SUFFIX}{tail}" for b in BASELINES] if sep and tail.isdigit() else []
-        for base in (*BASELINES, *([own] if own and own not in BASELINES else []), *alike):
+        if own == "full":  # full over the variants' order: its figures are against the given order's
+            bases: tuple[str, ...] = ("full",)
+        else:  # an in-context run also against the baselines run with the same variants (the same
+            # prompt where the chunks' order follows them); full's is its reference
+            alike = [f"{b}{InContext.SUFFIX}{tail}" for b in BASELINES if b != "full"] if sep and tail.isdigit() else []
+            bases = (*BASELINES, *([own] if own and own not in BASELINES else []), *alike)
+        for base in bases:
             if base not in by or base == label or label not in by:
                 continue
             items = [i for i in by[label] if i in by[base]]
