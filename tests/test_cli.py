@@ -138,23 +138,39 @@ def test_config_show_says_where_each_value_comes_from(tmp_path, monkeypatch):
     assert "environment" in lines["top_k"] and "default" in lines["policy_alpha"] and "flag" in lines["cache_dir"]
 
 
-def test_tables_keep_keys_whole_when_piped():
-    from types import SimpleNamespace
+def _report_answer(order=None):
+    from cachecraft.pipeline.reports import Answer, ChunkReport, Source
 
+    sources = [Source(f"id{i}", "A rather long title of one section of the manual",
+                      "/a/long/path/to/a-document-with-a-long-name.md", 0.812 - i / 10, "text") for i in range(3)]
+    chunks = [ChunkReport(i, f"3fa2c1d09b7{i}" + "0" * 52, 20, "disk", f"9b7e3fa2c1d{i}" + "1" * 52, None, None,
+                          None, 0.25 * i, None) for i in range(3)]
+    return Answer("x", "cachecraft", 0.1, 100, 4, 0.2, chunks, request_id=3, full_prefill_estimate_s=0.0999,
+                  sources=sources, retrieval_s=0.01, order=order)
+
+
+def test_tables_keep_keys_whole_when_piped():
     from cli import product
 
-    source = SimpleNamespace(score=0.812, title="A rather long title of one section of the manual",
-                             source="/a/long/path/to/a-document-with-a-long-name.md")
-    chunk = SimpleNamespace(chunk="3fa2c1d09b7e" + "0" * 52, tier="disk", variant="9b7e3fa2c1d0" + "1" * 52,
-                            fraction=0.25)
-    answer = SimpleNamespace(method="cachecraft", sources=[source] * 3, chunks=[chunk] * 3, ttft_s=0.1,
-                             retrieval_s=0.01, prompt_tokens=100, new_tokens=4, recompute_fraction=0.2,
-                             saved_s=-0.001, request_id=3, escalated=False)
     with product.console.capture() as captured:  # not a terminal: 80 columns
-        product.print_report(answer, low_relevance=None)
+        product.print_report(_report_answer(), low_relevance=None)
     text = captured.get()
-    assert text.count("3fa2c1d09b7e") == 3 and text.count("9b7e3fa2c1d0") == 3, text
-    assert "-0.00" not in text and "saved 0.00 s" in text
+    assert all(f"3fa2c1d09b7{i}" in text and f"9b7e3fa2c1d{i}" in text for i in range(3)), text
+    assert "-0.00" not in text and "in prompt" not in text
+
+
+def test_the_report_pairs_each_source_with_its_chunk_where_the_prompt_held_it():
+    from cli import product
+
+    # the prompt held the third source first, then the first, then the second
+    with product.console.capture() as captured:
+        product.print_report(_report_answer(order=[2, 0, 1]), low_relevance=None)
+    lines = [line for line in captured.get().splitlines() if "3fa2c1d09b7" in line]
+    assert "in prompt" in captured.get()
+    # source 1 (best) sat second in the prompt, so it shows the second chunk's key and share
+    assert [line.split("3fa2c1d09b7")[1][0] for line in lines] == ["1", "2", "0"], lines
+    assert [line.split("│")[5].strip() for line in lines] == ["2", "3", "1"], lines
+    assert ["25%" in lines[0], "50%" in lines[1], " 0%" in lines[2]] == [True, True, True], lines
 
 
 def test_help_shows_no_bool_metavars():
