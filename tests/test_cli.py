@@ -165,10 +165,13 @@ def test_the_report_pairs_each_source_with_its_chunk_where_the_prompt_held_it():
     # the prompt held the third source first, then the first, then the second
     with product.console.capture() as captured:
         product.print_report(_report_answer(order=[2, 0, 1]), low_relevance=None)
-    lines = [line for line in captured.get().splitlines() if "3fa2c1d09b7" in line]
-    assert "in prompt" in captured.get()
-    # source 1 (best) sat second in the prompt, so it shows the second chunk's key and share
-    assert [line.split("3fa2c1d09b7")[1][0] for line in lines] == ["1", "2", "0"], lines
+    text = captured.get()
+    lines = [line for line in text.splitlines() if "9b7e3fa2c1d" in line]
+    assert "in prompt" in text and "cache key" not in text
+    assert all(len(line) <= 80 for line in text.splitlines() if line[:1] in "┏┃┡│└")
+    assert all("A" in line.split("│")[3] for line in lines), lines  # the title keeps its column
+    # source 1 (best) sat second in the prompt, so it shows the second chunk's variant and share
+    assert [line.split("9b7e3fa2c1d")[1][0] for line in lines] == ["1", "2", "0"], lines
     assert [line.split("│")[5].strip() for line in lines] == ["2", "3", "1"], lines
     assert ["25%" in lines[0], "50%" in lines[1], " 0%" in lines[2]] == [True, True, True], lines
 
