@@ -235,14 +235,14 @@ def print_report(answer, low_relevance: float | None = LOW_RELEVANCE, *, command
     table = Table(title=f"{answer.method}: {len(answer.sources)} source(s)")
     # sources come best first; with chunk_order "cache" the prompt held them in another order,
     # shown where the chunk's key would be (the variant names the cache; 80 columns hold no more)
-    place = {given: at for at, given in enumerate(answer.order)} if answer.order else {}
-    columns = ("#", "score", "title", "file", "in prompt" if place else "cache key", "tier", "variant", "recompute")
+    moved = bool(answer.order)
+    columns = ("#", "score", "title", "file", "in prompt" if moved else "cache key", "tier", "variant", "recompute")
     for column in columns:
         table.add_column(column, justify="right" if column in ("#", "score", "in prompt", "recompute") else "left",
                          overflow="fold", no_wrap=column not in ("title", "file"))
     for i, (source, chunk) in enumerate(answer.chunk_of_source()):
         table.add_row(str(i + 1), f"{source.score:.3f}", source.title, os.path.basename(source.source),
-                      str(place[i] + 1) if place else chunk.chunk[:12], chunk.tier, (chunk.variant or "-")[:12],
+                      str(chunk.position + 1) if moved else chunk.chunk[:12], chunk.tier, (chunk.variant or "-")[:12],
                       f"{chunk.fraction:.0%}")
     console.print(table)
     console.print(f"TTFT {seconds(answer.ttft_s)} (retrieval {seconds(answer.retrieval_s)} apart); "
