@@ -790,6 +790,7 @@ def bench_gpu_cmd(
                                         help="Tokenizer directory for every shape, or SHAPE=DIR for one "
                                         "(default: the bundled model's named by the shape). Repeatable."),
     max_new_tokens: int = typer.Option(4, min=1, help="Answer length (random weights: only the TTFT counts)."),
+    repeats: int = typer.Option(1, min=1, help="Questions per point (averaged; the rows keep each one)."),
     cold: bool = typer.Option(False, "--cold", help="Also time cachecraft on a first-time request (every chunk "
                               "a miss: it makes the chunk-caches and their statistics), in the first tier's sweep."),
 ) -> None:
@@ -835,7 +836,7 @@ def bench_gpu_cmd(
         try:
             runs = run_gpu(shape_list, config, items, specs, tokenizer_for=tokenizer_for, tiers=tier_list,
                            contexts=_ints(contexts, "--contexts"), chunk_tokens=chunk_tokens,
-                           max_new_tokens=max_new_tokens, cold=cold, on_run=save,
+                           max_new_tokens=max_new_tokens, repeats=repeats, cold=cold, on_run=save,
                            on_step=lambda what, done, total: progress.update(
                                task, description=what, completed=done, total=total))
         except ValueError as exc:

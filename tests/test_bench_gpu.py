@@ -79,13 +79,16 @@ def test_command_writes_one_sweep_per_tier(long_dataset, tmp_path, cache_dir):
                          (["--fractions", "2"], "--fractions"), (["--tokenizer", str(tmp_path / "no")], "not a dir")):
         failed = CliRunner().invoke(app, [*args, *bad])
         assert failed.exit_code == 1 and message in failed.output, failed.output
-    cold = CliRunner().invoke(app, [*args, "--tiers", "disk,cpu", "--methods", "full", "--cold"])
+    cold = CliRunner().invoke(app, [*args, "--tiers", "disk,cpu", "--methods", "full", "--cold", "--repeats", "2"])
     assert cold.exit_code == 0, cold.output
     first, second = json.loads(out.read_text())["runs"]
     # a first-time request loads nothing: timed once, in the first tier's sweep, computing everything
     assert [r["method"] for r in first["scaling"]] == ["full", "cachecraft@0/F0.1", "cachecraft@0/F0.1 cold"]
     assert [r["method"] for r in second["scaling"]] == ["full", "cachecraft@0/F0.1"]
     assert first["scaling"][-1]["recompute_fraction"] == 1.0 and first["setup"]["cold"]
+    # two questions a point, each kept in the rows, their mean in the table
+    assert first["setup"]["repeats"] == 2 and first["scaling"][0]["repeats"] == 2
+    assert sorted(r["repeat"] for r in first["requests"] if r["method"] == "full") == [0, 1]
 
 
 def test_the_readme_table_shows_each_tier_with_speedups_recompute_and_peak_memory():

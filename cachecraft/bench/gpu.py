@@ -121,10 +121,11 @@ def fixed_fraction_methods(fractions: Sequence[float]) -> list[Method]:
 def run_gpu(shapes: Sequence[str], config: Config, items: Sequence[QAItem], specs: Sequence[Method], *,
             tokenizer_for: Callable[[str], object], tiers: Sequence[str] = GPU_TIERS,
             contexts: Sequence[int] = DEFAULT_CONTEXTS, chunk_tokens: int = 512, max_new_tokens: int = 4,
-            cold: bool = False, on_step: Callable[[str, int, int], None] | None = None,
+            repeats: int = 1, cold: bool = False, on_step: Callable[[str, int, int], None] | None = None,
             on_run: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """One ``bench scaling`` context sweep per (shape, tier), on ``config``'s device and
-    dtype; returns ``[{"shape", "tier", "layers", "parameters", "kv_bytes_per_token", **sweep}]``.
+    dtype, ``repeats`` questions a point; returns
+    ``[{"shape", "tier", "layers", "parameters", "kv_bytes_per_token", **sweep}]``.
     ``prefix`` (which loads nothing from a tier) runs with the first tier only; ``full``
     runs with every tier, as each sweep's own reference. With ``cold``, the first tier's
     sweep also times cachecraft on a first-time request (every chunk a miss), which loads
@@ -153,7 +154,7 @@ def run_gpu(shapes: Sequence[str], config: Config, items: Sequence[QAItem], spec
             step = (lambda what, done, total, _s=shape_name, _t=tier:
                     on_step(f"{_s} {_t}: {what}", done, total)) if on_step else None
             result = run_scaling(lm, config, items, mine, contexts=contexts, chunk_counts=(),
-                                 chunk_tokens=chunk_tokens, repeats=1, max_new_tokens=max_new_tokens,
+                                 chunk_tokens=chunk_tokens, repeats=repeats, max_new_tokens=max_new_tokens,
                                  tier=tier, share_warm=True, cold=cold and i == 0,
                                  on_step=step)
             runs.append({**facts, "tier": tier, **result})
