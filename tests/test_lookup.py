@@ -113,6 +113,10 @@ def test_load_fractions_come_from_the_tier_the_record_names_else_the_store():
     assert lookup.tier_of("a1") == "disk" and store.located == []
     assert lookup.load_fraction("b1") == 0.25 and store.located == ["b1"]  # its record names no tier
     assert lookup.tier_of("nowhere") is None
+    assert lookup.hide_fraction("a1") == 0.25 and lookup.hide_fraction("nowhere") is None  # no r_hide: r_load's
+    hiding = RequestLookup(store, ["a", "b"], PlannerStatsMemo(lambda v: None), warm_prefix=lambda p: None,
+                           chunk_tokens=lambda k: 1, r_load={"disk": 0.25}.get, r_hide={"disk": 0.1}.get)
+    assert hiding.hide_fraction("a1") == 0.1 and hiding.load_fraction("a1") == 0.25
     store.shared_first = True  # a disk record may then load from the shared tier: the store says
     assert lookup.tier_of("a1") is None and store.located[-1] == "a1"
 

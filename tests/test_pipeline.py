@@ -9,6 +9,7 @@ from cachecraft.config import Config
 from cachecraft.engine import blended_prefill
 from cachecraft.kv import chunk_key, variant_key
 from cachecraft.pipeline import Pipeline
+from cachecraft.pipeline.cost import COST_PROFILE, device_label
 from cachecraft.policy.loading import DEFAULT_BANDWIDTHS
 from cachecraft.policy.planner import PolicyParams
 from cachecraft.store import TieredStore
@@ -124,6 +125,34 @@ def test_explain_prints_the_recorded_plan(pipeline):
     assert latest.exit_code == 0 and f"request {answer.request_id}" in latest.output and "CFO" in latest.output
     missing = runner.invoke(app, ["explain", "9999"])
     assert missing.exit_code == 1 and "no request with id 9999" in missing.output
+
+
+def test_a_blended_prefill_times_the_blending_cost_and_the_controller_raises_only_past_it(pipeline):
+    from cachecraft.policy.loading import CostModel
+
+    question = QUESTION + " " + " ".join(f"w{i}" for i in range(210, 230))  # a prompt of 128 tokens or more
+    pipeline.answer(CHUNKS, question)
+    reordered = [CHUNKS[1], CHUNKS[0], CHUNKS[2], CHUNKS[3]]
+    planned = pipeline.answer(reordered, question, record=False)
+    assert planned.prompt_tokens >= 128  # long enough to teach it on a CPU
+    # the second request reused chunk-caches held in memory on the device: nothing it could wait for
+    assert pipeline.cost_model.blend_s_per_token_layer > 0
+    pipeline._save_cost_model()  # what the cost model learned is kept with the model
+    stored = pipeline.catalog.profile(pipeline.lm.fingerprint, device_label(pipeline.lm.device), COST_PROFILE)
+    assert stored["blend_s_per_token_layer"] == pipeline.cost_model.blend_s_per_token_layer
+    layers = pipeline.lm.adapter.num_layers
+    # r_load 0.5 as in the test below (5e-4 s to load a token's layer, 1e-3 to compute it); a
+    # blending cost of 2.5e-4 s per token and layer hides half the load: the floor is 0.25
+    pipeline.cost_model = CostModel(1e-3, 100, layers, {"gpu": 2e5, "cpu": 2e5, "disk": 2e5},
+                                    blend_s_per_token_layer=2.5e-4)
+    assert pipeline.cost_model.r_hide("cpu") == pytest.approx(0.25)
+    raised = pipeline.answer(reordered, question, record=False)
+    fixed = [i for i, c in enumerate(planned.chunks) if 0 < c.fraction < 1]
+    assert fixed, "the reordered request should fix some chunks"
+    tokens = sum(planned.chunks[i].tokens for i in fixed)
+    before = sum(planned.chunks[i].fraction * planned.chunks[i].tokens for i in fixed)
+    after = sum(raised.chunks[i].fraction * raised.chunks[i].tokens for i in fixed)
+    assert before < 0.25 * tokens <= after + 1e-6 and after < 0.5 * tokens
 
 
 def test_loading_controller_raises_recompute_on_a_slow_tier(pipeline):

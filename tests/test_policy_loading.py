@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cachecraft.policy.loading import (FULL_WEIGHT_BYTES, MIN_OBSERVED_BYTES, OBSERVED_WEIGHT, CostModel,
-                                       cheapest_tier, load_hiding_fraction, raise_fractions, tier_for_new_variant)
+from cachecraft.policy.loading import (FULL_WEIGHT_BYTES, LOAD_BOUND_MARGIN, MIN_OBSERVED_BYTES, OBSERVED_WEIGHT,
+                                       CostModel, cheapest_tier, load_hiding_fraction, raise_fractions, tier_for_new_variant)
 from tests.conftest import tiny_model
 from cachecraft.pipeline.cost import (cost_model_from_profile, cost_profile, measure_cost_model, per_token_seconds,
                                      probe_sizes, teaches_rate)
@@ -19,6 +19,46 @@ def test_load_hiding_fraction():
     assert load_hiding_fraction(0.001, 2000, 1e9) == pytest.approx(0.002)
     assert load_hiding_fraction(0.001, 2000, 1e6) == 1.0  # load takes 2x a full prefill: capped
     assert load_hiding_fraction(0.001, 0, 1e6) == 0.0
+
+
+def test_the_blending_cost_hides_part_of_the_load_first():
+    # 2000 bytes at 1e7 B/s: 2e-4 s a token to load; the blend's own 5e-5 s hides a quarter of it,
+    # and recomputing 0.15 of the 1 ms prefill the rest
+    assert load_hiding_fraction(0.001, 2000, 1e7, 5e-5) == pytest.approx(0.15)
+    assert load_hiding_fraction(0.001, 2000, 1e7, 2e-4) == 0.0  # the blend alone takes as long
+    assert load_hiding_fraction(0.001, 2000, 1e7, 1e-3) == 0.0  # longer: nothing to hide, never below 0
+    assert load_hiding_fraction(0.001, 2000, 1e6, 5e-4) == 1.0  # 2e-3 s to load: capped
+    with pytest.raises(AssertionError, match="blend_s_per_token"):
+        load_hiding_fraction(0.001, 2000, 1e7, -1e-6)
+
+
+def test_r_hide_uses_the_timed_blending_cost_and_r_load_does_not():
+    # 4 layers, 2.5e-4 s and 500 bytes per token and layer: 1 ms and 2000 bytes a token
+    model = CostModel(2.5e-4, 500, 4, dict(BANDWIDTHS))
+    assert model.r_hide("disk") == model.r_load("disk") == pytest.approx(0.2)  # none timed: as r_load
+    timed = CostModel(2.5e-4, 500, 4, dict(BANDWIDTHS), blend_s_per_token_layer=1.25e-5)  # 5e-5 s a token
+    assert timed.r_hide("disk") == pytest.approx(0.15) and timed.r_load("disk") == pytest.approx(0.2)
+    assert timed.r_hide("cpu") == 0.0  # 2e-5 s a token to load: the blend hides it all
+    assert timed.load_s("disk", 100) == pytest.approx(100 * 2000 / 1e7)
+
+
+def test_a_timed_blended_prefill_sets_then_moves_the_blending_cost():
+    model = CostModel(2.5e-4, 500, 4, dict(BANDWIDTHS))  # 1 ms a token to prefill
+    # 1000 tokens, 200 token-layers computed (0.05 s at the rate) in 0.25 s: 0.2 s beyond them,
+    # 5e-5 per token and layer; loads expected to take 0.1 s cannot have held it up
+    first = model.observe_blend(1000, 200, 0.25, 0.1)
+    assert first.blend_s_per_token_layer == pytest.approx(5e-5)  # the first replaces the starting none
+    assert model.blend_s_per_token_layer is None  # a new model; the old one unchanged
+    # the next (0.45 s: 1e-4 per token and layer) moves it by the prefill weight
+    second = first.observe_blend(1000, 200, 0.45, 0.0)
+    assert second.blend_s_per_token_layer == pytest.approx(0.7 * 5e-5 + 0.3 * 1e-4)
+    # one that took less than LOAD_BOUND_MARGIN x its expected loads may have waited for them
+    assert LOAD_BOUND_MARGIN == 1.5
+    assert first.observe_blend(1000, 200, 0.25, 0.25 / 1.5 + 1e-9) is first
+    assert first.observe_blend(1000, 200, 0.25, 0.25 / 1.5 - 1e-9) is not first
+    # compute longer than the time taken (the rate is a slope): nothing beyond it, 0
+    assert model.observe_blend(1000, 4000, 0.5, 0.0).blend_s_per_token_layer == 0.0
+    assert model.observe_blend(0, 0, 1.0, 0.0) is model and model.observe_blend(10, 0, 0.0, 0.0) is model
 
 
 def test_raise_fractions_lifts_to_r_load_and_never_above_one():
@@ -99,6 +139,13 @@ def test_a_stored_rate_measured_at_other_probe_sizes_is_measured_again():
     older = {k: v for k, v in stored.items() if k != "probe_tokens"}  # stored before probes were named
     assert cost_model_from_profile(older, 4, 500, {"cpu": 3e9, "disk": 7e8}, (1024, 2048)) is None
     assert cost_model_from_profile(older, 4, 500, {"cpu": 3e9, "disk": 7e8}) is not None  # no probe asked
+    assert "blend_s_per_token_layer" not in stored  # none timed: none stored
+    blended = model.observe_blend(1000, 200, 0.25, 0.0)
+    kept = cost_profile(blended, (1024, 2048))
+    assert cost_model_from_profile(kept, 4, 500, {"cpu": 3e9, "disk": 7e8}, (1024, 2048)) == blended
+    for bad in (-1.0, float("nan"), "x"):  # a damaged value is not a measurement: as if none was timed
+        back = cost_model_from_profile({**kept, "blend_s_per_token_layer": bad}, 4, 500, {"cpu": 3e9}, (1024, 2048))
+        assert back is None if bad == "x" else back.blend_s_per_token_layer is None
 
 
 def test_probes_stay_within_the_window():

@@ -172,6 +172,9 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
                                     for setting, model in runner.learned.items()} or None,
              "prefill_s_per_token": {"measured at start": runner.measured_prefill_s_per_token,
                                      "after the sweep": runner.cost_model.prefill_s_per_token},
+             "blend_s_per_token": {setting: (model.blend_s_per_token_layer * model.num_layers
+                                             if model.blend_s_per_token_layer is not None else None)
+                                   for setting, model in runner.learned.items()} or None,
              "fresh_pipeline_per_request": True,
              "shared_warm_store": ("the methods of one request that use warm chunk-caches read them from one "
                                    "store warmed once; setup_s is that warm's, on the first of them"
@@ -282,7 +285,8 @@ class _Runner:
         learned = self.learned.get(setting)
         pipeline.cost_model = dataclasses.replace(
             self.cost_model, bandwidths=learned.bandwidths if learned else pipeline.starting_bandwidths(),
-            timed=learned.timed if learned else frozenset())
+            timed=learned.timed if learned else frozenset(),
+            blend_s_per_token_layer=learned.blend_s_per_token_layer if learned else None)
 
     def _timed(self, pipeline, spec: Method, chunks: list[str], question: str, setting: str):
         """The timed request: its answer and trace, peak RSS and peak GPU memory (MB, on CUDA)."""

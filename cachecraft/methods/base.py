@@ -31,7 +31,12 @@ class VariantLookup(Protocol):
         """How many variants of ``key`` are stored (made after ``prefix_key`` where given)."""
 
     def load_fraction(self, variant: str) -> float | None:
-        """The recompute fraction that hides loading ``variant`` from its tier (None: not stored)."""
+        """The recompute fraction that takes as long as loading ``variant`` from its tier
+        (None: not stored; 1: a full prefill of its chunk is no slower)."""
+
+    def hide_fraction(self, variant: str) -> float | None:
+        """The recompute fraction that hides loading ``variant`` beside the blended
+        prefill's own cost (None: not stored)."""
 
     def tier_of(self, variant: str) -> str | None:
         """The tier ``variant`` would load from (None: not stored)."""

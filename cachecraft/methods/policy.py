@@ -69,7 +69,7 @@ class CacheCraft(Method):
         loadable = lambda variant: worth_loading(lookup.load_fraction(variant))  # noqa: E731
         infos = {key: lookup.variant_infos(key, request.prefix_key, keep=loadable) for key in dict.fromkeys(keys)}
         planned = plan_request(keys, [len(c) for c in request.pieces.chunks], infos, self.params(request))
-        planned = hide_loading(planned, [lookup.load_fraction(p.variant) if p.variant else None
+        planned = hide_loading(planned, [lookup.hide_fraction(p.variant) if p.variant else None
                                          for p in planned.chunks])
         plan = keep_in_full(planned, [lookup.variant_count(p.chunk, request.prefix_key) for p in planned.chunks])
         return LoadPlan(tuple(p.variant for p in plan.chunks), plan, tuple(p.variant for p in planned.chunks))

@@ -70,6 +70,7 @@ class PreparedRequest:
     plan: RecomputePlan | None
     used: tuple[str | None, ...]  # per chunk, the variant used (or found, where computed in full)
     tiers: tuple[str, ...]  # per chunk, the tier it came from, or "miss"
+    started: float = 0.0  # time.perf_counter() as the prefill began (loading and planning done)
 
 
 class Pipeline:
@@ -138,9 +139,12 @@ class Pipeline:
         request = self._request(chunk_texts, question, sources, question_template)
         prepared, result = self._prefill(chosen, request)
         int(result.logits.argmax())  # the first token is decided here
-        ttft = time.perf_counter() - start
+        decided = time.perf_counter()
+        ttft = decided - start
         if all(s.cached is None and not s.collect_stats for s in prepared.segments):
             self._learn_prefill(result.num_tokens, ttft)  # a plain full prefill times the prefill cost
+        elif any(s.cached is not None for s in prepared.segments):
+            self._learn_blend(prepared, result, decided - prepared.started)
         chosen.after_prefill(request, result)
         trace = self._trace(chosen, prepared, result) if observer is not None else None
         if trace is not None:
@@ -349,7 +353,8 @@ class Pipeline:
         keys = tuple(chunk_key(self.lm.fingerprint, ids) for ids in pieces.chunks)
         self._note_sources(keys, sources)
         lookup = RequestLookup(self.store, keys, self.planner_stats, self._warm_key_of, self._chunk_tokens,
-                               lambda tier: self.ensure_cost_model().r_load(tier))
+                               lambda tier: self.ensure_cost_model().r_load(tier),
+                               lambda tier: self.ensure_cost_model().r_hide(tier))
         prefix_key = chunk_key(self.lm.fingerprint, pieces.prefix)
         order = None
         if self.config.chunk_order == "cache" and len(keys) > 1:
@@ -370,6 +375,7 @@ class Pipeline:
                     # and after the answer (deferred): its first token comes as a plain prefill's does
                     hooks = [ChunkStatistics(self.stats_layers, self.config.miss_stats_stride, deferred=True),
                              *prepared.hooks.layer_hooks]
+                    prepared = replace(prepared, started=time.perf_counter())
                     result = blended_prefill(self.lm.adapter, prepared.segments, hooks=hooks,
                                              fingerprint=self.lm.fingerprint)
                 return prepared, result
@@ -510,6 +516,18 @@ class Pipeline:
         to tell it: see :func:`teaches_rate`)."""
         if teaches_rate(tokens, self.lm.device, self.lm.max_context):
             self.cost_model = self.ensure_cost_model().observe_prefill(tokens, seconds)
+
+    def _learn_blend(self, prepared: PreparedRequest, result: BlendResult, seconds: float) -> None:
+        """Fold one timed blended prefill into the cost model's blending cost (one long
+        enough to tell it, as for the prefill rate), with the time its streamed loads were
+        expected to take, so that one which may have waited for them is left out."""
+        if not teaches_rate(result.num_tokens, self.lm.device, self.lm.max_context):
+            return
+        model = self.ensure_cost_model()
+        # only streamed layers carry their tier: ones read whole were in before the prefill began
+        load_s = sum(model.load_s(tier, seg.cached.num_tokens) for seg in prepared.segments
+                     if seg.cached is not None and (tier := getattr(seg.cached, "tier", None)) is not None)
+        self.cost_model = model.observe_blend(result.num_tokens, result.token_layers, seconds, load_s)
 
     def _learn_bandwidth(self, tier: str, nbytes: int, seconds: float) -> None:
         """Fold one timed load from ``tier`` into the cost model's bandwidth for it."""

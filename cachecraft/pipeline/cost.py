@@ -115,13 +115,16 @@ def cpu_name() -> str:
 
 def cost_profile(model: CostModel, probe_tokens: Sequence[int] = ()) -> dict[str, Any]:
     """What of ``model`` is worth keeping: the prefill rate, its shape, the probe sizes its
-    rate was first measured at, and each timed tier's bandwidth (assumed and infinite ones
-    are left out: they are not measurements)."""
-    return {"prefill_s_per_token_layer": model.prefill_s_per_token_layer,
-            "kv_bytes_per_token_layer": model.kv_bytes_per_token_layer, "num_layers": model.num_layers,
-            "probe_tokens": [int(n) for n in probe_tokens],
-            "bandwidths": {t: model.bandwidths[t] for t in sorted(model.timed)
-                           if math.isfinite(model.bandwidths.get(t, math.inf))}}
+    rate was first measured at, each timed tier's bandwidth (assumed and infinite ones
+    are left out: they are not measurements) and the blending cost once timed."""
+    profile = {"prefill_s_per_token_layer": model.prefill_s_per_token_layer,
+               "kv_bytes_per_token_layer": model.kv_bytes_per_token_layer, "num_layers": model.num_layers,
+               "probe_tokens": [int(n) for n in probe_tokens],
+               "bandwidths": {t: model.bandwidths[t] for t in sorted(model.timed)
+                              if math.isfinite(model.bandwidths.get(t, math.inf))}}
+    if model.blend_s_per_token_layer is not None:
+        profile["blend_s_per_token_layer"] = model.blend_s_per_token_layer
+    return profile
 
 
 def cost_model_from_profile(profile: Mapping[str, Any] | None, num_layers: int, kv_bytes_per_token_layer: int,
@@ -139,9 +142,13 @@ def cost_model_from_profile(profile: Mapping[str, Any] | None, num_layers: int, 
                       and int(profile["kv_bytes_per_token_layer"]) == kv_bytes_per_token_layer)
         same_probe = probe_tokens is None or [int(n) for n in profile.get("probe_tokens") or ()] == list(probe_tokens)
         timed = {str(t): float(b) for t, b in dict(profile.get("bandwidths") or {}).items()}
+        blend = profile.get("blend_s_per_token_layer")
+        blend = float(blend) if blend is not None else None
     except (KeyError, TypeError, ValueError):
         return None
+    if blend is not None and not (blend >= 0 and math.isfinite(blend)):
+        blend = None
     if not same_shape or not same_probe or not rate > 0 or not math.isfinite(rate):
         return None
     timed = {t: b for t, b in timed.items() if b > 0 and math.isfinite(b) and math.isfinite(bandwidths.get(t, 0.0))}
-    return CostModel(rate, kv_bytes_per_token_layer, num_layers, {**bandwidths, **timed}, frozenset(timed))
+    return CostModel(rate, kv_bytes_per_token_layer, num_layers, {**bandwidths, **timed}, frozenset(timed), blend)

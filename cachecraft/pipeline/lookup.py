@@ -57,12 +57,16 @@ class RequestLookup:
     chunks): the store's variant records of them all, read on the first question."""
 
     def __init__(self, store, keys: Sequence[str], stats: PlannerStatsMemo, warm_prefix: Callable,
-                 chunk_tokens: Callable[[str], int], r_load: Callable[[str], float]):
+                 chunk_tokens: Callable[[str], int], r_load: Callable[[str], float],
+                 r_hide: Callable[[str], float] | None = None):
         """``warm_prefix(prefix_key)``: the prefix tuple of the variants ``warm`` makes (None
         when there is no warm context); ``chunk_tokens(key)``: a chunk's token count;
-        ``r_load(tier)``: the recompute fraction that hides loading from ``tier``."""
+        ``r_load(tier)``: the recompute fraction that takes as long as loading from ``tier``;
+        ``r_hide(tier)``: the one that hides that load beside the blend's own cost (default
+        ``r_load``)."""
         self._store, self._keys, self._stats = store, tuple(dict.fromkeys(keys)), stats
         self._warm_prefix, self._chunk_tokens, self._r_load = warm_prefix, chunk_tokens, r_load
+        self._r_hide = r_hide or r_load
         self._records: dict[str, list[VariantRecord]] | None = None
         self._tiers: dict[str, str] = {}  # variant -> the tier its record names
 
@@ -147,6 +151,13 @@ class RequestLookup:
         return tier
 
     def load_fraction(self, variant: str) -> float | None:
-        """The recompute fraction that hides loading ``variant`` from its tier (None: not stored)."""
+        """The recompute fraction that takes as long as loading ``variant`` from its tier
+        (None: not stored)."""
         tier = self.tier_of(variant)
         return None if tier is None else self._r_load(tier)
+
+    def hide_fraction(self, variant: str) -> float | None:
+        """The recompute fraction that hides loading ``variant`` beside the blend's own
+        cost (None: not stored)."""
+        tier = self.tier_of(variant)
+        return None if tier is None else self._r_hide(tier)

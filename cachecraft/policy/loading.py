@@ -13,6 +13,17 @@ prefill_s_per_token)``, capped at 1. Below it, compute sits idle waiting for byt
 CacheBlend recomputes ``max(r, r_load)`` for free, and stores a chunk in the cheapest
 (slowest) tier whose load time the planned recompute still hides. The question's own
 tokens, always computed, would hide a little more; they are left out (conservative).
+
+A blended prefill costs more than its recompute, though: every layer still runs the
+question and the recomputed tokens' attention over the whole context, and the work
+around each layer. On a GPU that part alone can take as long as the copies from pinned
+memory (an H100 with Llama-3.1-8B's shape at 32k tokens: 0.24 s to reuse caches already
+on the GPU, 0.2-0.6 s to copy them), so recomputing ``r_load`` there was not free: it
+made the request slower than loading at the planned fraction. The controller therefore
+raises the recompute only to ``r_hide = (kv_bytes_per_token / bandwidth -
+blend_s_per_token) / prefill_s_per_token`` (:meth:`CostModel.r_hide`), where
+``blend_s_per_token`` is what blended prefills were timed to cost per context token
+beyond their recompute (:meth:`CostModel.observe_blend`; 0 until one is timed).
 """
 
 from __future__ import annotations
@@ -27,8 +38,14 @@ from typing import Iterable, Mapping, Sequence
 # every full prefill); the store uses this only for entries recorded without a cost.
 DEFAULT_PREFILL_S_PER_TOKEN_LAYER = 1.6e-4
 
-# Weight of a new full prefill's timing in the running prefill cost.
+# Weight of a new full prefill's timing in the running prefill cost (and of a blended
+# prefill's in the running blending cost).
 OBSERVED_PREFILL_WEIGHT = 0.3
+
+# A blended prefill that took less than this many times the time its loads were expected
+# to take may have waited for them: its time says how fast the bytes came, not what the
+# compute costs, so it does not move the blending cost.
+LOAD_BOUND_MARGIN = 1.5
 
 # Bytes/s to get a chunk-cache back as compute tensors, from `cachecraft bench store`
 # on the development CPU machine (cpu ~3 GB/s, disk ~0.7-1 GB/s); the GPU figure is a
@@ -60,12 +77,15 @@ FULL_WEIGHT_BYTES = 16 * 1024 * 1024
 DEFAULT_VALUE_THRESHOLDS: dict[str, float] = {"gpu": 10_000.0, "cpu": 1_000.0, "disk": 50.0}
 
 
-def load_hiding_fraction(prefill_s_per_token: float, kv_bytes_per_token: float, bandwidth: float) -> float:
-    """``r_load``: the recompute fraction whose time equals the load time, within [0, 1]."""
+def load_hiding_fraction(prefill_s_per_token: float, kv_bytes_per_token: float, bandwidth: float,
+                         blend_s_per_token: float = 0.0) -> float:
+    """The recompute fraction whose time, with ``blend_s_per_token`` of blending cost
+    beside it, equals the load time, within [0, 1]: ``r_load`` with no blending cost."""
     assert prefill_s_per_token > 0, f"prefill_s_per_token must be > 0, got {prefill_s_per_token}"
     assert bandwidth > 0, f"bandwidth must be > 0, got {bandwidth}"
     assert kv_bytes_per_token >= 0, f"kv_bytes_per_token must be >= 0, got {kv_bytes_per_token}"
-    return min(1.0, kv_bytes_per_token / (bandwidth * prefill_s_per_token))
+    assert blend_s_per_token >= 0, f"blend_s_per_token must be >= 0, got {blend_s_per_token}"
+    return min(1.0, max(0.0, kv_bytes_per_token / bandwidth - blend_s_per_token) / prefill_s_per_token)
 
 
 def raise_fractions(plan_fractions: Sequence[float], r_load: float) -> list[float]:
@@ -112,10 +132,15 @@ class CostModel:
     num_layers: int
     bandwidths: Mapping[str, float] = field(default_factory=lambda: dict(DEFAULT_BANDWIDTHS))
     timed: frozenset[str] = frozenset()  # tiers whose bandwidth a full-size load has set
+    # A blended prefill's seconds per context token and layer beyond its recompute (None:
+    # none timed yet, counted as 0)
+    blend_s_per_token_layer: float | None = None
 
     def __post_init__(self) -> None:
         assert self.prefill_s_per_token_layer > 0, "prefill_s_per_token_layer must be > 0"
         assert self.num_layers >= 1, "num_layers must be >= 1"
+        assert self.blend_s_per_token_layer is None or self.blend_s_per_token_layer >= 0, \
+            "blend_s_per_token_layer must be >= 0"
 
     @property
     def prefill_s_per_token(self) -> float:
@@ -126,9 +151,18 @@ class CostModel:
         return self.kv_bytes_per_token_layer * self.num_layers
 
     def r_load(self, tier: str) -> float:
-        """The recompute fraction that hides loading from ``tier``."""
+        """The recompute fraction that takes as long as loading from ``tier`` (1: loading
+        takes at least as long as a full prefill of the chunk)."""
         return load_hiding_fraction(self.prefill_s_per_token, self.kv_bytes_per_token,
                                     self.bandwidths.get(tier, UNKNOWN_TIER_BANDWIDTH))
+
+    def r_hide(self, tier: str) -> float:
+        """The recompute fraction that hides loading from ``tier`` once the blended
+        prefill's own cost (the timed blending cost) hides part of it: the controller's
+        floor for a variant loaded from there."""
+        return load_hiding_fraction(self.prefill_s_per_token, self.kv_bytes_per_token,
+                                    self.bandwidths.get(tier, UNKNOWN_TIER_BANDWIDTH),
+                                    (self.blend_s_per_token_layer or 0.0) * self.num_layers)
 
     def observe_load(self, tier: str, nbytes: int, seconds: float) -> "CostModel":
         """This model with ``tier``'s bandwidth moved towards ``nbytes / seconds``, one
@@ -148,6 +182,10 @@ class CostModel:
         timed = self.timed | {tier} if share == 1.0 else self.timed
         return dataclasses.replace(self, bandwidths={**self.bandwidths, tier: 1.0 / per_byte}, timed=timed)
 
+    def load_s(self, tier: str, tokens: int) -> float:
+        """Seconds the chunk-caches of ``tokens`` tokens are expected to take from ``tier``."""
+        return tokens * self.kv_bytes_per_token / self.bandwidths.get(tier, UNKNOWN_TIER_BANDWIDTH)
+
     def prefill_s(self, tokens: int) -> float:
         """Seconds a full prefill of ``tokens`` tokens is expected to take."""
         return self.prefill_s_per_token * tokens
@@ -161,6 +199,23 @@ class CostModel:
         measured = seconds / tokens / self.num_layers
         blended = (1 - OBSERVED_PREFILL_WEIGHT) * self.prefill_s_per_token_layer + OBSERVED_PREFILL_WEIGHT * measured
         return dataclasses.replace(self, prefill_s_per_token_layer=blended)
+
+    def observe_blend(self, tokens: int, token_layers: float, seconds: float, load_s: float) -> "CostModel":
+        """This model with its blending cost moved towards one timed blended prefill of
+        ``tokens`` tokens that ran ``token_layers`` tokens through layers (its recompute and
+        the question) in ``seconds``, while loads expected to take ``load_s`` streamed in.
+
+        The measurement is the time beyond that compute at the prefill rate, per token and
+        layer. The first replaces the starting 0, later ones move it by
+        :data:`OBSERVED_PREFILL_WEIGHT`. Unchanged without a positive count and time, or
+        when ``seconds`` is under :data:`LOAD_BOUND_MARGIN` times ``load_s``: such a prefill
+        may have waited for its bytes."""
+        if tokens <= 0 or seconds <= 0 or seconds < LOAD_BOUND_MARGIN * load_s:
+            return self
+        measured = max(0.0, seconds - token_layers * self.prefill_s_per_token_layer) / (tokens * self.num_layers)
+        if self.blend_s_per_token_layer is not None:
+            measured = (1 - OBSERVED_PREFILL_WEIGHT) * self.blend_s_per_token_layer + OBSERVED_PREFILL_WEIGHT * measured
+        return dataclasses.replace(self, blend_s_per_token_layer=measured)
 
     def cheapest_tier(self, recompute_fraction: float) -> str | None:
         """The slowest tier that ``recompute_fraction`` hides (see :func:`cheapest_tier`)."""

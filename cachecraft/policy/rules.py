@@ -2,7 +2,7 @@
 
 - :func:`hide_loading`: CacheBlend's loading controller applied to a plan: a chunk
   whose cache comes from a slow tier recomputes at least the fraction that hides
-  loading it (``r = max(r*, r_load)``).
+  loading it (``r = max(r*, r_hide)``; see :mod:`cachecraft.policy.loading`).
 - :func:`worth_loading`: a variant whose load takes longer than recomputing its whole
   chunk (``r_load >= 1``) is not loaded, nor planned with: its chunk is computed in full.
 - :func:`room_for_variant`: a chunk keeps a new variant while it has fewer than
@@ -43,9 +43,9 @@ def room_for_variant(stored: int, cap: int = MAX_VARIANTS_PER_CHUNK) -> bool:
 
 
 def hide_loading(plan: RecomputePlan, r_loads: Sequence[float | None]) -> RecomputePlan:
-    """Raise each planned chunk's count to ``ceil(r_load * tokens)`` where it recomputes
-    anything at all (``r_loads``: per chunk, the fraction that hides loading its variant
-    from its tier; None where nothing is loaded)."""
+    """Raise each planned chunk's count to ``ceil(r * tokens)`` where it recomputes
+    anything at all (``r_loads``: per chunk, the fraction ``r`` that hides loading its
+    variant from its tier; None where nothing is loaded)."""
     assert len(r_loads) == len(plan.chunks), f"{len(r_loads)} load fractions for {len(plan.chunks)} chunks"
     chunks = []
     for chunk_plan, r_load in zip(plan.chunks, r_loads):
