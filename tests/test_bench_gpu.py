@@ -107,6 +107,9 @@ def test_the_readme_table_shows_each_tier_with_speedups_recompute_and_peak_memor
     assert "| 100 | 1.00 s | 0.25 s (4.0x) | 0.50 s (2.0x, 5%) |" in table
     assert "8.0B parameters, 128 KiB of chunk-cache per token), caches in the **disk** tier" in table
     assert "at 100 tokens, caches in the gpu tier" in table and "full 2.0, reuse 3.0, cachecraft 5% 4.0." in table
+    assert "; one question per point)" in table
+    three = {**run, "scaling": [{**r, "repeats": 3} for r in run["scaling"]]}
+    assert "; means of 3 questions a point)" in gpu_table({**data, "runs": [three]})
 
 
 def test_the_one_request_scripts_context_is_cut_as_bench_scaling_cuts_it(long_dataset, tmp_path):

@@ -582,13 +582,14 @@ def diagnose_profiles(data: dict, path: Path) -> Path | None:
 
 # -- GPU ----------------------------------------------------------------------------------------
 
-FIXED_FRACTION = re.compile(r"^cachecraft@0/F(?P<fraction>[\d.]+)$")
+FIXED_FRACTION = re.compile(r"^cachecraft@0/F(?P<fraction>[\d.]+)(?P<setting>( \w+)?)$")
 
 
 def gpu_label(label: str) -> str:
-    """``cachecraft@0/F0.05`` (the policy at a fixed fraction) -> ``cachecraft 5%``; others as they are."""
+    """``cachecraft@0/F0.05`` (the policy at a fixed fraction) -> ``cachecraft 5%`` (``... cold`` ->
+    ``cachecraft 5% cold``); others as they are."""
     fixed = FIXED_FRACTION.match(label)
-    return f"cachecraft {float(fixed['fraction']) * 100:g}%" if fixed else label
+    return f"cachecraft {float(fixed['fraction']) * 100:g}%{fixed['setting']}" if fixed else label
 
 
 def gpu_speedups(results: Sequence[dict], path: Path, published: tuple[float, float] = (2.2, 3.3)) -> Path | None:
@@ -623,6 +624,8 @@ def gpu_speedups(results: Sequence[dict], path: Path, published: tuple[float, fl
             ax.set_ylabel("speedup over full prefill (TTFT, x)")
         handles, labels = axes[0][0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), title="method")
-        fig.suptitle(f"Time to first token on an {device}, random weights (1 question per point)", fontsize=15)
+        questions = max((r.get("repeats", 1) for run in runs for r in run["scaling"]), default=1)
+        per_point = "1 question per point" if questions == 1 else f"means of {questions} questions a point"
+        fig.suptitle(f"Time to first token on an {device}, random weights ({per_point})", fontsize=15)
         fig.tight_layout()
         return _save(fig, path)

@@ -256,7 +256,9 @@ def gpu_table(data: dict) -> str:
     machine = data["machine"]
     made = [f"{machine.get('gpu', 'GPU')}", f"torch {machine['torch']}", "random weights",
             f"{data['date'][:10]}{_commit(data)}"]
-    lines = [f"`{data['command']}` (" + ", ".join(made) + "; one question per point)"]
+    questions = max((r.get("repeats", 1) for run in data["runs"] for r in run["scaling"]), default=1)
+    per_point = "one question per point" if questions == 1 else f"means of {questions} questions a point"
+    lines = [f"`{data['command']}` (" + ", ".join(made) + f"; {per_point})"]
     for run in data["runs"]:
         rows = run["scaling"]
         methods = list(dict.fromkeys(r["method"] for r in rows))
