@@ -213,17 +213,31 @@ def reordered_reference(pipeline: Pipeline, item: QAItem, chunks: Sequence[str],
                         on_answer: OnAnswer | None = None) -> tuple[dict, Reference]:
     """Full's answer over the order the pipeline now gives ``chunks``: its row against
     ``given`` (full's answer in the given order), and the reference it makes."""
+    row, made = _answer_row(pipeline, item, chunks, Full(), given, max_new_tokens, meter, on_answer,
+                            make_reference=True)
+    assert made is not None
+    return row, made
+
+
+def _answer_row(pipeline: Pipeline, item: QAItem, chunks: Sequence[str], method: Method,
+                against: Reference | None, max_new_tokens: int, meter: Meter | None, on_answer: OnAnswer | None,
+                make_reference: bool = False) -> tuple[dict, Reference | None]:
+    """One request with ``method``: its row against ``against`` (None: against itself) and,
+    with no ``against`` or with ``make_reference``, the reference its answer makes."""
     with (meter() if meter else nullcontext()) as mem:
-        answer, trace = answer_traced(pipeline, chunks, item.question, Full(), max_new_tokens=max_new_tokens)
+        answer, trace = answer_traced(pipeline, chunks, item.question, method, max_new_tokens=max_new_tokens)
     if on_answer:
         on_answer(item, answer, trace)
-    ids = trace.answer_ids
-    reference = Reference(answer, trace.logits, ids, forced_logits(pipeline, trace, ids))
-    row = compare(item, answer, trace, forced_logits(pipeline, trace, given.answer_ids), given)
+    made = None
+    if against is None or make_reference:
+        ids = trace.answer_ids
+        made = Reference(answer, trace.logits, ids, forced_logits(pipeline, trace, ids))
+    forced = made.answer_logits if against is None else forced_logits(pipeline, trace, against.answer_ids)
+    trace.keys = trace.values = []  # the KV is not needed past here
+    row = compare(item, answer, trace, forced, against or made)
     if mem is not None:
         row.update(peak_rss_mb=mem.peak_mb, rss_growth_mb=mem.growth_mb)
-    trace.keys = trace.values = []
-    return row, reference
+    return row, made
 
 
 def row_labels(order: Sequence[Method | InContext], chunk_order: str = "given") -> list[str]:
@@ -264,20 +278,8 @@ def evaluate_item(pipeline: Pipeline, item: QAItem, order: Sequence[Method | InC
                 rows.append({**row, "method": f"full{InContext.SUFFIX}{method.neighbours}",
                              "in_context_variants": in_context, "in_context_warm_s": in_context_s, "warm_s": warm_s})
         inner = method.method if isinstance(method, InContext) else method
-        with (meter() if meter else nullcontext()) as mem:
-            answer, trace = answer_traced(pipeline, chunks, item.question, inner, max_new_tokens=max_new_tokens)
-        if on_answer:
-            on_answer(item, answer, trace)
-        if reference is None:
-            ids = trace.answer_ids
-            reference = Reference(answer, trace.logits, ids, forced_logits(pipeline, trace, ids))
-            forced = reference.answer_logits
-        else:
-            forced = forced_logits(pipeline, trace, reference.answer_ids)
-        trace.keys = trace.values = []  # the KV is not needed past here
-        row = compare(item, answer, trace, forced, reference)
-        if mem is not None:
-            row.update(peak_rss_mb=mem.peak_mb, rss_growth_mb=mem.growth_mb)
+        row, made = _answer_row(pipeline, item, chunks, inner, reference, max_new_tokens, meter, on_answer)
+        reference = reference or made  # the first method's answer is the reference
         if isinstance(method, InContext):
             row.update(method=method.label, in_context_variants=in_context, in_context_warm_s=in_context_s)
         rows.append({**row, "warm_s": warm_s})
