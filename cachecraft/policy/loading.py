@@ -18,7 +18,7 @@ A blended prefill costs more than its recompute, though: every layer still runs 
 question and the recomputed tokens' attention over the whole context, and the work
 around each layer. On a GPU that part alone can take as long as the copies from pinned
 memory (an H100 with Llama-3.1-8B's shape at 32k tokens: 0.24 s to reuse caches already
-on the GPU, 0.2-0.6 s to copy them), so recomputing ``r_load`` there was not free: it
+on the GPU, 0.1-0.6 s more to copy them), so recomputing ``r_load`` there was not free: it
 made the request slower than loading at the planned fraction. The controller therefore
 raises the recompute only to ``r_hide = (kv_bytes_per_token / bandwidth -
 blend_s_per_token) / prefill_s_per_token`` (:meth:`CostModel.r_hide`), where
