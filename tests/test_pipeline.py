@@ -127,22 +127,16 @@ def test_explain_prints_the_recorded_plan(pipeline):
     assert missing.exit_code == 1 and "no request with id 9999" in missing.output
 
 
-def test_a_blended_prefill_times_the_blending_cost_and_the_controller_raises_only_past_it(pipeline):
+def test_the_controller_raises_only_past_the_blending_cost(pipeline):
     from cachecraft.policy.loading import CostModel
 
     question = QUESTION + " " + " ".join(f"w{i}" for i in range(210, 230))  # a prompt of 128 tokens or more
     pipeline.answer(CHUNKS, question)
     reordered = [CHUNKS[1], CHUNKS[0], CHUNKS[2], CHUNKS[3]]
     planned = pipeline.answer(reordered, question, record=False)
-    assert planned.prompt_tokens >= 128  # long enough to teach it on a CPU
-    # the second request reused chunk-caches held in memory on the device: nothing it could wait
-    # for, so it was timed (its value is this machine's: 0 where the recompute at the probe's
-    # rate accounts for the whole time)
-    assert pipeline.cost_model.blend_s_per_token_layer is not None
-    assert pipeline.cost_model.blend_s_per_token_layer >= 0
-    pipeline._save_cost_model()  # what the cost model learned is kept with the model
-    stored = pipeline.catalog.profile(pipeline.lm.fingerprint, device_label(pipeline.lm.device), COST_PROFILE)
-    assert stored["blend_s_per_token_layer"] == pipeline.cost_model.blend_s_per_token_layer
+    assert planned.prompt_tokens >= 128  # long enough to teach the prefill rate
+    # on a CPU the reading thread shares the cores: a blended prefill's time teaches nothing
+    assert pipeline.cost_model.blend_s_per_token_layer is None
     layers = pipeline.lm.adapter.num_layers
     # r_load 0.5 as in the test below (5e-4 s to load a token's layer, 1e-3 to compute it); a
     # blending cost of 2.5e-4 s per token and layer hides half the load: the floor is 0.25
@@ -152,6 +146,9 @@ def test_a_blended_prefill_times_the_blending_cost_and_the_controller_raises_onl
     raised = pipeline.answer(reordered, question, record=False)
     tokens, before, after = fixed_tokens(planned, raised)
     assert before < 0.25 * tokens <= after + 1e-6 and after < 0.5 * tokens
+    pipeline._save_cost_model()  # a timed blending cost is kept with the model
+    stored = pipeline.catalog.profile(pipeline.lm.fingerprint, device_label(pipeline.lm.device), COST_PROFILE)
+    assert stored["blend_s_per_token_layer"] == 2.5e-4
 
 
 def fixed_tokens(planned, raised) -> tuple[int, float, float]:
@@ -465,3 +462,27 @@ def test_a_looping_answer_is_answered_again_from_a_full_prefill(pipeline, monkey
     assert not pipeline.answer(CHUNKS, QUESTION, method="reuse", generation=GenerationOptions(cancel=gone)).escalated
     pipeline.config = dataclasses.replace(pipeline.config, repetition_fallback=False)
     assert not pipeline.answer(CHUNKS, QUESTION, method="reuse").escalated
+
+
+def test_only_a_long_blended_prefill_on_a_gpu_that_outlasted_its_loads_teaches_the_blending_cost():
+    from types import SimpleNamespace
+
+    from cachecraft.policy.loading import CostModel
+
+    model = CostModel(2.5e-4, 500, 4, {"gpu": float("inf"), "cpu": 1e8, "disk": 1e7})  # 2000 bytes a token
+
+    def learned(device: str, tokens: int, seconds: float) -> float | None:
+        fake = SimpleNamespace(lm=SimpleNamespace(device=torch.device(device), max_context=4096),
+                               cost_model=model, ensure_cost_model=lambda: model)
+        # one chunk of 1000 tokens streamed from disk (0.2 s expected at 1e7 B/s), one held on the GPU
+        prepared = SimpleNamespace(segments=[SimpleNamespace(cached=SimpleNamespace(tier="disk", num_tokens=1000)),
+                                             SimpleNamespace(cached=SimpleNamespace(tier="gpu", num_tokens=500)),
+                                             SimpleNamespace(cached=None)])
+        Pipeline._learn_blend(fake, prepared, SimpleNamespace(num_tokens=tokens, token_layers=400), seconds)
+        return fake.cost_model.blend_s_per_token_layer
+
+    # 0.5 s, 400 token-layers at 2.5e-4 s (0.1 s): 0.4 s over 2048 tokens and 4 layers
+    assert learned("cuda", 2048, 0.5) == pytest.approx(0.4 / (2048 * 4))
+    assert learned("cpu", 2048, 0.5) is None  # the reading thread shares a CPU's cores
+    assert learned("cuda", 2047, 0.5) is None  # shorter than the GPU's longest probe
+    assert learned("cuda", 2048, 0.29) is None  # under 1.5x the 0.2 s its loads were expected to take

@@ -518,10 +518,14 @@ class Pipeline:
             self.cost_model = self.ensure_cost_model().observe_prefill(tokens, seconds)
 
     def _learn_blend(self, prepared: PreparedRequest, result: BlendResult, seconds: float) -> None:
-        """Fold one timed blended prefill into the cost model's blending cost (one long
-        enough to tell it, as for the prefill rate), with the time its streamed loads were
-        expected to take, so that one which may have waited for them is left out."""
-        if not teaches_rate(result.num_tokens, self.lm.device, self.lm.max_context):
+        """Fold one timed blended prefill on a GPU into the cost model's blending cost (one
+        long enough to tell it, as for the prefill rate), with the time its streamed loads
+        were expected to take, so that one which may have waited for them is left out."""
+        # Only a GPU copies on an engine of its own beside the compute; on a CPU the reading
+        # thread takes cores from the compute, so the blend's own work hides no load there
+        # (and the controller keeps r_load, as measured before on this machine).
+        if self.lm.device.type != "cuda" or not teaches_rate(result.num_tokens, self.lm.device,
+                                                              self.lm.max_context):
             return
         model = self.ensure_cost_model()
         # only streamed layers carry their tier: ones read whole were in before the prefill began

@@ -23,7 +23,10 @@ made the request slower than loading at the planned fraction. The controller the
 raises the recompute only to ``r_hide = (kv_bytes_per_token / bandwidth -
 blend_s_per_token) / prefill_s_per_token`` (:meth:`CostModel.r_hide`), where
 ``blend_s_per_token`` is what blended prefills were timed to cost per context token
-beyond their recompute (:meth:`CostModel.observe_blend`; 0 until one is timed).
+beyond their recompute (:meth:`CostModel.observe_blend`; 0 until one is timed). The
+pipeline times it on a GPU only, whose copies run beside the compute on an engine of
+their own; on a CPU the reading thread takes cores from the compute, and ``r_hide``
+stays ``r_load``.
 """
 
 from __future__ import annotations
