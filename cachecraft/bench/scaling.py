@@ -172,8 +172,7 @@ def run_scaling(lm: LoadedModel, config: Config, items: Sequence[QAItem], specs:
                                     for setting, model in runner.learned.items()} or None,
              "prefill_s_per_token": {"measured at start": runner.measured_prefill_s_per_token,
                                      "after the sweep": runner.cost_model.prefill_s_per_token},
-             "blend_s_per_token": {setting: (model.blend_s_per_token_layer * model.num_layers
-                                             if model.blend_s_per_token_layer is not None else None)
+             "blend_s_per_token": {setting: model.blend_s_per_token
                                    for setting, model in runner.learned.items()} or None,
              "fresh_pipeline_per_request": True,
              "shared_warm_store": ("the methods of one request that use warm chunk-caches read them from one "

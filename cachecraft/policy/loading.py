@@ -153,6 +153,12 @@ class CostModel:
     def kv_bytes_per_token(self) -> int:
         return self.kv_bytes_per_token_layer * self.num_layers
 
+    @property
+    def blend_s_per_token(self) -> float | None:
+        """The blending cost per context token, all layers (None: none timed yet)."""
+        layer = self.blend_s_per_token_layer
+        return None if layer is None else layer * self.num_layers
+
     def r_load(self, tier: str) -> float:
         """The recompute fraction that takes as long as loading from ``tier`` (1: loading
         takes at least as long as a full prefill of the chunk)."""
@@ -165,7 +171,7 @@ class CostModel:
         floor for a variant loaded from there."""
         return load_hiding_fraction(self.prefill_s_per_token, self.kv_bytes_per_token,
                                     self.bandwidths.get(tier, UNKNOWN_TIER_BANDWIDTH),
-                                    (self.blend_s_per_token_layer or 0.0) * self.num_layers)
+                                    self.blend_s_per_token or 0.0)
 
     def observe_load(self, tier: str, nbytes: int, seconds: float) -> "CostModel":
         """This model with ``tier``'s bandwidth moved towards ``nbytes / seconds``, one
