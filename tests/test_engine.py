@@ -9,7 +9,7 @@ import torch
 from transformers import TextIteratorStreamer
 
 from cachecraft.engine import PromptError, Segment, blended_prefill, generate_from, sampled_layers
-from cachecraft.engine.attention import _AttentionPlan
+from cachecraft.engine.attention import _AttentionPlan, shape_bucket
 from cachecraft.selection import ChunkStatistics, DeviationCheck, QuestionAttention, create_chunk_cache
 from tests.conftest import tiny_model
 
@@ -324,7 +324,8 @@ def test_statistics_are_the_same_whether_the_prefix_is_cached_or_computed(tiny_l
                                   atol=1e-5), (i, name)
 
 
-def test_attention_plan_paths_agree_with_masked_attention():
+@pytest.mark.parametrize("bucket", [False, True])
+def test_attention_plan_paths_agree_with_masked_attention(bucket):
     g = torch.Generator().manual_seed(0)
     n_total, heads, kv_heads, dim = 300, 4, 2, 8
     q, k, v = (torch.randn(h, n_total, dim, generator=g) for h in (heads, kv_heads, kv_heads))
@@ -334,7 +335,7 @@ def test_attention_plan_paths_agree_with_masked_attention():
     reference = scores.softmax(-1) @ values
     scattered = torch.randperm(n_total, generator=g)[:120].sort().values
     for active, path in ((torch.arange(n_total), "full"), (torch.arange(20, n_total), "dense"), (scattered, "blocks")):
-        plan = _AttentionPlan(active, n_total, block=32)
+        plan = _AttentionPlan(active, n_total, block=32, bucket=bucket)
         assert path == ("full" if plan.full else "dense" if plan.dense else "blocks")
         out = plan.attend(q[:, active], k, v, 1 / math.sqrt(dim), gqa=True)
         assert (out - reference[:, active]).abs().max() < 1e-5, path
@@ -485,3 +486,26 @@ def test_masked_attention_gives_the_same_result_in_any_block_size():
     outs = [_AttentionPlan(active, 300, block=b).attend(q[:, active], keys, values, 0.25, True) for b in (7, 128, 4096)]
     assert torch.allclose(outs[0], outs[1], atol=1e-6) and torch.allclose(outs[1], outs[2], atol=1e-6)
     assert len(_AttentionPlan(active, 300).blocks) == 1  # on the CPU: blocks of 128 queries
+
+
+def test_shape_buckets_round_up_to_a_few_sizes_per_power_of_two():
+    # step max(64, 2**(floor(log2 n) - 3)): 64 up to 1023, then 128, 256, ...
+    assert [shape_bucket(n) for n in (1, 64, 65, 97, 700, 1023, 1024, 1025, 4006, 4096, 32051)] == \
+        [64, 64, 128, 128, 704, 1024, 1024, 1152, 4096, 4096, 32768]
+    assert shape_bucket(5, smallest=8) == 8 and shape_bucket(9, smallest=8) == 16
+
+
+def test_a_bucketed_plan_pads_every_call_to_bucket_sizes():
+    """90 scattered queries over 300 keys in blocks of 50: the first block's 50 rows become
+    64 and its keys (up to its last query) a multiple of 64; the padded rows repeat the last
+    real row's mask, and no row sees a key past its own position."""
+    active = torch.sort(torch.randperm(300, generator=torch.Generator().manual_seed(5))[:90]).values
+    plan = _AttentionPlan(active, 300, block=50, bucket=True)
+    assert [(lo, hi, rows) for lo, hi, rows, _, _ in plan.blocks] == [(0, 50, 64), (50, 90, 64)]
+    for lo, hi, rows, end, mask in plan.blocks:
+        want_end = -(-(int(active[hi - 1]) + 1) // 64) * 64
+        assert end == want_end and mask.shape == (rows, end)
+        assert torch.equal(mask.sum(dim=1)[:hi - lo], active[lo:hi] + 1)
+        assert torch.equal(mask[hi - lo:], mask[hi - lo - 1].expand(rows - (hi - lo), -1))
+    assert plan.key_rows == max(end for *_, end, _ in plan.blocks)
+    assert _AttentionPlan(torch.arange(300), 300, bucket=True).key_rows == 320
