@@ -12,6 +12,7 @@ from cachecraft.pipeline import Pipeline
 from cachecraft.policy.planner import PolicyParams
 from cachecraft.selection import create_chunk_cache
 from cachecraft.store import CorruptEntryError, LayerStream, TieredStore
+from cachecraft.store.streaming import host_copy_bandwidth
 from tests.conftest import tiny_model
 from tests.store_helpers import bits_equal, config, disk_blob_files, flip_byte, make_kv
 
@@ -155,3 +156,24 @@ def test_streamed_and_whole_loading_give_the_same_answer_bit_for_bit(cache_dir):
         assert torch.equal(streamed_trace.logits, whole_trace.logits) and streamed.text == whole.text
         assert [c.tier for c in streamed.chunks] == [c.tier for c in whole.chunks]
         assert streamed.recompute_fraction == whole.recompute_fraction
+
+
+def test_host_copy_bandwidth_is_bytes_over_the_fastest_copy():
+    bandwidth = host_copy_bandwidth(torch.device("cpu"), nbytes=1024 * 1024, repeats=2)
+    assert 0 < bandwidth < float("inf")
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_pinned_tier_starts_at_its_measured_copy_speed(tmp_path):
+    """Not the default 3 GB/s, which made big models' caches look slower to load than to
+    recompute, so they were never loaded and the tier never timed."""
+    from cachecraft.policy.loading import DEFAULT_BANDWIDTHS
+    from tests.test_engine_gpu import cuda_model
+
+    config = Config.load(overrides={"cache_dir": tmp_path, "stream_kv": True}, environ={})
+    with TieredStore(config, tiers=("gpu", "cpu", "disk")) as store:
+        pipe = Pipeline(config, lm=cuda_model("llama", torch.bfloat16), store=store)
+        bandwidths = pipe.starting_bandwidths()
+        assert bandwidths["gpu"] == float("inf") and bandwidths["disk"] == DEFAULT_BANDWIDTHS["disk"]
+        assert bandwidths["cpu"] == pipe._host_bandwidth and bandwidths["cpu"] > DEFAULT_BANDWIDTHS["cpu"]
+        assert pipe.starting_bandwidths() == bandwidths  # measured once

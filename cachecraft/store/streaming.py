@@ -37,6 +37,7 @@ unless asked otherwise); the engine converts them while copying them into place.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from typing import Iterator, Sequence
@@ -228,3 +229,21 @@ def _copy_stream_for(readers: Sequence[LayerReader]) -> "torch.cuda.Stream | Non
         return None
     device = next(iter(devices))
     return torch.cuda.Stream(device=device if device.index is not None else torch.cuda.current_device())
+
+
+def host_copy_bandwidth(device: torch.device, nbytes: int = 64 * 1024 * 1024, repeats: int = 3) -> float:
+    """Bytes per second of one copy of ``nbytes`` from host memory (pinned, for a GPU) to
+    ``device``: the fastest of ``repeats``. An upper bound on what streaming from the
+    memory tier reaches, whose per-layer copies are smaller."""
+    pin = device.type == "cuda"
+    source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    sync = (lambda: torch.cuda.synchronize(device)) if pin else (lambda: None)
+    best = math.inf
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        target.copy_(source, non_blocking=pin)
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / max(best, 1e-9)
