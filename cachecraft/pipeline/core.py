@@ -452,8 +452,8 @@ class Pipeline:
             # Measured, not assumed: a starting bandwidth that is too low is a trap. A variant
             # judged slower to load than to recompute is never loaded, so its tier is never
             # timed (on an H100, Llama-3.1-8B's caches in pinned memory at the default 3 GB/s
-            # looked 5x slower than recomputing them, and every request recomputed them all).
-            # Too high corrects itself: the first load is timed.
+            # looked several times slower to load than to recompute, and every request
+            # recomputed them all). Too high corrects itself: the first load is timed.
             if self._host_bandwidth is None:
                 self._host_bandwidth = host_copy_bandwidth(self.lm.device)
             bandwidths["cpu"] = self._host_bandwidth
