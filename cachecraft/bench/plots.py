@@ -592,6 +592,12 @@ def gpu_label(label: str) -> str:
     return f"cachecraft {float(fixed['fraction']) * 100:g}%{fixed['setting']}" if fixed else label
 
 
+def gpu_per_point(runs: Sequence[dict]) -> str:
+    """How many questions each point of a ``bench gpu`` result's ``runs`` stands for, in words."""
+    questions = max((r.get("repeats", 1) for run in runs for r in run["scaling"]), default=1)
+    return "one question per point" if questions == 1 else f"means of {questions} questions a point"
+
+
 def gpu_speedups(results: Sequence[dict], path: Path, published: tuple[float, float] = (2.2, 3.3)) -> Path | None:
     """Speedup over full against prompt length: one panel per (model shape, tier) of
     ``bench gpu`` results, one line per method, CacheBlend's published range shaded."""
@@ -624,8 +630,6 @@ def gpu_speedups(results: Sequence[dict], path: Path, published: tuple[float, fl
             ax.set_ylabel("speedup over full prefill (TTFT, x)")
         handles, labels = axes[0][0].get_legend_handles_labels()
         fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), title="method")
-        questions = max((r.get("repeats", 1) for run in runs for r in run["scaling"]), default=1)
-        per_point = "1 question per point" if questions == 1 else f"means of {questions} questions a point"
-        fig.suptitle(f"Time to first token on an {device}, random weights ({per_point})", fontsize=15)
+        fig.suptitle(f"Time to first token on an {device}, random weights ({gpu_per_point(runs)})", fontsize=15)
         fig.tight_layout()
         return _save(fig, path)

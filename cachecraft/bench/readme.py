@@ -251,14 +251,12 @@ def gpu_table(data: dict) -> str:
     """Markdown tables of a ``bench gpu`` result: TTFT (speedup over full; recompute where
     the method recomputes) per prompt length and method, one table per tier, then peak GPU
     memory at the longest prompt."""
-    from cachecraft.bench.plots import gpu_label
+    from cachecraft.bench.plots import gpu_label, gpu_per_point
 
     machine = data["machine"]
     made = [f"{machine.get('gpu', 'GPU')}", f"torch {machine['torch']}", "random weights",
             f"{data['date'][:10]}{_commit(data)}"]
-    questions = max((r.get("repeats", 1) for run in data["runs"] for r in run["scaling"]), default=1)
-    per_point = "one question per point" if questions == 1 else f"means of {questions} questions a point"
-    lines = [f"`{data['command']}` (" + ", ".join(made) + f"; {per_point})"]
+    lines = [f"`{data['command']}` (" + ", ".join(made) + f"; {gpu_per_point(data['runs'])})"]
     for run in data["runs"]:
         rows = run["scaling"]
         methods = list(dict.fromkeys(r["method"] for r in rows))
