@@ -175,5 +175,7 @@ def test_on_a_gpu_the_pinned_tier_starts_at_its_measured_copy_speed(tmp_path):
         pipe = Pipeline(config, lm=cuda_model("llama", torch.bfloat16), store=store)
         bandwidths = pipe.starting_bandwidths()
         assert bandwidths["gpu"] == float("inf") and bandwidths["disk"] == DEFAULT_BANDWIDTHS["disk"]
-        assert bandwidths["cpu"] == pipe._host_bandwidth and bandwidths["cpu"] > DEFAULT_BANDWIDTHS["cpu"]
+        # the measured copy, whatever this machine's speed (no timing threshold)
+        assert pipe._host_bandwidth is not None and bandwidths["cpu"] == pipe._host_bandwidth
+        assert 0 < bandwidths["cpu"] < float("inf")
         assert pipe.starting_bandwidths() == bandwidths  # measured once
