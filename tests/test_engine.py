@@ -87,6 +87,29 @@ def test_exact_prefix_variants_need_no_recompute(any_tiny):
     assert (result.logits - logits).abs().max() < TOL
 
 
+@pytest.mark.parametrize("join_then_convert", [(), ("cpu",)])
+def test_caches_in_another_dtype_assemble_to_the_same_prefill(tiny_llama, monkeypatch, join_then_convert):
+    # Caches in the compute dtype are joined by one concatenation a layer; others are copied
+    # into place, converting (or, where JOIN_THEN_CONVERT says, joined and then converted).
+    # float64 holds float32 values exactly, so every way must agree to the bit.
+    monkeypatch.setattr("cachecraft.engine.blend.JOIN_THEN_CONVERT", join_then_convert)
+    prefix, chunks, question = make_prompt()
+    prefix_kv, kvs = caches_after_prefix_alone(tiny_llama, prefix, chunks)
+
+    def prefill(cast):
+        segments = ([Segment(prefix, "prefix", cached=cast(prefix_kv))]
+                    + [Segment(c, cached=cast(kv), recompute=[1, 4]) for c, kv in zip(chunks, kvs)]
+                    + [Segment(question, "question")])
+        return blended_prefill(tiny_llama.adapter, segments)
+
+    joined, copied = prefill(lambda kv: kv), prefill(lambda kv: kv.to(dtype=torch.float64))
+    assert kvs[0].keys.dtype == torch.float32
+    assert torch.equal(joined.logits, copied.logits)
+    for layer in range(tiny_llama.adapter.num_layers):
+        assert torch.equal(joined.keys[layer], copied.keys[layer])
+        assert torch.equal(joined.values[layer], copied.values[layer])
+
+
 def test_reuse_without_recompute_is_not_exact(tiny_llama):
     prefix, chunks, question = make_prompt()
     logits, _ = hf_forward(tiny_llama, prefix, chunks, question)

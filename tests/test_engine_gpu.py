@@ -110,3 +110,25 @@ def test_a_pipeline_on_cuda_answers_alike_from_the_gpu_tier_and_pinned_memory(tm
     on_host, _ = _warm_and_answer(lm, tmp_path / "cpu", ("cpu",))
     assert {c.tier for c in on_host.chunks} == {"cpu"}
     assert on_gpu.text == mixed.text == on_host.text
+
+
+
+def test_float16_caches_under_a_bfloat16_model_assemble_alike_on_cuda(monkeypatch):
+    """Caches stored in float16 under a bfloat16 model: copied into place a segment at a time
+    or joined and then converted (the default on CUDA), the prefill is the same to the bit."""
+    lm = cuda_model("llama", torch.bfloat16)
+    prefix, chunks, question = make_prompt()
+    prefix_kv = create_chunk_cache(lm.adapter, [], prefix, fingerprint=lm.fingerprint)
+    before = [Segment(prefix, "prefix", cached=prefix_kv)]
+    kvs = [prefix_kv] + [create_chunk_cache(lm.adapter, before, c, fingerprint=lm.fingerprint) for c in chunks]
+    kvs = [kv.to(dtype=torch.float16) for kv in kvs]  # as stored by default
+    segments = ([Segment(prefix, "prefix", cached=kvs[0])]
+                + [Segment(c, cached=kv, recompute=[1, 4]) for c, kv in zip(chunks, kvs[1:])]
+                + [Segment(question, "question")])
+    results = []
+    for setting in ((), ("cuda",)):
+        monkeypatch.setattr("cachecraft.engine.blend.JOIN_THEN_CONVERT", setting)
+        results.append(blended_prefill(lm.adapter, segments))
+    copied, joined = results
+    assert torch.equal(joined.logits, copied.logits)
+    assert all(torch.equal(a, b) for a, b in zip(joined.keys + joined.values, copied.keys + copied.values))

@@ -80,7 +80,7 @@ class _Running:
     active: torch.Tensor  # [n] positions, sorted
     hidden: torch.Tensor  # [n, hidden]
     plan: _AttentionPlan | None = None
-    context_work: int = 0  # context tokens run through a layer, summed over layers
+    context_work: int | torch.Tensor = 0  # context tokens run through a layer, summed over layers
     work: int = 0  # all tokens run through a layer, summed over layers
 
     def keep(self, mask: torch.Tensor) -> None:
@@ -139,9 +139,10 @@ def _layer(adapter: ArchAdapter, lay: Layout, run: _Running, hooks: Sequence[Lay
            saved: dict[int, tuple[list, list]]) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer: drop stopped tokens, assemble K/V, let selectors narrow the running
     set, attend, MLP, let observers look. Returns K (RoPE applied) and V, ``[H_kv, N, D]``."""
-    alive = lay.stop_at[run.active] > layer
-    if not bool(alive.all()):
-        run.keep(alive)
+    if layer >= lay.earliest_stop:  # known on the host: no wait on the device at most layers
+        alive = lay.stop_at[run.active] > layer
+        if not bool(alive.all()):
+            run.keep(alive)
     q, k, v = adapter.qkv(layer, run.hidden)  # q [H, n, D]; k, v [H_kv, n, D]
     keys, values = _cached_kv(adapter, lay, layer)  # [H_kv, N, D], before RoPE
     keep = _select(hooks, LayerView(layer, lay, run.active, keys, values, k=k, v=v)) if hooks else None
@@ -165,7 +166,7 @@ def _layer(adapter: ArchAdapter, lay: Layout, run: _Running, hooks: Sequence[Lay
     gqa = adapter.num_heads != adapter.num_kv_heads
     attn = run.plan.attend(q, keys, values, adapter.scaling, gqa)
     run.hidden = adapter.mlp_residual(layer, run.hidden + adapter.attn_output(layer, attn))
-    run.context_work += int(lay.context[run.active].sum())
+    run.context_work = run.context_work + lay.context[run.active].sum()  # read once, at the end
     run.work += int(run.active.numel())
     if hooks:
         _observe(hooks, LayerView(layer, lay, run.active, keys, values, q=q, plan=run.plan,
@@ -173,17 +174,34 @@ def _layer(adapter: ArchAdapter, lay: Layout, run: _Running, hooks: Sequence[Lay
     return keys, values
 
 
+# Device types where caches stored in another dtype are joined first and converted after, in
+# one more pass over the prompt's K/V: on a GPU that pass is cheap and launching one copy per
+# segment is not; on the CPU the pass costs more than the copies, which convert as they go.
+JOIN_THEN_CONVERT = ("cuda",)
+
+
 def _cached_kv(adapter: ArchAdapter, lay: Layout, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This layer's pre-RoPE K and V for the whole prompt, cached rows filled in: ``[H_kv, N, D]``."""
     weight = adapter.embed_tokens.weight
-    keys = torch.empty(adapter.num_kv_heads, lay.n_total, adapter.head_dim, device=weight.device,
-                       dtype=weight.dtype)
+    shape = (adapter.num_kv_heads, lay.n_total, adapter.head_dim)
+    pairs = [None if seg.cached is None else seg.cached.layer(layer) for seg in lay.segments]
+    kinds = {(t.dtype, t.device) for p in pairs if p is not None for t in p}
+    if len(kinds) == 1:
+        ((dtype, device),) = kinds
+        if device == weight.device and (dtype == weight.dtype or device.type in JOIN_THEN_CONVERT):
+            # One concatenation a tensor instead of a copy a segment: on a GPU a 32k prompt of
+            # 62 chunks otherwise launches 124 copies a layer, and launching them is what the
+            # host spends its time on. Rows of uncached segments are left unset, as below.
+            fill = [torch.empty(shape[0], hi - lo, shape[2], dtype=dtype, device=device) if p is None else None
+                    for p, (lo, hi) in zip(pairs, lay.bounds)]
+            return tuple(torch.cat([f if p is None else p[side] for p, f in zip(pairs, fill)], dim=1)
+                         .to(weight.dtype) for side in (0, 1))
+    keys = torch.empty(shape, device=weight.device, dtype=weight.dtype)
     values = torch.empty_like(keys)
-    for seg, (lo, hi) in zip(lay.segments, lay.bounds):
-        if seg.cached is not None:
-            ck, cv = seg.cached.layer(layer)
-            keys[:, lo:hi] = ck  # converted to the compute dtype and device in the copy
-            values[:, lo:hi] = cv
+    for pair, (lo, hi) in zip(pairs, lay.bounds):
+        if pair is not None:
+            keys[:, lo:hi] = pair[0]  # converted to the compute dtype and device in the copy
+            values[:, lo:hi] = pair[1]
     return keys, values
 
 
@@ -232,7 +250,9 @@ def _observe(hooks: Sequence[LayerHook], view: LayerView) -> None:
         for i, stop in (hook.observe(view) or {}).items():
             if lay.segments[i].cached is not None:
                 lo, hi = lay.bounds[i]
-                lay.stop_at[lo:hi] = lay.stop_at[lo:hi].clamp(max=max(int(stop), view.layer + 1))
+                stop = max(int(stop), view.layer + 1)
+                lay.stop_at[lo:hi] = lay.stop_at[lo:hi].clamp(max=stop)
+                lay.earliest_stop = min(lay.earliest_stop, stop)
 
 
 def _last_logits(adapter: ArchAdapter, lay: Layout, run: _Running) -> torch.Tensor:
@@ -258,7 +278,7 @@ def _result(lay: Layout, run: _Running, logits, keys, values, saved) -> BlendRes
     return BlendResult(lay.token_ids, logits, keys, values, saved,
                        recomputed_tokens=int((recomputed & lay.context).sum()),
                        recomputed=recomputed.cpu(), token_layers=run.work, context_tokens=context_tokens,
-                       recompute_work=(run.context_work / (context_tokens * lay.num_layers)
+                       recompute_work=(int(run.context_work) / (context_tokens * lay.num_layers)
                                        if context_tokens else 0.0))
 
 

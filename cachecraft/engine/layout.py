@@ -87,6 +87,7 @@ class Layout:
     context: torch.Tensor  # [N] bool: in a chunk (what recompute fractions count)
     stop_at: torch.Tensor  # [N] long: layer at which the token stops being recomputed
     recomputed: torch.Tensor  # [N] bool: computed fresh at layer 1 or above
+    earliest_stop: int = 0  # no token's ``stop_at`` is below it (kept on the host, lowered by observers)
     # drift shift (None: no segment asks for it): each segment's share [S], the segment of
     # every token [N], the positions of the tokens in segments that shift [M], and which
     # tokens may measure the drift when recomputed [N] (those from each segment's drift_from)
@@ -136,8 +137,10 @@ def make_layout(segments: Sequence[Segment], num_layers: int, limit: int, device
             forced[lo + local] = True
     stop_at[must] = num_layers
     starts = torch.tensor([b[0] for b in bounds], device=device)
+    earliest = min([num_layers] + [max(0, min(num_layers, int(s.stop_layer))) for s in segments
+                                   if s.cached is not None and s.stop_layer is not None])
     lay = Layout(segments, bounds, starts, token_ids, num_layers, must, forced, fixable, context, stop_at,
-                 must | forced)
+                 must | forced, earliest)
     shares = [float(s.drift_shift) if s.cached is not None else 0.0 for s in segments]
     if any(shares):
         lay.shift = torch.tensor(shares, device=device)
