@@ -87,27 +87,28 @@ def test_exact_prefix_variants_need_no_recompute(any_tiny):
     assert (result.logits - logits).abs().max() < TOL
 
 
-@pytest.mark.parametrize("join_then_convert", [(), ("cpu",)])
-def test_caches_in_another_dtype_assemble_to_the_same_prefill(tiny_llama, monkeypatch, join_then_convert):
-    # Caches in the compute dtype are joined by one concatenation a layer; others are copied
-    # into place, converting (or, where JOIN_THEN_CONVERT says, joined and then converted).
-    # float64 holds float32 values exactly, so every way must agree to the bit.
-    monkeypatch.setattr("cachecraft.engine.blend.JOIN_THEN_CONVERT", join_then_convert)
+def test_caches_in_any_mix_of_dtypes_assemble_to_the_same_prefill(tiny_llama, monkeypatch):
+    # Caches in the dtype most rows are stored in are joined by one concatenation a layer
+    # (then converted, where JOIN_THEN_CONVERT allows); the others are copied into place,
+    # converting. float64 holds float32 values exactly, so every way must agree to the bit.
     prefix, chunks, question = make_prompt()
     prefix_kv, kvs = caches_after_prefix_alone(tiny_llama, prefix, chunks)
+    wide = torch.float64
 
-    def prefill(cast):
-        segments = ([Segment(prefix, "prefix", cached=cast(prefix_kv))]
-                    + [Segment(c, cached=cast(kv), recompute=[1, 4]) for c, kv in zip(chunks, kvs)]
+    def prefill(prefix_dtype, chunk_dtype, join_then_convert):
+        monkeypatch.setattr("cachecraft.engine.blend.JOIN_THEN_CONVERT", join_then_convert)
+        segments = ([Segment(prefix, "prefix", cached=prefix_kv.to(dtype=prefix_dtype))]
+                    + [Segment(c, cached=kv.to(dtype=chunk_dtype), recompute=[1, 4]) for c, kv in zip(chunks, kvs)]
                     + [Segment(question, "question")])
         return blended_prefill(tiny_llama.adapter, segments)
 
-    joined, copied = prefill(lambda kv: kv), prefill(lambda kv: kv.to(dtype=torch.float64))
+    copied = prefill(wide, wide, ())  # every cache copied into place
     assert kvs[0].keys.dtype == torch.float32
-    assert torch.equal(joined.logits, copied.logits)
-    for layer in range(tiny_llama.adapter.num_layers):
-        assert torch.equal(joined.keys[layer], copied.keys[layer])
-        assert torch.equal(joined.values[layer], copied.values[layer])
+    for ways in [(torch.float32, torch.float32, ()), (wide, wide, ("cpu",)), (torch.float32, wide, ("cpu",)),
+                 (wide, torch.float32, ())]:
+        other = prefill(*ways)
+        assert torch.equal(other.logits, copied.logits), ways
+        assert all(torch.equal(a, b) for a, b in zip(other.keys + other.values, copied.keys + copied.values)), ways
 
 
 def test_reuse_without_recompute_is_not_exact(tiny_llama):

@@ -114,14 +114,15 @@ def test_a_pipeline_on_cuda_answers_alike_from_the_gpu_tier_and_pinned_memory(tm
 
 
 def test_float16_caches_under_a_bfloat16_model_assemble_alike_on_cuda(monkeypatch):
-    """Caches stored in float16 under a bfloat16 model: copied into place a segment at a time
-    or joined and then converted (the default on CUDA), the prefill is the same to the bit."""
+    """Chunk-caches stored in float16 (the prefix's in bfloat16) under a bfloat16 model: copied
+    into place a segment at a time, or the chunks' joined and then converted (the default on
+    CUDA), the prefill is the same to the bit."""
     lm = cuda_model("llama", torch.bfloat16)
     prefix, chunks, question = make_prompt()
     prefix_kv = create_chunk_cache(lm.adapter, [], prefix, fingerprint=lm.fingerprint)
     before = [Segment(prefix, "prefix", cached=prefix_kv)]
     kvs = [prefix_kv] + [create_chunk_cache(lm.adapter, before, c, fingerprint=lm.fingerprint) for c in chunks]
-    kvs = [kv.to(dtype=torch.float16) for kv in kvs]  # as stored by default
+    kvs = [kvs[0]] + [kv.to(dtype=torch.float16) for kv in kvs[1:]]  # as a pipeline loads them
     segments = ([Segment(prefix, "prefix", cached=kvs[0])]
                 + [Segment(c, cached=kv, recompute=[1, 4]) for c, kv in zip(chunks, kvs[1:])]
                 + [Segment(question, "question")])

@@ -185,24 +185,50 @@ def _cached_kv(adapter: ArchAdapter, lay: Layout, layer: int) -> tuple[torch.Ten
     weight = adapter.embed_tokens.weight
     shape = (adapter.num_kv_heads, lay.n_total, adapter.head_dim)
     pairs = [None if seg.cached is None else seg.cached.layer(layer) for seg in lay.segments]
-    kinds = {(t.dtype, t.device) for p in pairs if p is not None for t in p}
-    if len(kinds) == 1:
-        ((dtype, device),) = kinds
-        if device == weight.device and (dtype == weight.dtype or device.type in JOIN_THEN_CONVERT):
-            # One concatenation a tensor instead of a copy a segment: on a GPU a 32k prompt of
-            # 62 chunks otherwise launches 124 copies a layer, and launching them is what the
-            # host spends its time on. Rows of uncached segments are left unset, as below.
-            fill = [torch.empty(shape[0], hi - lo, shape[2], dtype=dtype, device=device) if p is None else None
-                    for p, (lo, hi) in zip(pairs, lay.bounds)]
-            return tuple(torch.cat([f if p is None else p[side] for p, f in zip(pairs, fill)], dim=1)
-                         .to(weight.dtype) for side in (0, 1))
-    keys = torch.empty(shape, device=weight.device, dtype=weight.dtype)
-    values = torch.empty_like(keys)
+    kinds = [None if p is None else _kind(p, weight.device) for p in pairs]
+    joined = _joined_kind(kinds, lay.bounds, weight)
+    if joined is not None:
+        # One concatenation a tensor for the caches in the dtype most rows are stored in,
+        # instead of a copy a segment: on a GPU a 32k prompt of 62 chunks otherwise launches
+        # 124 copies a layer, and launching them is what the host spends its time on.
+        # Uncached segments' rows are left unset, as below; other caches are copied in after.
+        keys, values = (torch.cat([p[side] if kind == joined else
+                                   torch.empty(shape[0], hi - lo, shape[2], dtype=joined, device=weight.device)
+                                   for p, kind, (lo, hi) in zip(pairs, kinds, lay.bounds)], dim=1).to(weight.dtype)
+                        for side in (0, 1))
+        pairs = [None if kind == joined else p for p, kind in zip(pairs, kinds)]
+    else:
+        keys = torch.empty(shape, device=weight.device, dtype=weight.dtype)
+        values = torch.empty_like(keys)
     for pair, (lo, hi) in zip(pairs, lay.bounds):
         if pair is not None:
             keys[:, lo:hi] = pair[0]  # converted to the compute dtype and device in the copy
             values[:, lo:hi] = pair[1]
     return keys, values
+
+
+def _kind(pair: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> torch.dtype | None:
+    """The dtype of a cached K/V pair that could be joined on ``device`` (None: it cannot)."""
+    keys, values = pair
+    return keys.dtype if keys.dtype == values.dtype and keys.device == values.device == device else None
+
+
+def _joined_kind(kinds: list, bounds: list[tuple[int, int]], weight: torch.Tensor) -> torch.dtype | None:
+    """The dtype of the caches :func:`_cached_kv` joins by concatenation (the one most cached
+    rows are in), or None to copy every cache into place: when fewer than two would be
+    joined, or joining would need a conversion pass where ``JOIN_THEN_CONVERT`` allows none."""
+    rows: dict[torch.dtype, int] = {}
+    count: dict[torch.dtype, int] = {}
+    for kind, (lo, hi) in zip(kinds, bounds):
+        if kind is not None:
+            rows[kind] = rows.get(kind, 0) + hi - lo
+            count[kind] = count.get(kind, 0) + 1
+    if not rows:
+        return None
+    dtype = max(rows, key=lambda d: (rows[d], d == weight.dtype))
+    if count[dtype] < 2 or (dtype != weight.dtype and weight.device.type not in JOIN_THEN_CONVERT):
+        return None
+    return dtype
 
 
 def _shift_drift(lay: Layout, active: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
