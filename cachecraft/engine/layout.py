@@ -106,7 +106,10 @@ class Layout:
 
 
 def make_layout(segments: Sequence[Segment], num_layers: int, limit: int, device: torch.device) -> Layout:
-    """Check the prompt and lay it out: bounds, token masks, the layer each token stops at."""
+    """Check the prompt and lay it out: bounds, token masks, the layer each token stops at.
+
+    The masks are built on the host and moved once: built on a GPU, each segment's slices
+    cost a few kernel launches and each range check a wait for the device."""
     if not segments:
         raise PromptError("nothing to prefill: no segments")
     if segments[-1].cached is not None:
@@ -118,9 +121,9 @@ def make_layout(segments: Sequence[Segment], num_layers: int, limit: int, device
     n_total = bounds[-1][1]
     if n_total > limit:
         raise PromptError(f"prompt has {n_total} tokens, more than the model's context window of {limit}")
-    token_ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long, device=device)
-    must, forced, fixable, context = (torch.zeros(n_total, dtype=torch.bool, device=device) for _ in range(4))
-    stop_at = torch.full((n_total,), num_layers, dtype=torch.long, device=device)
+    token_ids = torch.tensor([t for s in segments for t in s.token_ids], dtype=torch.long)
+    must, forced, fixable, context = (torch.zeros(n_total, dtype=torch.bool) for _ in range(4))
+    stop_at = torch.full((n_total,), num_layers, dtype=torch.long)
     for seg, (lo, hi) in zip(segments, bounds):
         context[lo:hi] = seg.role == "chunk"
         if seg.cached is None:
@@ -131,23 +134,28 @@ def make_layout(segments: Sequence[Segment], num_layers: int, limit: int, device
         if seg.fixable and seg.role == "chunk":
             fixable[lo:hi] = True
         if seg.recompute is not None:
-            local = torch.as_tensor(seg.recompute, dtype=torch.long, device=device)
+            local = torch.as_tensor(seg.recompute, dtype=torch.long).cpu()
             if local.numel() and (int(local.min()) < 0 or int(local.max()) >= hi - lo):
                 raise PromptError(f"recompute index out of range for a segment of {hi - lo} tokens")
             forced[lo + local] = True
     stop_at[must] = num_layers
-    starts = torch.tensor([b[0] for b in bounds], device=device)
+    starts = torch.tensor([b[0] for b in bounds])
     earliest = min([num_layers] + [max(0, min(num_layers, int(s.stop_layer))) for s in segments
                                    if s.cached is not None and s.stop_layer is not None])
-    lay = Layout(segments, bounds, starts, token_ids, num_layers, must, forced, fixable, context, stop_at,
-                 must | forced, earliest)
+    shift = segment_of = shifted = samples_drift = None
     shares = [float(s.drift_shift) if s.cached is not None else 0.0 for s in segments]
     if any(shares):
-        lay.shift = torch.tensor(shares, device=device)
-        lay.segment_of = torch.repeat_interleave(torch.arange(len(segments), device=device),
-                                                 torch.tensor([hi - lo for lo, hi in bounds], device=device))
-        lay.shifted = (lay.shift[lay.segment_of] > 0).nonzero().squeeze(1)
-        lay.samples_drift = torch.ones(n_total, dtype=torch.bool, device=device)
+        shift = torch.tensor(shares)
+        segment_of = torch.repeat_interleave(torch.arange(len(segments)),
+                                             torch.tensor([hi - lo for lo, hi in bounds]))
+        shifted = (shift[segment_of] > 0).nonzero().squeeze(1)
+        samples_drift = torch.ones(n_total, dtype=torch.bool)
         for seg, (lo, hi) in zip(segments, bounds):
-            lay.samples_drift[lo:min(hi, lo + seg.drift_from)] = False
-    return lay
+            samples_drift[lo:min(hi, lo + seg.drift_from)] = False
+
+    def moved(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    return Layout(segments, bounds, moved(starts), moved(token_ids), num_layers, moved(must), moved(forced),
+                  moved(fixable), moved(context), moved(stop_at), moved(must | forced), earliest,
+                  moved(shift), moved(segment_of), moved(shifted), moved(samples_drift))

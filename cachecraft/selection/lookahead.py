@@ -70,11 +70,14 @@ def question_guided(adapter, segments, check_layer: int, ratio: float | None = N
     candidates = candidates[~taken[candidates]]
     count = max(0, min(count, candidates.numel()))
     chosen = torch.cat([candidates[mass[candidates].topk(count).indices], taken.nonzero().squeeze(1)])
+    # Split on the host, after one copy: on a GPU, a mask per segment made the host wait for
+    # the device once a chunk.
+    chosen = chosen.sort().values.cpu()
     start = 0
     for i, seg in enumerate(segments):
         end = start + len(seg.token_ids)
-        local = chosen[(chosen >= start) & (chosen < end)] - start
         if seg.cached is not None and seg.role == "chunk" and seg.fixable:
-            picks[i] = local.sort().values
+            lo, hi = torch.searchsorted(chosen, torch.tensor([start, end])).tolist()
+            picks[i] = chosen[lo:hi] - start
         start = end
     return picks
