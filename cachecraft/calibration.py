@@ -28,21 +28,25 @@ from cachecraft.policy.planner import layer_at
 
 def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[float], goal: Goal,
               check_layers: Sequence[float] | None = None, floors: Sequence[float] | None = None,
-              sink_tokens: Sequence[int] | None = None, drift_shifts: Sequence[float] | None = None, *,
+              sink_tokens: Sequence[int] | None = None, drift_shifts: Sequence[float] | None = None,
+              drift_medians: Sequence[bool] | None = None, *,
               max_new_tokens: int = 32,
               on_item: Callable[[int, int], None] | None = None,
               on_answer: OnAnswer | None = None) -> CalibrationResult:
     """Run ``full`` and ``cachecraft`` for every alpha x check layer (layers or depths) x
-    floor x sink-token count x drift shift (each default: the config's) on ``items`` and choose by
+    floor x sink-token count x drift shift x drift estimator (mean or median; each default:
+    the config's) on ``items`` and choose by
     ``goal`` (``on_answer`` sees every answer, with its per-chunk plan in ``answer.chunks``)."""
     specs = list(check_layers) if check_layers else [config.policy_check_layer]
     layers = {spec: layer_at(spec, lm.adapter.num_layers) for spec in specs}
     floor_list = list(floors) if floors else [None]
     sink_list = list(sink_tokens) if sink_tokens else [None]
     shift_list = list(drift_shifts) if drift_shifts else [None]
-    candidates = {(a, spec, f, s, d): CacheCraft(a, check_layer=layers[spec] if check_layers else None, floor=f,
-                                                 sink_tokens=s, drift_shift=d)
-                  for spec in specs for f in floor_list for s in sink_list for d in shift_list for a in alphas}
+    median_list = list(drift_medians) if drift_medians else [None]
+    candidates = {(a, spec, f, s, d, m): CacheCraft(a, check_layer=layers[spec] if check_layers else None, floor=f,
+                                                    sink_tokens=s, drift_shift=d, drift_median=m)
+                  for spec in specs for f in floor_list for s in sink_list for d in shift_list for m in median_list
+                  for a in alphas}
     unique = list({m.label: m for m in candidates.values()}.values())  # two depths may name one layer
     with scratch_pipeline(lm, config, fitted=False) as pipeline:  # candidates as given, nothing fitted before
         rows = evaluate_items(pipeline, items, [Full(), *unique], max_new_tokens=max_new_tokens,
@@ -52,14 +56,15 @@ def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[floa
         return statistics.fmean(r[key] for r in rows if r["method"] == label)
 
     measured = []
-    for (alpha, spec, floor, sinks, shift), method in candidates.items():
+    for (alpha, spec, floor, sinks, shift, median), method in candidates.items():
         label = method.label
         measured.append(CandidateRow(alpha, spec, mean(label, "recompute_fraction"), mean(label, "answer_kl"),
                                      mean(label, "token_agreement"), mean(label, "agreement_f1"), mean(label, "kl"),
                                      statistics.median(r["ttft_s"] for r in rows if r["method"] == label),
                                      floor=config.policy_floor if floor is None else floor,
                                      sink_tokens=config.policy_sink_tokens if sinks is None else sinks,
-                                     drift_shift=config.policy_drift_shift if shift is None else shift))
+                                     drift_shift=config.policy_drift_shift if shift is None else shift,
+                                     drift_median=config.policy_drift_median if median is None else median))
     chosen, reached = choose(measured, goal)
     full_ttft = statistics.median(r["ttft_s"] for r in rows if r["method"] == Full().label)
     return CalibrationResult(tuple(measured), chosen, goal, reached, full_ttft)

@@ -122,6 +122,7 @@ class Config:
     # > 0: the rest of each fixed chunk's recomputed tokens are spread evenly over it, and its
     # other tokens move by this share of the mean change those show, layer by layer (0: off)
     policy_drift_shift: float = 0.0
+    policy_drift_median: bool = False  # the drift shift moves by the median change, not the mean
     # an answer from reused chunk-caches that degenerates into repetition is answered again
     # from a full prefill (not for a streamed answer whose streamer cannot start over)
     repetition_fallback: bool = True

@@ -80,7 +80,7 @@ def test_layers_are_named_by_number_or_by_depth():
 
 def test_fitted_settings_apply_where_the_config_keeps_the_default():
     fitted = {"policy_alpha": 0.3, "policy_check_layer": 0.5, "policy_floor": 0.04, "policy_sink_tokens": 8,
-              "policy_drift_shift": 1.0}
+              "policy_drift_shift": 1.0, "policy_drift_median": True}
     default = Config.load(environ={})
     values, sources = policy_settings(default, fitted)
     assert values == fitted
@@ -89,10 +89,14 @@ def test_fitted_settings_apply_where_the_config_keeps_the_default():
     values, sources = policy_settings(own, fitted)
     assert values == {**fitted, "policy_alpha": 0.2, "policy_sink_tokens": 2}
     assert sources == {"policy_alpha": "config", "policy_check_layer": "calibrated", "policy_floor": "calibrated",
-                       "policy_sink_tokens": "config", "policy_drift_shift": "calibrated"}
+                       "policy_sink_tokens": "config", "policy_drift_shift": "calibrated",
+                       "policy_drift_median": "calibrated"}
     params = params_from_config(own, 24, fitted)
-    assert (params.alpha, params.check_layer, params.floor, params.sink_tokens, params.drift_shift) == (
-        0.2, 12, 0.04, 2, 1.0)
+    assert (params.alpha, params.check_layer, params.floor, params.sink_tokens, params.drift_shift,
+            params.drift_median) == (0.2, 12, 0.04, 2, 1.0, True)
+    # a profile fitted before the median existed shifts by the mean
+    older = {k: v for k, v in fitted.items() if k != "policy_drift_median"}
+    assert params_from_config(default, 24, older).drift_median is False
     # a value given explicitly wins even where it is the default's (0 sink tokens, no shift)
     given = Config.load(environ={"CACHECRAFT_POLICY_SINK_TOKENS": "0", "CACHECRAFT_POLICY_DRIFT_SHIFT": "0"})
     values, sources = policy_settings(given, fitted)
@@ -115,9 +119,9 @@ def fake_calibration(monkeypatch):
     seen = []
 
     def fake(lm, config, items, alphas, goal, check_layers=None, floors=None, sink_tokens=None, drift_shifts=None,
-             **kwargs):
+             drift_medians=None, **kwargs):
         seen.append({"config": config, "items": items, "alphas": alphas, "goal": goal, "layers": check_layers,
-                     "floors": floors, "sinks": sink_tokens, "shifts": drift_shifts})
+                     "floors": floors, "sinks": sink_tokens, "shifts": drift_shifts, "medians": drift_medians})
         return fake_result(alphas, goal, check_layers)
 
     monkeypatch.setattr(calibrate_module, "calibrate", fake)
@@ -143,7 +147,7 @@ def test_calibrate_stores_the_fit_for_the_model_and_query_uses_it(fake_calibrati
         assert pipe.policy.alpha == 0.2 and pipe.policy.check_layer == layer_at(0.5, lm.adapter.num_layers)
         assert pipe.policy_sources == {"policy_alpha": "calibrated", "policy_check_layer": "calibrated",
                                        "policy_floor": "calibrated", "policy_sink_tokens": "calibrated",
-                                       "policy_drift_shift": "calibrated"}
+                                       "policy_drift_shift": "calibrated", "policy_drift_median": "calibrated"}
     own = config.replace(policy_alpha=0.4)
     with TieredStore(own, tiers=("cpu",)) as store:
         assert Pipeline(own, lm=lm, store=store).policy.alpha == 0.4  # the config's own value wins
@@ -224,13 +228,14 @@ def test_bad_input_is_one_line_and_exit_1(args, needle, dataset, cache_dir):
 
 def test_calibrate_searches_floors_and_sink_tokens_and_refuses_bad_ones(fake_calibration, dataset, cache_dir):
     result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.1", "--floors", "0.05,0",
-                                 "--sink-tokens", "8,0", "--drift-shifts", "1,0"])
+                                 "--sink-tokens", "8,0", "--drift-shifts", "1,0", "--drift-estimators", "median,mean"])
     assert result.exit_code == 0, result.output
     assert fake_calibration[0]["floors"] == [0.0, 0.05] and fake_calibration[0]["sinks"] == [0, 8]
-    assert fake_calibration[0]["shifts"] == [0.0, 1.0]
+    assert fake_calibration[0]["shifts"] == [0.0, 1.0] and fake_calibration[0]["medians"] == [True, False]
     for flag, bad, message in (("--floors", "1.5", "floors must be within"), ("--sink-tokens", "2.5", "not a whole"),
                                ("--sink-tokens", "x", "not a number"),
-                               ("--drift-shifts", "3", "drift shifts must be within [0, 2]")):
+                               ("--drift-shifts", "3", "drift shifts must be within [0, 2]"),
+                               ("--drift-estimators", "mode", "give mean and/or median")):
         result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), flag, bad])
         assert result.exit_code != 0 and message in result.output, result.output
 
@@ -257,12 +262,15 @@ def test_calibrate_on_a_tiny_model_measures_drift_shifts(tiny_llama, dataset, tm
 
     config = Config.load(overrides={"cache_dir": tmp_path, "max_new_tokens": 3, "warm_context": "none"}, environ={})
     result = calibrate(tiny_llama, config, load_items(dataset, 1), [0.0], Goal(budget=1.0), None, [0.2], None,
-                       [0.0, 1.0], max_new_tokens=3)
-    rows = {r.drift_shift: r for r in result.rows}
-    assert set(rows) == {0.0, 1.0}
-    assert rows[0.0].recompute == rows[1.0].recompute > 0  # the same counts, placed differently
-    assert rows[0.0].answer_kl != rows[1.0].answer_kl
-    assert result.profile()["policy_drift_shift"] == result.to_dict()["policy_drift_shift"] == result.chosen.drift_shift
+                       [0.0, 1.0], [False, True], max_new_tokens=3)
+    rows = {(r.drift_shift, r.drift_median): r for r in result.rows}
+    assert set(rows) == {(0.0, False), (0.0, True), (1.0, False), (1.0, True)}
+    assert rows[0.0, False].recompute == rows[1.0, False].recompute > 0  # the same counts, placed differently
+    assert rows[0.0, False].answer_kl != rows[1.0, False].answer_kl
+    assert rows[0.0, False].answer_kl == rows[0.0, True].answer_kl  # no shift: nothing for an estimator to do
+    assert rows[1.0, True].answer_kl != rows[1.0, False].answer_kl
+    for key in ("policy_drift_shift", "policy_drift_median"):
+        assert result.profile()[key] == result.to_dict()[key] == getattr(result.chosen, key[len("policy_"):])
 
 
 def test_a_shipped_fit_applies_only_to_a_model_of_the_shape_it_was_fitted_on(monkeypatch, cache_dir):

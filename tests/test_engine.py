@@ -238,16 +238,38 @@ def test_drift_shift_moves_the_other_rows_by_the_drift_of_the_recomputed_ones(ti
     assert (result.logits - plain.logits).abs().max() > 1e-4
 
 
-def test_drift_shift_with_every_token_recomputed_is_full_prefill_and_without_any_is_reuse(any_tiny):
+def test_drift_shift_by_median_by_hand():
+    """The chunk at positions 2-5 with half the median shift, tokens 2, 3 and 5 recomputed:
+    per dimension, the middle of their three changes, not the mean that token 5's outlier
+    would drag; the other chunk stays as stored."""
+    segments = [Segment([1, 2], "prefix"),
+                Segment([3, 4, 5, 6], cached=_Stored(4), drift_shift=0.5, drift_median=True),
+                Segment([7, 8], cached=_Stored(2)), Segment([9], "question")]
+    lay, keys, values = _shift_by_hand(segments, [0, 1, 2, 3, 5, 8],
+                                       k=[[9., 9.], [9., 9.], [1., 10.], [2., 0.], [30., 1.], [9., 9.]],
+                                       v=[[9., 9.], [9., 9.], [1., 1.], [5., -3.], [2., 2.], [9., 9.]])
+    assert lay.shift_by_median
+    # keys: medians of (1, 2, 30) and (10, 0, 1) are 2 and 1, half of them [1, 0.5];
+    # values: changes (0, 4, 1) and (0, -4, 1), medians 1 and 0, so 1 + [0.5, 0]
+    assert keys[0, 2:6].tolist() == [[1., 0.5]] * 4 and values[0, 2:6].tolist() == [[1.5, 1.]] * 4
+    assert keys[0, [0, 1, 6, 7, 8]].eq(0).all() and values[0, [0, 1, 6, 7, 8]].eq(1).all()
+    mixed = [*segments[:2], Segment([7, 8], cached=_Stored(2), drift_shift=0.5), segments[3]]
+    with pytest.raises(PromptError, match="all take the mean or all the median"):
+        _shift_by_hand(mixed, [0, 1, 8], k=[[0., 0.]] * 3, v=[[0., 0.]] * 3)
+
+
+@pytest.mark.parametrize("median", [False, True])
+def test_drift_shift_with_every_token_recomputed_is_full_prefill_and_without_any_is_reuse(any_tiny, median):
     prefix, chunks, question = make_prompt()
     logits, _ = hf_forward(any_tiny, prefix, chunks, question)
     prefix_kv, kvs = caches_after_prefix_alone(any_tiny, prefix, chunks)
     every = blended_prefill(any_tiny.adapter, [Segment(prefix, "prefix", cached=prefix_kv)]
-                            + [Segment(c, cached=kv, recompute=range(len(c)), drift_shift=1.0)
+                            + [Segment(c, cached=kv, recompute=range(len(c)), drift_shift=1.0, drift_median=median)
                                for c, kv in zip(chunks, kvs)] + [Segment(question, "question")])
     assert (every.logits - logits).abs().max() < TOL and every.recompute_fraction == 1.0
     none = blended_prefill(any_tiny.adapter, [Segment(prefix, "prefix", cached=prefix_kv)]
-                           + [Segment(c, cached=kv, drift_shift=1.0) for c, kv in zip(chunks, kvs)]
+                           + [Segment(c, cached=kv, drift_shift=1.0, drift_median=median)
+                              for c, kv in zip(chunks, kvs)]
                            + [Segment(question, "question")])
     reuse = blended_prefill(any_tiny.adapter, [Segment(prefix, "prefix", cached=prefix_kv)]
                             + [Segment(c, cached=kv) for c, kv in zip(chunks, kvs)] + [Segment(question, "question")])

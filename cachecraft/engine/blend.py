@@ -244,6 +244,9 @@ def _shift_drift(lay: Layout, active: torch.Tensor, keys: torch.Tensor, values: 
     if not bool(use.any()):
         return
     seg, pos = seg[use], active[use]
+    if lay.shift_by_median:
+        _shift_by_median(lay, seg, pos, keys, values, k[:, use], v[:, use])
+        return
     count = torch.bincount(seg, minlength=lay.shift.numel()).clamp_min(1)
     scale = (lay.shift / count).to(keys.dtype)[None, :, None]  # [1, S, 1]
     owner = lay.segment_of[lay.shifted]
@@ -251,6 +254,20 @@ def _shift_drift(lay: Layout, active: torch.Tensor, keys: torch.Tensor, values: 
         drift = torch.zeros(cached.shape[0], lay.shift.numel(), cached.shape[2], dtype=cached.dtype,
                             device=cached.device).index_add_(1, seg, fresh - cached[:, pos])
         cached[:, lay.shifted] += (drift * scale)[:, owner]
+
+
+def _shift_by_median(lay: Layout, seg: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """:func:`_shift_drift` with each segment's median change (per KV head and dimension) in
+    place of the mean: ``seg`` and ``pos`` are the measuring tokens' segments and positions,
+    ``k``/``v`` their fresh K/V. A median of an even count is the lower middle value."""
+    for s in torch.unique(seg).tolist():
+        mine = seg == s
+        lo, hi = lay.bounds[s]
+        share = lay.segments[s].drift_shift
+        for cached, fresh in ((keys, k[:, mine]), (values, v[:, mine])):
+            change = (fresh - cached[:, pos[mine]]).median(dim=1).values  # [H_kv, D]
+            cached[:, lo:hi] += (share * change)[:, None]
 
 
 def _select(hooks: Sequence[LayerHook], view: LayerView) -> torch.Tensor | None:

@@ -38,7 +38,10 @@ class Segment:
     this share of the mean change its recomputed tokens show there (fresh minus cached,
     K before RoPE and V); 0 keeps them as stored. ``drift_from``: recomputed tokens
     before this local index (a chunk's first tokens, which drift more than the rest) are
-    fixed for their own sake and left out of that mean.
+    fixed for their own sake and left out of that mean. ``drift_median``: the move is the
+    median change of those tokens (per KV head and dimension) instead of their mean, so
+    one token that drifted far does not move the whole chunk; every shifting segment of a
+    prompt takes the same choice.
     """
 
     token_ids: Sequence[int]
@@ -52,6 +55,7 @@ class Segment:
     key: str = ""
     drift_shift: float = 0.0
     drift_from: int = 0
+    drift_median: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -95,6 +99,7 @@ class Layout:
     segment_of: torch.Tensor | None = None
     shifted: torch.Tensor | None = None
     samples_drift: torch.Tensor | None = None
+    shift_by_median: bool = False  # the shifting segments move by their samples' median change
     # made on first use by LayerView.segment_mass: the segment indicators, and the plan last
     # made for a subset of the running tokens, as (active, rows, plan)
     segment_mass: _SegmentMass | None = field(default=None, repr=False)
@@ -144,6 +149,9 @@ def make_layout(segments: Sequence[Segment], num_layers: int, limit: int, device
                                    if s.cached is not None and s.stop_layer is not None])
     shift = segment_of = shifted = samples_drift = None
     shares = [float(s.drift_shift) if s.cached is not None else 0.0 for s in segments]
+    medians = {s.drift_median for s, share in zip(segments, shares) if share}
+    if len(medians) > 1:
+        raise PromptError("the shifting segments of one prompt must all take the mean or all the median")
     if any(shares):
         shift = torch.tensor(shares)
         segment_of = torch.repeat_interleave(torch.arange(len(segments)),
@@ -158,4 +166,4 @@ def make_layout(segments: Sequence[Segment], num_layers: int, limit: int, device
 
     return Layout(segments, bounds, moved(starts), moved(token_ids), num_layers, moved(must), moved(forced),
                   moved(fixable), moved(context), moved(stop_at), moved(must | forced), earliest,
-                  moved(shift), moved(segment_of), moved(shifted), moved(samples_drift))
+                  moved(shift), moved(segment_of), moved(shifted), moved(samples_drift), medians == {True})

@@ -34,6 +34,7 @@ class PolicyParams:
     # this share of the drift those spread tokens show (the engine's drift shift); 0: the rest
     # goes where the question looks and the other tokens stay as stored
     drift_shift: float = 0.0
+    drift_median: bool = False  # the shift is the spread tokens' median change, not their mean
     early_stop_layers: tuple[int, ...] = ()
     early_stop_share: float = 0.25
 
@@ -101,7 +102,8 @@ def layer_at(spec: float, num_layers: int) -> int:
 
 
 # The policy's settings a calibration may fit for a model; explicit config values win.
-FITTED_KEYS = ("policy_alpha", "policy_check_layer", "policy_floor", "policy_sink_tokens", "policy_drift_shift")
+FITTED_KEYS = ("policy_alpha", "policy_check_layer", "policy_floor", "policy_sink_tokens", "policy_drift_shift",
+               "policy_drift_median")
 
 
 def policy_settings(config, fitted: dict | None = None) -> tuple[dict[str, float], dict[str, str]]:
@@ -118,8 +120,11 @@ def policy_settings(config, fitted: dict | None = None) -> tuple[dict[str, float
             values[key], sources[key] = own, "config" if mine else "default"
         else:
             value = float(fitted[key])
-            # a whole number stays one (16 first tokens, layer 8), as the config would give it
-            values[key], sources[key] = int(value) if value.is_integer() and isinstance(own, int) else value, "calibrated"
+            if isinstance(own, bool):
+                value = bool(value)
+            elif value.is_integer() and isinstance(own, int):  # 16 first tokens, layer 8: as the config gives them
+                value = int(value)
+            values[key], sources[key] = value, "calibrated"
     return values, sources
 
 
@@ -132,6 +137,7 @@ def params_from_config(config, num_layers: int, fitted: dict | None = None) -> P
     return PolicyParams(alpha=values["policy_alpha"], check_layer=layer_at(values["policy_check_layer"], num_layers),
                         floor=float(values["policy_floor"]), sink_tokens=int(values["policy_sink_tokens"]),
                         drift_shift=float(values["policy_drift_shift"]),
+                        drift_median=bool(values["policy_drift_median"]),
                         early_stop_layers=stops, early_stop_share=config.early_stop_share)
 
 
