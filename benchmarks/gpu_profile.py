@@ -9,10 +9,9 @@ place a segment at a time, as before), in turn for ``--rounds`` rounds. Prints t
 request's wall time, the GPU's busy time within it, and the operators that cost most on
 each side; writes them into OUT/profile.txt. ``--variants shipped`` times the shipped
 code alone, ``--variants assembly`` it and the copies a segment at a time; a plain full
-prefill is timed beside them either way. At ``--fraction 1``
-the plan recomputes every chunk (as the loading controller plans when recomputing beats
-loading); the chunk-caches such a request makes are not kept, so each timed request
-recomputes everything again.
+prefill is timed beside them either way. At ``--fraction 1`` the plan recomputes every
+chunk (as the loading controller plans when recomputing beats loading); the chunk-caches
+such a request makes are not kept, so each timed request recomputes everything again.
 
     python benchmarks/gpu_profile.py OUT --dataset data/musique_dev.json --tokenizer DIR
 """
