@@ -29,12 +29,12 @@ from cachecraft.policy.planner import layer_at
 def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[float], goal: Goal,
               check_layers: Sequence[float] | None = None, floors: Sequence[float] | None = None,
               sink_tokens: Sequence[int] | None = None, drift_shifts: Sequence[float] | None = None,
-              drift_medians: Sequence[bool] | None = None, *,
+              drift_estimators: Sequence[str] | None = None, *,
               max_new_tokens: int = 32,
               on_item: Callable[[int, int], None] | None = None,
               on_answer: OnAnswer | None = None) -> CalibrationResult:
     """Run ``full`` and ``cachecraft`` for every alpha x check layer (layers or depths) x
-    floor x sink-token count x drift shift x drift estimator (mean or median; each default:
+    floor x sink-token count x drift shift x drift estimator (each default:
     the config's) on ``items`` and choose by
     ``goal`` (``on_answer`` sees every answer, with its per-chunk plan in ``answer.chunks``)."""
     specs = list(check_layers) if check_layers else [config.policy_check_layer]
@@ -42,10 +42,10 @@ def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[floa
     floor_list = list(floors) if floors else [None]
     sink_list = list(sink_tokens) if sink_tokens else [None]
     shift_list = list(drift_shifts) if drift_shifts else [None]
-    median_list = list(drift_medians) if drift_medians else [None]
+    estimator_list = list(drift_estimators) if drift_estimators else [None]
     candidates = {(a, spec, f, s, d, m): CacheCraft(a, check_layer=layers[spec] if check_layers else None, floor=f,
-                                                    sink_tokens=s, drift_shift=d, drift_median=m)
-                  for spec in specs for f in floor_list for s in sink_list for d in shift_list for m in median_list
+                                                    sink_tokens=s, drift_shift=d, drift_estimator=m)
+                  for spec in specs for f in floor_list for s in sink_list for d in shift_list for m in estimator_list
                   for a in alphas}
     unique = list({m.label: m for m in candidates.values()}.values())  # two depths may name one layer
     with scratch_pipeline(lm, config, fitted=False) as pipeline:  # candidates as given, nothing fitted before
@@ -56,7 +56,7 @@ def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[floa
         return statistics.fmean(r[key] for r in rows if r["method"] == label)
 
     measured = []
-    for (alpha, spec, floor, sinks, shift, median), method in candidates.items():
+    for (alpha, spec, floor, sinks, shift, estimator), method in candidates.items():
         label = method.label
         measured.append(CandidateRow(alpha, spec, mean(label, "recompute_fraction"), mean(label, "answer_kl"),
                                      mean(label, "token_agreement"), mean(label, "agreement_f1"), mean(label, "kl"),
@@ -64,7 +64,8 @@ def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[floa
                                      floor=config.policy_floor if floor is None else floor,
                                      sink_tokens=config.policy_sink_tokens if sinks is None else sinks,
                                      drift_shift=config.policy_drift_shift if shift is None else shift,
-                                     drift_median=config.policy_drift_median if median is None else median))
+                                     drift_estimator=(config.policy_drift_estimator if estimator is None
+                                                      else estimator)))
     chosen, reached = choose(measured, goal)
     full_ttft = statistics.median(r["ttft_s"] for r in rows if r["method"] == Full().label)
     return CalibrationResult(tuple(measured), chosen, goal, reached, full_ttft)

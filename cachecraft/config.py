@@ -41,6 +41,9 @@ _KV_DTYPES = ("float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _EVICTION = ("cachecraft", "lru", "lfu", "pgdsf")
 _CHUNK_ORDERS = ("given", "cache")
+# how a drift shift turns its measuring tokens' changes into a chunk's move (the engine's
+# Segment.drift_estimator; policy_drift_estimator)
+DRIFT_ESTIMATORS = ("mean", "median", "shrunk", "pooled")
 _CATALOG_SCHEMES = ("postgresql://", "postgresql+psycopg://")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _URL_KEYS = ("catalog_url", "redis_url")
@@ -122,7 +125,10 @@ class Config:
     # > 0: the rest of each fixed chunk's recomputed tokens are spread evenly over it, and its
     # other tokens move by this share of the mean change those show, layer by layer (0: off)
     policy_drift_shift: float = 0.0
-    policy_drift_median: bool = False  # the drift shift moves by the median change, not the mean
+    # how the drift shift turns the spread tokens' changes into a chunk's move: mean, median
+    # (resists a few far-drifting tokens), shrunk (the mean shrunk toward no move where they
+    # disagree) or pooled (each chunk's mean shrunk toward the prompt's)
+    policy_drift_estimator: str = "mean"
     # an answer from reused chunk-caches that degenerates into repetition is answered again
     # from a full prefill (not for a streamed answer whose streamer cannot start over)
     repetition_fallback: bool = True
@@ -180,6 +186,8 @@ class Config:
         check(self.policy_sink_tokens >= 0, f"policy_sink_tokens must be >= 0, got {self.policy_sink_tokens}")
         check(0.0 <= self.policy_drift_shift <= 2.0,
               f"policy_drift_shift must be within [0, 2], got {self.policy_drift_shift}")
+        check(self.policy_drift_estimator in DRIFT_ESTIMATORS,
+              f"policy_drift_estimator must be one of {DRIFT_ESTIMATORS}, got {self.policy_drift_estimator!r}")
         check(0.0 <= self.early_stop_share <= 1.0, f"early_stop_share must be within [0, 1], got {self.early_stop_share}")
         try:
             ok = all(_is_layer(x) for x in self.early_stop_layer_list)

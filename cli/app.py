@@ -114,10 +114,12 @@ def calibrate_cmd(
                                                     "them (e.g. 0,1); default: the config's "
                                                     "policy_drift_shift only."),
     drift_estimators: Optional[str] = typer.Option(None, "--drift-estimators",
-                                                   help="Comma-separated: mean and/or median, how a drift "
-                                                        "shift measures the drift (the median resists a few "
-                                                        "tokens that drifted far); default: the config's "
-                                                        "policy_drift_median only."),
+                                                   help="Comma-separated, how a drift shift turns the "
+                                                        "changes it measures into a chunk's move: mean, median "
+                                                        "(resists a few tokens that drifted far), shrunk (the "
+                                                        "mean shrunk toward no move where they disagree), "
+                                                        "pooled (each chunk's mean shrunk toward the prompt's); "
+                                                        "default: the config's policy_drift_estimator only."),
     max_new_tokens: int = typer.Option(32, min=1, help="Answer length the divergence is measured along."),
     warm_context: Optional[str] = typer.Option(None, help="What the chunk-caches are made after, following the "
                                                         "system prompt: builtin, none or a text file (default: "
@@ -134,7 +136,7 @@ def calibrate_cmd(
     within the recompute budget (or the least recompute that reaches --target-kl). The
     result is stored in the catalog against the model's fingerprint: `query` and the
     LlamaIndex engine use it wherever the config leaves policy_alpha, policy_check_layer,
-    policy_floor, policy_sink_tokens, policy_drift_shift and policy_drift_median at their defaults; `config show` and `explain` say so. The chunk-caches are made the
+    policy_floor, policy_sink_tokens, policy_drift_shift and policy_drift_estimator at their defaults; `config show` and `explain` say so. The chunk-caches are made the
     way `warm` makes them.
 
     Example: cachecraft calibrate --dataset musique_dev.json --skip 30 --limit 20 --budget 0.05
@@ -155,7 +157,7 @@ def calibrate_cmd(
         floor_list = parse_floors(floors) if floors is not None else None
         sink_list = parse_sink_tokens(sink_tokens) if sink_tokens is not None else None
         shift_list = parse_drift_shifts(drift_shifts) if drift_shifts is not None else None
-        median_list = parse_drift_estimators(drift_estimators) if drift_estimators is not None else None
+        estimator_list = parse_drift_estimators(drift_estimators) if drift_estimators is not None else None
         goal = Goal(budget=0.05 if budget is None and target_kl is None else budget, target_kl=target_kl)
     except CalibrationError as exc:
         raise UserError(str(exc)) from None
@@ -169,7 +171,7 @@ def calibrate_cmd(
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task("items", total=len(items))
         result = calibrate(lm, config, items, candidates, goal, layers, floor_list, sink_list, shift_list,
-                           median_list, max_new_tokens=max_new_tokens,
+                           estimator_list, max_new_tokens=max_new_tokens,
                            on_item=lambda done, total: progress.update(task, completed=done))
     with Catalog(config.cache_dir, url=config.catalog_url or None) as catalog:
         stored = store_fitted(catalog, lm.fingerprint, result, model=config.model, dataset=str(dataset),
@@ -190,14 +192,14 @@ def calibrate_cmd(
     for r in result.rows:
         mark = " *" if r is result.chosen else ""
         table.add_row(f"{r.alpha:g}{mark}", f"{r.check_layer:g}", f"{r.floor:g}", str(r.sink_tokens),
-                      f"{r.drift_shift:g}" + (" median" if r.drift_median else ""),
+                      f"{r.drift_shift:g}" + ("" if r.drift_estimator == "mean" else f" {r.drift_estimator}"),
                       f"{r.recompute:.3f}", f"{r.answer_kl:.4f}",
                       f"{r.token_agreement:.3f}", f"{r.agreement:.3f}", f"{r.kl:.4f}", f"{r.ttft_s:.2f}")
     console.print(table)
     chosen = result.chosen
     picked = (f"chosen: policy_alpha {chosen.alpha:g}, policy_check_layer {chosen.check_layer:g}, policy_floor "
               f"{chosen.floor:g}, policy_sink_tokens {chosen.sink_tokens}, policy_drift_shift {chosen.drift_shift:g}"
-              f"{' (median)' if chosen.drift_median else ''} (recompute {chosen.recompute:.3f}, answer KL {chosen.answer_kl:.4f})")
+              f"{'' if chosen.drift_estimator == 'mean' else f' ({chosen.drift_estimator})'} (recompute {chosen.recompute:.3f}, answer KL {chosen.answer_kl:.4f})")
     missed = "" if result.reached else f"[yellow]no candidate met the {result.goal.describe()}[/yellow]; "
     console.print(missed + picked, highlight=False)
     console.print(f"stored for {config.model} (fingerprint {lm.fingerprint}) in the catalog at {catalog.where}; "
@@ -532,8 +534,16 @@ def explain_cmd(ctx: typer.Context,
                       f"({origin.get('policy_floor', '?')}), sink tokens {policy.get('sink_tokens', 0)} "
                       f"({origin.get('policy_sink_tokens', '?')}), drift shift {policy.get('drift_shift', 0)} "
                       f"({origin.get('policy_drift_shift', '?')})"
-                      f"{' by the median' if policy.get('drift_median') else ''}, early stop at "
+                      f"{_drift_estimator_words(policy)}, early stop at "
                       f"{policy.get('early_stop_layers') or 'none'}", highlight=False)
+
+
+def _drift_estimator_words(policy: dict) -> str:
+    """`` by the <estimator>`` for a request's drift shift, where not the mean (records made
+    while the estimator was a yes/no for the median say ``drift_median``)."""
+    estimator = policy.get("drift_estimator") or ("median" if policy.get("drift_median") else "mean")
+    return {"median": " by the median", "shrunk": " by the shrunk mean", "pooled": " by the pooled mean"}.get(
+        estimator, "")
 
 
 @app.command("stats")

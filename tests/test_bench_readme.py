@@ -99,6 +99,25 @@ def test_calibrate_block_lists_every_candidate_and_marks_the_chosen_one(tmp_path
     assert "| 0.08 | 0.03 | 0 | 1 (chosen) | 0.030 | 0.1000 | 0.900 | 0.3000 | 2.50 |" in text
 
 
+def test_calibrate_block_names_the_drift_estimator_of_new_and_older_results(tmp_path):
+    """A row names its estimator where it is not the mean; a result written while the
+    estimator was a yes/no for the median (``drift_median``) reads as one."""
+    row = lambda shift, kl, **est: {"alpha": 0.08, "check_layer": 8, "floor": 0.05, "sink_tokens": 16,  # noqa: E731
+                                    "drift_shift": shift, "recompute": 0.05, "answer_kl": kl, "token_agreement": 0.9,
+                                    "agreement": 0.8, "kl": 0.3, "ttft_s": 2.5, **est}
+    base = {"benchmark": "calibrate", "command": "cachecraft calibrate", "model": "m", "limit": 16, "skip": 36,
+            "date": "2026-11-26T00:00", "machine": {"cpu": "cpu", "cores": 2}, "full_ttft_s_median": 40.0,
+            "policy_floor": 0.05, "policy_sink_tokens": 16, "policy_drift_shift": 1.0}
+    text = render(tmp_path, "calibrate_new", {**base, "policy_drift_estimator": "pooled",
+                                               "rows": [row(0.5, 0.2, drift_estimator="mean"),
+                                                        row(1.0, 0.1, drift_estimator="pooled")]})
+    assert "| 16 | 0.5 | 0.050 | 0.2000 |" in text and "| 16 | 1 pooled (chosen) | 0.050 | 0.1000 |" in text
+    text = render(tmp_path, "calibrate_old", {**base, "policy_drift_median": True,
+                                               "rows": [row(1.0, 0.2, drift_median=False),
+                                                        row(1.0, 0.1, drift_median=True)]})
+    assert "| 16 | 1 | 0.050 | 0.2000 |" in text and "| 16 | 1 median (chosen) | 0.050 | 0.1000 |" in text
+
+
 def test_a_block_is_rendered_by_the_benchmark_that_wrote_its_result(tmp_path):
     """A block no table is registered for by name takes its result's kind ("benchmark"); a
     result of no known kind leaves its block as it was."""

@@ -80,7 +80,7 @@ def test_layers_are_named_by_number_or_by_depth():
 
 def test_fitted_settings_apply_where_the_config_keeps_the_default():
     fitted = {"policy_alpha": 0.3, "policy_check_layer": 0.5, "policy_floor": 0.04, "policy_sink_tokens": 8,
-              "policy_drift_shift": 1.0, "policy_drift_median": True}
+              "policy_drift_shift": 1.0, "policy_drift_estimator": "pooled"}
     default = Config.load(environ={})
     values, sources = policy_settings(default, fitted)
     assert values == fitted
@@ -90,13 +90,18 @@ def test_fitted_settings_apply_where_the_config_keeps_the_default():
     assert values == {**fitted, "policy_alpha": 0.2, "policy_sink_tokens": 2}
     assert sources == {"policy_alpha": "config", "policy_check_layer": "calibrated", "policy_floor": "calibrated",
                        "policy_sink_tokens": "config", "policy_drift_shift": "calibrated",
-                       "policy_drift_median": "calibrated"}
+                       "policy_drift_estimator": "calibrated"}
     params = params_from_config(own, 24, fitted)
     assert (params.alpha, params.check_layer, params.floor, params.sink_tokens, params.drift_shift,
-            params.drift_median) == (0.2, 12, 0.04, 2, 1.0, True)
-    # a profile fitted before the median existed shifts by the mean
-    older = {k: v for k, v in fitted.items() if k != "policy_drift_median"}
-    assert params_from_config(default, 24, older).drift_median is False
+            params.drift_estimator) == (0.2, 12, 0.04, 2, 1.0, "pooled")
+    # a profile fitted before the estimator existed shifts by the mean; one stored while it was
+    # a yes/no for the median keeps its choice
+    older = {k: v for k, v in fitted.items() if k != "policy_drift_estimator"}
+    assert params_from_config(default, 24, older).drift_estimator == "mean"
+    for median, estimator in ((True, "median"), (False, "mean")):
+        assert params_from_config(default, 24, {**older, "policy_drift_median": median}).drift_estimator == estimator
+    with pytest.raises(ConfigError, match="policy_drift_estimator must be one of"):
+        Config.load(overrides={"policy_drift_estimator": "mode"}, environ={})
     # a value given explicitly wins even where it is the default's (0 sink tokens, no shift)
     given = Config.load(environ={"CACHECRAFT_POLICY_SINK_TOKENS": "0", "CACHECRAFT_POLICY_DRIFT_SHIFT": "0"})
     values, sources = policy_settings(given, fitted)
@@ -119,9 +124,9 @@ def fake_calibration(monkeypatch):
     seen = []
 
     def fake(lm, config, items, alphas, goal, check_layers=None, floors=None, sink_tokens=None, drift_shifts=None,
-             drift_medians=None, **kwargs):
+             drift_estimators=None, **kwargs):
         seen.append({"config": config, "items": items, "alphas": alphas, "goal": goal, "layers": check_layers,
-                     "floors": floors, "sinks": sink_tokens, "shifts": drift_shifts, "medians": drift_medians})
+                     "floors": floors, "sinks": sink_tokens, "shifts": drift_shifts, "estimators": drift_estimators})
         return fake_result(alphas, goal, check_layers)
 
     monkeypatch.setattr(calibrate_module, "calibrate", fake)
@@ -147,7 +152,7 @@ def test_calibrate_stores_the_fit_for_the_model_and_query_uses_it(fake_calibrati
         assert pipe.policy.alpha == 0.2 and pipe.policy.check_layer == layer_at(0.5, lm.adapter.num_layers)
         assert pipe.policy_sources == {"policy_alpha": "calibrated", "policy_check_layer": "calibrated",
                                        "policy_floor": "calibrated", "policy_sink_tokens": "calibrated",
-                                       "policy_drift_shift": "calibrated", "policy_drift_median": "calibrated"}
+                                       "policy_drift_shift": "calibrated", "policy_drift_estimator": "calibrated"}
     own = config.replace(policy_alpha=0.4)
     with TieredStore(own, tiers=("cpu",)) as store:
         assert Pipeline(own, lm=lm, store=store).policy.alpha == 0.4  # the config's own value wins
@@ -228,14 +233,15 @@ def test_bad_input_is_one_line_and_exit_1(args, needle, dataset, cache_dir):
 
 def test_calibrate_searches_floors_and_sink_tokens_and_refuses_bad_ones(fake_calibration, dataset, cache_dir):
     result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.1", "--floors", "0.05,0",
-                                 "--sink-tokens", "8,0", "--drift-shifts", "1,0", "--drift-estimators", "median,mean"])
+                                 "--sink-tokens", "8,0", "--drift-shifts", "1,0",
+                                 "--drift-estimators", "median,mean,pooled,median"])
     assert result.exit_code == 0, result.output
     assert fake_calibration[0]["floors"] == [0.0, 0.05] and fake_calibration[0]["sinks"] == [0, 8]
-    assert fake_calibration[0]["shifts"] == [0.0, 1.0] and fake_calibration[0]["medians"] == [True, False]
+    assert fake_calibration[0]["shifts"] == [0.0, 1.0] and fake_calibration[0]["estimators"] == ["median", "mean", "pooled"]
     for flag, bad, message in (("--floors", "1.5", "floors must be within"), ("--sink-tokens", "2.5", "not a whole"),
                                ("--sink-tokens", "x", "not a number"),
                                ("--drift-shifts", "3", "drift shifts must be within [0, 2]"),
-                               ("--drift-estimators", "mode", "give mean and/or median")):
+                               ("--drift-estimators", "mode", "give some of mean, median, shrunk, pooled")):
         result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), flag, bad])
         assert result.exit_code != 0 and message in result.output, result.output
 
@@ -262,14 +268,15 @@ def test_calibrate_on_a_tiny_model_measures_drift_shifts(tiny_llama, dataset, tm
 
     config = Config.load(overrides={"cache_dir": tmp_path, "max_new_tokens": 3, "warm_context": "none"}, environ={})
     result = calibrate(tiny_llama, config, load_items(dataset, 1), [0.0], Goal(budget=1.0), None, [0.2], None,
-                       [0.0, 1.0], [False, True], max_new_tokens=3)
-    rows = {(r.drift_shift, r.drift_median): r for r in result.rows}
-    assert set(rows) == {(0.0, False), (0.0, True), (1.0, False), (1.0, True)}
-    assert rows[0.0, False].recompute == rows[1.0, False].recompute > 0  # the same counts, placed differently
-    assert rows[0.0, False].answer_kl != rows[1.0, False].answer_kl
-    assert rows[0.0, False].answer_kl == rows[0.0, True].answer_kl  # no shift: nothing for an estimator to do
-    assert rows[1.0, True].answer_kl != rows[1.0, False].answer_kl
-    for key in ("policy_drift_shift", "policy_drift_median"):
+                       [0.0, 1.0], ["mean", "median", "shrunk"], max_new_tokens=3)
+    rows = {(r.drift_shift, r.drift_estimator): r for r in result.rows}
+    assert set(rows) == {(s, e) for s in (0.0, 1.0) for e in ("mean", "median", "shrunk")}
+    assert rows[0.0, "mean"].recompute == rows[1.0, "mean"].recompute > 0  # the same counts, placed differently
+    assert rows[0.0, "mean"].answer_kl != rows[1.0, "mean"].answer_kl
+    # no shift: nothing for an estimator to do
+    assert rows[0.0, "mean"].answer_kl == rows[0.0, "median"].answer_kl == rows[0.0, "shrunk"].answer_kl
+    assert len({rows[1.0, e].answer_kl for e in ("mean", "median", "shrunk")}) == 3
+    for key in ("policy_drift_shift", "policy_drift_estimator"):
         assert result.profile()[key] == result.to_dict()[key] == getattr(result.chosen, key[len("policy_"):])
 
 
@@ -335,3 +342,12 @@ def test_a_shipped_fit_applies_until_the_model_is_calibrated_here(monkeypatch, c
         assert (pipe.policy.floor, pipe.policy.alpha) == (0.05, 0.1)
     with scratch_pipeline(lm, config, fitted=False) as pipe:
         assert (pipe.policy.floor, pipe.policy.alpha) == (0.0, 0.08)
+
+
+def test_explain_names_the_drift_estimator_where_it_is_not_the_mean():
+    """A request's recorded policy names its estimator; one recorded while the estimator was a
+    yes/no for the median says ``drift_median``."""
+    words = cli_app._drift_estimator_words
+    assert words({"drift_estimator": "pooled"}) == " by the pooled mean"
+    assert words({"drift_estimator": "mean"}) == words({}) == words({"drift_median": False}) == ""
+    assert words({"drift_median": True}) == " by the median"

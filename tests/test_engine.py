@@ -243,32 +243,89 @@ def test_drift_shift_by_median_by_hand():
     per dimension, the middle of their three changes, not the mean that token 5's outlier
     would drag; the other chunk stays as stored."""
     segments = [Segment([1, 2], "prefix"),
-                Segment([3, 4, 5, 6], cached=_Stored(4), drift_shift=0.5, drift_median=True),
+                Segment([3, 4, 5, 6], cached=_Stored(4), drift_shift=0.5, drift_estimator="median"),
                 Segment([7, 8], cached=_Stored(2)), Segment([9], "question")]
     lay, keys, values = _shift_by_hand(segments, [0, 1, 2, 3, 5, 8],
                                        k=[[9., 9.], [9., 9.], [1., 10.], [2., 0.], [30., 1.], [9., 9.]],
                                        v=[[9., 9.], [9., 9.], [1., 1.], [5., -3.], [2., 2.], [9., 9.]])
-    assert lay.shift_by_median
+    assert lay.shift_estimator == "median"
     # keys: medians of (1, 2, 30) and (10, 0, 1) are 2 and 1, half of them [1, 0.5];
     # values: changes (0, 4, 1) and (0, -4, 1), medians 1 and 0, so 1 + [0.5, 0]
     assert keys[0, 2:6].tolist() == [[1., 0.5]] * 4 and values[0, 2:6].tolist() == [[1.5, 1.]] * 4
     assert keys[0, [0, 1, 6, 7, 8]].eq(0).all() and values[0, [0, 1, 6, 7, 8]].eq(1).all()
     mixed = [*segments[:2], Segment([7, 8], cached=_Stored(2), drift_shift=0.5), segments[3]]
-    with pytest.raises(PromptError, match="all take the mean or all the median"):
+    with pytest.raises(PromptError, match="must all take one drift estimator"):
         _shift_by_hand(mixed, [0, 1, 8], k=[[0., 0.]] * 3, v=[[0., 0.]] * 3)
+    with pytest.raises(PromptError, match="drift_estimator must be one of"):
+        Segment([3, 4], cached=_Stored(2), drift_shift=0.5, drift_estimator="mode")
 
 
-@pytest.mark.parametrize("median", [False, True])
-def test_drift_shift_with_every_token_recomputed_is_full_prefill_and_without_any_is_reuse(any_tiny, median):
+# Two shifting chunks, two measuring tokens each. Changes (fresh - cached) of the first
+# chunk's tokens 2 and 3: [0, 4] and [4, 4], mean [2, 4]; of the second's tokens 6 and 7:
+# [-2, 2] and [-2, -2], mean [-2, 0]. Squared deviations from their own chunk's mean sum to
+# 8 per dimension over 2 degrees of freedom: variance 4, noise in each mean 4 / 2 = 2.
+_AGREEMENT_CHANGES = [[0., 4.], [4., 4.], [-2., 2.], [-2., -2.]]
+
+
+def _shift_by_agreement_by_hand(estimator):
+    segments = [Segment([1, 2], "prefix"), Segment([3, 4, 5, 6], cached=_Stored(4), drift_shift=1.0,
+                                                   drift_estimator=estimator),
+                Segment([7, 8], cached=_Stored(2), drift_shift=1.0, drift_estimator=estimator), Segment([9], "question")]
+    fresh = [[9., 9.]] * 2 + _AGREEMENT_CHANGES + [[9., 9.]]
+    # K is cached as 0 and V as 1, so V's fresh rows are 1 + the same changes
+    lay, keys, values = _shift_by_hand(segments, [0, 1, 2, 3, 6, 7, 8], k=fresh,
+                                       v=[[x + 1 for x in row] for row in fresh])
+    assert lay.shift_estimator == estimator
+    assert keys[0, [0, 1, 8]].eq(0).all() and values[0, [0, 1, 8]].eq(1).all()
+    return keys[0], values[0] - 1
+
+
+def test_drift_shift_shrunk_toward_no_move_by_hand():
+    """``shrunk``: each mean m moves by m * m^2 / (m^2 + 2): first chunk [2 * 4/6, 4 * 16/18]
+    = [4/3, 32/9]; second [-2 * 4/6, 0] = [-4/3, 0] (0 / 2 is 0)."""
+    keys, moved = _shift_by_agreement_by_hand("shrunk")
+    for rows in (keys, moved):
+        assert rows[2:6].tolist() == [pytest.approx([4 / 3, 32 / 9])] * 4
+        assert rows[6:8].tolist() == [pytest.approx([-4 / 3, 0.0])] * 2
+
+
+def test_drift_shift_pooled_toward_the_prompts_mean_by_hand():
+    """``pooled``: the prompt's mean change g = [0, 2] (the four tokens'); the chunks' means
+    are 2 from it in each dimension, 4 squared against noise 2, so t2 = 4 - 2 = 2 and
+    f = 2 / (2 + 2) = 1/2: first chunk [0 + (2 - 0) / 2, 2 + (4 - 2) / 2] = [1, 3], second
+    [0 + (-2 - 0) / 2, 2 + (0 - 2) / 2] = [-1, 1]."""
+    keys, moved = _shift_by_agreement_by_hand("pooled")
+    for rows in (keys, moved):
+        assert rows[2:6].tolist() == [pytest.approx([1.0, 3.0])] * 4
+        assert rows[6:8].tolist() == [pytest.approx([-1.0, 1.0])] * 2
+
+
+def test_drift_shift_by_agreement_with_one_token_a_chunk_is_the_mean():
+    """With one measuring token a chunk there is no disagreement to measure (no degree of
+    freedom): ``shrunk`` moves by the plain mean, and ``pooled``, whose chunks then differ
+    by more than no noise, by each chunk's own."""
+    for estimator in ("shrunk", "pooled"):
+        segments = [Segment([1, 2], "prefix"),
+                    Segment([3, 4, 5, 6], cached=_Stored(4), drift_shift=0.5, drift_estimator=estimator),
+                    Segment([7, 8], cached=_Stored(2), drift_shift=0.5, drift_estimator=estimator),
+                    Segment([9], "question")]
+        _, keys, _ = _shift_by_hand(segments, [0, 3, 7, 8], k=[[9., 9.], [2., -4.], [6., 2.], [9., 9.]],
+                                    v=[[9., 9.]] * 4)
+        assert keys[0, 2:6].tolist() == [[1., -2.]] * 4 and keys[0, 6:8].tolist() == [[3., 1.]] * 2
+
+
+@pytest.mark.parametrize("estimator", ["mean", "median", "shrunk", "pooled"])
+def test_drift_shift_with_every_token_recomputed_is_full_prefill_and_without_any_is_reuse(any_tiny, estimator):
     prefix, chunks, question = make_prompt()
     logits, _ = hf_forward(any_tiny, prefix, chunks, question)
     prefix_kv, kvs = caches_after_prefix_alone(any_tiny, prefix, chunks)
     every = blended_prefill(any_tiny.adapter, [Segment(prefix, "prefix", cached=prefix_kv)]
-                            + [Segment(c, cached=kv, recompute=range(len(c)), drift_shift=1.0, drift_median=median)
+                            + [Segment(c, cached=kv, recompute=range(len(c)), drift_shift=1.0,
+                                       drift_estimator=estimator)
                                for c, kv in zip(chunks, kvs)] + [Segment(question, "question")])
     assert (every.logits - logits).abs().max() < TOL and every.recompute_fraction == 1.0
     none = blended_prefill(any_tiny.adapter, [Segment(prefix, "prefix", cached=prefix_kv)]
-                           + [Segment(c, cached=kv, drift_shift=1.0, drift_median=median)
+                           + [Segment(c, cached=kv, drift_shift=1.0, drift_estimator=estimator)
                               for c, kv in zip(chunks, kvs)]
                            + [Segment(question, "question")])
     reuse = blended_prefill(any_tiny.adapter, [Segment(prefix, "prefix", cached=prefix_kv)]

@@ -244,8 +244,11 @@ def _shift_drift(lay: Layout, active: torch.Tensor, keys: torch.Tensor, values: 
     if not bool(use.any()):
         return
     seg, pos = seg[use], active[use]
-    if lay.shift_by_median:
+    if lay.shift_estimator == "median":
         _shift_by_median(lay, seg, pos, keys, values, k[:, use], v[:, use])
+        return
+    if lay.shift_estimator in ("shrunk", "pooled"):
+        _shift_by_agreement(lay, seg, pos, keys, values, k[:, use], v[:, use])
         return
     count = torch.bincount(seg, minlength=lay.shift.numel()).clamp_min(1)
     scale = (lay.shift / count).to(keys.dtype)[None, :, None]  # [1, S, 1]
@@ -268,6 +271,46 @@ def _shift_by_median(lay: Layout, seg: torch.Tensor, pos: torch.Tensor, keys: to
         for cached, fresh in ((keys, k[:, mine]), (values, v[:, mine])):
             change = (fresh - cached[:, pos[mine]]).median(dim=1).values  # [H_kv, D]
             cached[:, lo:hi] += (share * change)[:, None]
+
+
+def _shift_by_agreement(lay: Layout, seg: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor,
+                        values: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """:func:`_shift_drift` with each segment's mean change shrunk by how far its measuring
+    tokens agree, per KV head and dimension (arguments as :func:`_shift_by_median`). With
+    ``m`` a segment's mean change over its ``n`` tokens and ``s2`` the tokens' variance
+    about their own segment's mean, pooled over the prompt's segments (0 where no segment
+    has two tokens), the noise in ``m`` is ``s2 / n``. ``shrunk`` moves by
+    ``m * m^2 / (m^2 + s2 / n)``; ``pooled`` moves by ``g + f * (m - g)``, ``g`` the mean
+    change of every measuring token of the prompt and ``f = t2 / (t2 + s2 / n)``, where
+    ``t2`` is how far the measured segments' means spread about ``g`` beyond their noise
+    (at least 0). A ratio of 0 to 0 counts as 1: nothing to shrink by."""
+    count = torch.bincount(seg, minlength=lay.shift.numel())
+    measured = count > 0
+    n = count.clamp_min(1).float()[None, :, None]  # [1, S, 1]
+    share = lay.shift.float()[None, :, None] * measured.float()[None, :, None]
+    owner = lay.segment_of[lay.shifted]
+    for cached, fresh in ((keys, k), (values, v)):
+        change = (fresh - cached[:, pos]).float()  # [H_kv, n_samples, D]
+        total = change.new_zeros(change.shape[0], count.numel(), change.shape[2]).index_add_(1, seg, change)
+        mean = total / n
+        spread = (change - mean[:, seg]).square()
+        dof = float((count - 1).clamp_min(0).sum())
+        s2 = spread.sum(dim=1, keepdim=True) / dof if dof else torch.zeros_like(mean[:, :1])
+        noise = s2 / n  # [H_kv, S, D]
+        if lay.shift_estimator == "shrunk":
+            move = mean * _ratio(mean.square(), mean.square() + noise)
+        else:
+            g = total.sum(dim=1, keepdim=True) / float(count.sum())
+            m = measured.float()[None, :, None]
+            segments = float(measured.sum())
+            t2 = ((((mean - g).square() - noise) * m).sum(dim=1, keepdim=True) / segments).clamp_min(0)
+            move = g + _ratio(t2, t2 + noise) * (mean - g)
+        cached[:, lay.shifted] += (move * share).to(cached.dtype)[:, owner]
+
+
+def _ratio(top: torch.Tensor, bottom: torch.Tensor) -> torch.Tensor:
+    """``top / bottom`` with 0 / 0 as 1."""
+    return torch.where(bottom > 0, top / bottom.clamp_min(torch.finfo(bottom.dtype).tiny), torch.ones_like(top))
 
 
 def _select(hooks: Sequence[LayerHook], view: LayerView) -> torch.Tensor | None:

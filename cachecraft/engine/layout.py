@@ -7,6 +7,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from cachecraft.config import DRIFT_ESTIMATORS
 from cachecraft.engine.attention import _AttentionPlan, _SegmentMass
 
 ROLES = ("prefix", "chunk", "question")
@@ -38,10 +39,13 @@ class Segment:
     this share of the mean change its recomputed tokens show there (fresh minus cached,
     K before RoPE and V); 0 keeps them as stored. ``drift_from``: recomputed tokens
     before this local index (a chunk's first tokens, which drift more than the rest) are
-    fixed for their own sake and left out of that mean. ``drift_median``: the move is the
-    median change of those tokens (per KV head and dimension) instead of their mean, so
-    one token that drifted far does not move the whole chunk; every shifting segment of a
-    prompt takes the same choice.
+    fixed for their own sake and left out of that mean. ``drift_estimator``: how those
+    tokens' changes make the move, per KV head and dimension (one of ``DRIFT_ESTIMATORS``;
+    every shifting segment of a prompt takes the same): ``mean``; ``median``, so one token
+    that drifted far does not move the whole chunk; ``shrunk``, the mean shrunk toward no
+    move as far as the tokens disagree with each other; ``pooled``, the mean shrunk toward
+    the prompt's mean change, as far as the chunks' means differ by no more than their
+    tokens' disagreement explains.
     """
 
     token_ids: Sequence[int]
@@ -55,7 +59,7 @@ class Segment:
     key: str = ""
     drift_shift: float = 0.0
     drift_from: int = 0
-    drift_median: bool = False
+    drift_estimator: str = "mean"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -66,6 +70,8 @@ class Segment:
             raise PromptError(
                 f"cached KV has {self.cached.num_tokens} tokens but the {self.role} segment has "
                 f"{len(self.token_ids)}")
+        if self.drift_estimator not in DRIFT_ESTIMATORS:
+            raise PromptError(f"drift_estimator must be one of {DRIFT_ESTIMATORS}, got {self.drift_estimator!r}")
         if (self.save or self.collect_stats) and self.cached is not None:
             raise PromptError("save/collect_stats need a segment that is computed in full (not cached)")
         if not self.drift_shift >= 0.0:
@@ -99,7 +105,7 @@ class Layout:
     segment_of: torch.Tensor | None = None
     shifted: torch.Tensor | None = None
     samples_drift: torch.Tensor | None = None
-    shift_by_median: bool = False  # the shifting segments move by their samples' median change
+    shift_estimator: str = "mean"  # how the shifting segments' samples make their move (Segment.drift_estimator)
     # made on first use by LayerView.segment_mass: the segment indicators, and the plan last
     # made for a subset of the running tokens, as (active, rows, plan)
     segment_mass: _SegmentMass | None = field(default=None, repr=False)
@@ -149,9 +155,10 @@ def make_layout(segments: Sequence[Segment], num_layers: int, limit: int, device
                                    if s.cached is not None and s.stop_layer is not None])
     shift = segment_of = shifted = samples_drift = None
     shares = [float(s.drift_shift) if s.cached is not None else 0.0 for s in segments]
-    medians = {s.drift_median for s, share in zip(segments, shares) if share}
-    if len(medians) > 1:
-        raise PromptError("the shifting segments of one prompt must all take the mean or all the median")
+    estimators = {s.drift_estimator for s, share in zip(segments, shares) if share}
+    if len(estimators) > 1:
+        raise PromptError(f"the shifting segments of one prompt must all take one drift estimator, "
+                          f"got {sorted(estimators)}")
     if any(shares):
         shift = torch.tensor(shares)
         segment_of = torch.repeat_interleave(torch.arange(len(segments)),
@@ -166,4 +173,5 @@ def make_layout(segments: Sequence[Segment], num_layers: int, limit: int, device
 
     return Layout(segments, bounds, moved(starts), moved(token_ids), num_layers, moved(must), moved(forced),
                   moved(fixable), moved(context), moved(stop_at), moved(must | forced), earliest,
-                  moved(shift), moved(segment_of), moved(shifted), moved(samples_drift), medians == {True})
+                  moved(shift), moved(segment_of), moved(shifted), moved(samples_drift),
+                  estimators.pop() if estimators else "mean")

@@ -35,19 +35,19 @@ class CacheCraft(Method):
 
     def __init__(self, ratio: float | None = None, check_layer: int | None = None, floor: float | None = None,
                  sink_tokens: int | None = None, early_stop: tuple[float, ...] | None = None,
-                 drift_shift: float | None = None, drift_median: bool | None = None):
+                 drift_shift: float | None = None, drift_estimator: str | None = None):
         super().__init__(ratio)
         # None: the pipeline's (calibration and the benchmarks try others)
         self.check_layer, self.floor, self.sink_tokens = check_layer, floor, sink_tokens
-        self.drift_shift, self.drift_median = drift_shift, drift_median
+        self.drift_shift, self.drift_estimator = drift_shift, drift_estimator
         self.early_stop = early_stop  # layers or depths (as config early_stop_layers); () turns it off
 
     @property
     def label(self) -> str:
         """``cachecraft@alpha``, with ``/L<layer>``, ``/F<floor>``, ``/S<sink tokens>``,
-        ``/D<drift shift>`` (``/Dmedian<drift shift>`` for the median's), ``/Dmean`` or
-        ``/Dmedian`` alone (the estimator set, not the shift) and ``/E<early-stop layers>``
-        where the method sets its own."""
+        ``/D<drift shift>`` (``/D<estimator><drift shift>`` for an estimator other than the
+        mean, e.g. ``/Dmedian0.5``), ``/D<estimator>`` alone (the estimator set, not the
+        shift) and ``/E<early-stop layers>`` where the method sets its own."""
         return (super().label + ("" if self.check_layer is None else f"/L{self.check_layer}")
                 + ("" if self.floor is None else f"/F{self.floor:g}")
                 + ("" if self.sink_tokens is None else f"/S{self.sink_tokens}")
@@ -55,7 +55,7 @@ class CacheCraft(Method):
                 + ("" if self.early_stop is None else "/E" + (",".join(f"{x:g}" for x in self.early_stop) or "off")))
 
     def _drift_label(self) -> str:
-        estimator = {None: "", False: "mean", True: "median"}[self.drift_median]
+        estimator = self.drift_estimator or ""
         shift = "" if self.drift_shift is None else f"{self.drift_shift:g}"
         if estimator == "mean" and shift:  # the mean is what a bare /D<shift> has always meant
             estimator = ""
@@ -65,7 +65,7 @@ class CacheCraft(Method):
         """The request's policy parameters with this method's alpha (and check layer, floor,
         sink tokens, drift shift, early-stop layers where it sets them)."""
         own = {"check_layer": self.check_layer, "floor": self.floor, "sink_tokens": self.sink_tokens,
-               "drift_shift": self.drift_shift, "drift_median": self.drift_median}
+               "drift_shift": self.drift_shift, "drift_estimator": self.drift_estimator}
         if self.early_stop is not None:
             layers = request.adapter.num_layers
             own["early_stop_layers"] = tuple(sorted({layer_at(x, layers) for x in self.early_stop}))
@@ -87,7 +87,7 @@ class CacheCraft(Method):
         assert load is not None and load.plan is not None, "cachecraft prepares a request it planned"
         params = self.params(request)
         looked = place_plan_tokens(request.adapter, segments, load.plan, params.check_layer, params.sink_tokens,
-                                   params.drift_shift, params.drift_median)
+                                   params.drift_shift, params.drift_estimator)
         hooks = PrefillHooks(lookahead_layer=min(params.check_layer, request.adapter.num_layers - 1)
                              if looked else None)
         if params.early_stop_layers:
@@ -115,12 +115,13 @@ def sink_counts(counts: list[int], sink_tokens: int) -> list[int]:
 
 
 def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, check_layer: int,
-                      sink_tokens: int = 0, drift_shift: float = 0.0, drift_median: bool = False) -> bool:
+                      sink_tokens: int = 0, drift_shift: float = 0.0, drift_estimator: str = "mean") -> bool:
     """Give the plan's token counts to the chunks: each chunk's first ``sink_tokens`` of its
     count to its first tokens, the rest, in total, where the question looks; with a
     ``drift_shift``, the rest of each chunk's count evenly over the rest of the chunk
     instead (a fair sample of its drift) and the chunk shifts by the drift those show (its
-    first tokens left out of it; with ``drift_median``, by their median change). Chunks the
+    first tokens left out of it; ``drift_estimator`` says how: the engine's
+    ``Segment.drift_estimator``). Chunks the
     plan leaves alone are not candidates. Returns
     whether the question's look-ahead ran (its work counts toward the request's)."""
     chunk_segments = segments[1:-1]
@@ -136,7 +137,7 @@ def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, che
             if seg.fixable:
                 seg.recompute = torch.cat([first_tokens(len(seg.token_ids), sink),
                                            spread_tokens(len(seg.token_ids), count - sink, start=sink)])
-                seg.drift_shift, seg.drift_median = drift_shift, drift_median
+                seg.drift_shift, seg.drift_estimator = drift_shift, drift_estimator
                 seg.drift_from = sink  # the first tokens drift more than the rest: not a fair sample
         return False
     if not sum(sinks):

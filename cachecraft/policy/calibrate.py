@@ -25,6 +25,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
+from cachecraft.config import DRIFT_ESTIMATORS
+
 POLICY_PROFILE = "policy"  # the catalog's model-profile kind for fitted parameters
 ANY_DEVICE = "*"  # fitted parameters hold on every device (they are about answers, not speed)
 
@@ -48,7 +50,7 @@ class CandidateRow:
     floor: float = 0.0
     sink_tokens: int = 0
     drift_shift: float = 0.0
-    drift_median: bool = False
+    drift_estimator: str = "mean"
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ class CalibrationResult:
         items... recorded beside them)."""
         return {"policy_alpha": self.chosen.alpha, "policy_check_layer": self.chosen.check_layer,
                 "policy_floor": self.chosen.floor, "policy_sink_tokens": self.chosen.sink_tokens,
-                "policy_drift_shift": self.chosen.drift_shift, "policy_drift_median": self.chosen.drift_median,
+                "policy_drift_shift": self.chosen.drift_shift, "policy_drift_estimator": self.chosen.drift_estimator,
                 "fitted": {**about, "goal": asdict(self.goal), "reached": self.reached,
                            "answer_kl": self.chosen.answer_kl, "recompute": self.chosen.recompute,
                            "token_agreement": self.chosen.token_agreement}}
@@ -96,7 +98,7 @@ class CalibrationResult:
         return {"goal": asdict(self.goal), "reached": self.reached, "policy_alpha": self.chosen.alpha,
                 "policy_check_layer": self.chosen.check_layer, "policy_floor": self.chosen.floor,
                 "policy_sink_tokens": self.chosen.sink_tokens, "policy_drift_shift": self.chosen.drift_shift,
-                "policy_drift_median": self.chosen.drift_median, "full_ttft_s_median": self.full_ttft_s,
+                "policy_drift_estimator": self.chosen.drift_estimator, "full_ttft_s_median": self.full_ttft_s,
                 "rows": [asdict(r) for r in self.rows]}
 
 
@@ -151,23 +153,24 @@ def parse_drift_shifts(text: str) -> list[float]:
     return parse_numbers(text, "drift shifts", 0.0, 2.0)
 
 
-def parse_drift_estimators(text: str) -> list[bool]:
-    """Candidate drift estimators, ``mean`` and/or ``median``: whether each shifts by the median."""
+def parse_drift_estimators(text: str) -> list[str]:
+    """Candidate drift estimators, comma-separated names from :data:`DRIFT_ESTIMATORS`."""
     names = [part.strip().lower() for part in text.split(",") if part.strip()]
-    bad = [n for n in names if n not in ("mean", "median")]
+    bad = [n for n in names if n not in DRIFT_ESTIMATORS]
     if not names or bad:
-        raise CalibrationError(f"drift estimators: give mean and/or median, got {text!r}")
-    return list(dict.fromkeys(n == "median" for n in names))
+        raise CalibrationError(f"drift estimators: give some of {', '.join(DRIFT_ESTIMATORS)}, got {text!r}")
+    return list(dict.fromkeys(names))
 
 
 def choose(rows: Sequence[CandidateRow], goal: Goal) -> tuple[CandidateRow, bool]:
     """The candidate ``goal`` asks for, and whether it met it (ties: lower recompute, then
     lower alpha, shallower check layer, lower floor, fewer sink tokens, smaller drift shift,
-    the mean before the median)."""
+    estimators in the order of :data:`DRIFT_ESTIMATORS`)."""
     assert rows, "no candidate to choose from"
 
     def cheaper(r: CandidateRow) -> tuple:
-        return (r.recompute, r.alpha, r.check_layer, r.floor, r.sink_tokens, r.drift_shift, r.drift_median)
+        return (r.recompute, r.alpha, r.check_layer, r.floor, r.sink_tokens, r.drift_shift,
+                DRIFT_ESTIMATORS.index(r.drift_estimator))
 
     if goal.budget is not None:
         within = [r for r in rows if r.recompute <= goal.budget]

@@ -34,7 +34,7 @@ class PolicyParams:
     # this share of the drift those spread tokens show (the engine's drift shift); 0: the rest
     # goes where the question looks and the other tokens stay as stored
     drift_shift: float = 0.0
-    drift_median: bool = False  # the shift is the spread tokens' median change, not their mean
+    drift_estimator: str = "mean"  # how the spread tokens' changes make the shift (config.DRIFT_ESTIMATORS)
     early_stop_layers: tuple[int, ...] = ()
     early_stop_share: float = 0.25
 
@@ -103,7 +103,7 @@ def layer_at(spec: float, num_layers: int) -> int:
 
 # The policy's settings a calibration may fit for a model; explicit config values win.
 FITTED_KEYS = ("policy_alpha", "policy_check_layer", "policy_floor", "policy_sink_tokens", "policy_drift_shift",
-               "policy_drift_median")
+               "policy_drift_estimator")
 
 
 def policy_settings(config, fitted: dict | None = None) -> tuple[dict[str, float], dict[str, str]]:
@@ -113,17 +113,20 @@ def policy_settings(config, fitted: dict | None = None) -> tuple[dict[str, float
     profile) has one, else ``default``."""
     defaults = type(config)(cache_dir=config.cache_dir)
     values, sources = {}, {}
+    if fitted and "policy_drift_estimator" not in fitted and "policy_drift_median" in fitted:
+        # a profile stored while the estimator was a yes/no for the median
+        fitted = {**fitted, "policy_drift_estimator": "median" if fitted["policy_drift_median"] else "mean"}
     for key in FITTED_KEYS:
         own = getattr(config, key)
         mine = own != getattr(defaults, key) or key in config.given
         if mine or not fitted or key not in fitted:
             values[key], sources[key] = own, "config" if mine else "default"
         else:
-            value = float(fitted[key])
-            if isinstance(own, bool):
-                value = bool(value)
-            elif value.is_integer() and isinstance(own, int):  # 16 first tokens, layer 8: as the config gives them
-                value = int(value)
+            value = fitted[key]
+            if not isinstance(own, str):
+                value = float(value)
+                if value.is_integer() and isinstance(own, int):  # 16 first tokens, layer 8: as the config gives them
+                    value = int(value)
             values[key], sources[key] = value, "calibrated"
     return values, sources
 
@@ -137,7 +140,7 @@ def params_from_config(config, num_layers: int, fitted: dict | None = None) -> P
     return PolicyParams(alpha=values["policy_alpha"], check_layer=layer_at(values["policy_check_layer"], num_layers),
                         floor=float(values["policy_floor"]), sink_tokens=int(values["policy_sink_tokens"]),
                         drift_shift=float(values["policy_drift_shift"]),
-                        drift_median=bool(values["policy_drift_median"]),
+                        drift_estimator=str(values["policy_drift_estimator"]),
                         early_stop_layers=stops, early_stop_share=config.early_stop_share)
 
 
