@@ -1,0 +1,123 @@
+"""Does the drift shift bring the reused K/V closer to full's, and does the answer follow?
+
+For each MuSiQue item: full prefill (the reference), then each chunk's cache made after the
+system prompt and the builtin warm context (as `warm` makes them), then blended prefills with
+the judge's shipped placement (5% of each chunk rounded down: its first 16 tokens, the rest
+spread) and each share of the drift shift given, by the plain mean. A share is ``K/V``: the
+keys move by K of the measured mean change and the values by V (the engine moves both by one
+share; this script scales the values' move after, which is exact for the mean since it is
+linear in its share). Per share: the relative deviation from full's K and V of the chunk
+tokens not recomputed, layer by layer, and the answer KL, token agreement and first-token KL
+along full's answer. Writes OUT (JSON) and prints a line per item and share.
+
+    python benchmarks/shift_error.py OUT --dataset ../shared/data/musique_dev.json --skip 36 --limit 6 \\
+        --shares 0/0,0.25/0.25,0.5/0.5,0.75/0.75,1/1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from cachecraft.bench.common import machine, running_code
+from cachecraft.bench.diagnose import _Item, relative_deviation
+from cachecraft.config import Config
+from cachecraft.dataset import load_items
+from cachecraft.engine import Segment, blend, blended_prefill
+from cachecraft.evaluation import scratch_pipeline
+from cachecraft.model.loader import load_model
+from cachecraft.selection import first_tokens, spread_tokens
+
+SINK_TOKENS, FLOOR = 16, 0.05  # the judge's shipped fit
+
+_engine_shift = blend._shift_drift
+_value_ratio = [1.0]  # the values' share over the keys' for the prefill under way
+
+
+def _shift_keys_and_values_apart(lay, active, keys, values, k, v) -> None:
+    """The engine's shift, then the values' move scaled by ``_value_ratio``."""
+    before = values.clone()
+    _engine_shift(lay, active, keys, values, k, v)
+    values.copy_(before + (values - before) * _value_ratio[0])
+
+
+def parse_shares(text: str) -> list[tuple[float, float]]:
+    """``K/V`` pairs, comma-separated (``0.5`` alone: both)."""
+    pairs = []
+    for part in text.split(","):
+        k, _, v = part.partition("/")
+        pairs.append((float(k), float(v or k)))
+    return pairs
+
+
+def placement(spans: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Each chunk's recomputed tokens as the shipped fit places them."""
+    picks = []
+    for a, b in spans:
+        n = b - a
+        count = int(FLOOR * n)
+        sink = min(SINK_TOKENS, count)
+        picks.append(torch.cat([first_tokens(n, sink), spread_tokens(n, count - sink, start=sink)]))
+    return picks
+
+
+def run_item(pipeline, item, shares: list[tuple[float, float]]) -> dict:
+    """One item's figures for every share."""
+    it = _Item(pipeline, item)
+    warm_ids, _ = pipeline._warm_context()
+    warm_kv = blended_prefill(it.adapter, [it.prefix(), Segment(warm_ids, "chunk", save=True)]).saved[1]
+    caches = it.make_caches("warm", warm_kv, warm_ids)
+    picks = placement(it.spans)
+    reused = torch.zeros(len(it.token_ids), dtype=torch.bool)
+    for (a, b), p in zip(it.spans, picks):
+        reused[a:b] = True
+        reused[a + p] = False
+    row = {"item": item.index, "shares": {}}
+    for k_share, v_share in shares:
+        _value_ratio[0] = v_share / k_share if k_share else 1.0
+        segments = [it.prefix(), *(Segment(ids, "chunk", cached=kv, recompute=p, drift_shift=k_share,
+                                           drift_from=SINK_TOKENS)
+                                   for ids, kv, p in zip(it.pieces.chunks, caches, picks)),
+                    Segment(it.pieces.question, "question")]
+        result = blended_prefill(it.adapter, segments)
+        k_dev = [float(relative_deviation(k[:, reused], f[:, reused]).mean()) for k, f in zip(result.keys, it.full_keys)]
+        v_dev = [float(relative_deviation(v[:, reused], f[:, reused]).mean())
+                 for v, f in zip(result.values, it.full_values)]
+        name = f"{k_share:g}/{v_share:g}"
+        row["shares"][name] = {"k": k_dev, "v": v_dev, **it.judge(result)}
+        print(f"item {item.index} share {name}: answer KL {row['shares'][name]['answer_kl']:.4f}, K deviation "
+              f"{sum(k_dev[1:]) / (len(k_dev) - 1):.4f}, V deviation {sum(v_dev[1:]) / (len(v_dev) - 1):.4f}",
+              flush=True)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out")
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--skip", type=int, default=36)
+    parser.add_argument("--limit", type=int, default=6)
+    parser.add_argument("--shares", default="0/0,0.25/0.25,0.5/0.5,0.75/0.75,1/1")
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    args = parser.parse_args()
+    shares = parse_shares(args.shares)
+    if any(v and not k for k, v in shares):
+        parser.error("a values' share above 0 needs a keys' share above 0 (the values' move is the keys' scaled)")
+    config = Config.load(overrides={"model": args.model})
+    lm = load_model(config=config)
+    items = load_items(args.dataset, args.skip + args.limit)[args.skip:]
+    blend._shift_drift = _shift_keys_and_values_apart
+    rows = []
+    with scratch_pipeline(lm, config, fitted=False) as pipeline:
+        for item in items:
+            rows.append(run_item(pipeline, item, shares))
+    with open(args.out, "w", encoding="utf-8") as handle:
+        json.dump({"benchmark": "shift_error", "model": args.model, "dataset": args.dataset, "skip": args.skip,
+                   "limit": len(items), "shares": [f"{k:g}/{v:g}" for k, v in shares], "rows": rows,
+                   "machine": machine(), "code": running_code()}, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
