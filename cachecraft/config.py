@@ -44,6 +44,15 @@ _CHUNK_ORDERS = ("given", "cache")
 # how a drift shift turns its measuring tokens' changes into a chunk's move (the engine's
 # Segment.drift_estimator; policy_drift_estimator)
 DRIFT_ESTIMATORS = ("mean", "median", "shrunk", "pooled")
+
+
+def named_drift_estimator(data: Mapping[str, Any], prefix: str = "") -> str:
+    """The drift estimator ``data`` (a stored fit, a request's record, a result file) names
+    under ``<prefix>drift_estimator``. Data written while the estimator was a yes/no for the
+    median (``<prefix>drift_median``) reads as the median or the mean; older data as the mean."""
+    if f"{prefix}drift_estimator" in data:
+        return data[f"{prefix}drift_estimator"]
+    return "median" if data.get(f"{prefix}drift_median") else "mean"
 _CATALOG_SCHEMES = ("postgresql://", "postgresql+psycopg://")
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
 _URL_KEYS = ("catalog_url", "redis_url")

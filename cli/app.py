@@ -16,6 +16,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from cachecraft.config import named_drift_estimator
 from cachecraft.display import saved as saved_text, seconds
 
 from . import STARTED
@@ -539,9 +540,8 @@ def explain_cmd(ctx: typer.Context,
 
 
 def _drift_estimator_words(policy: dict) -> str:
-    """`` by the <estimator>`` for a request's drift shift, where not the mean (records made
-    while the estimator was a yes/no for the median say ``drift_median``)."""
-    estimator = policy.get("drift_estimator") or ("median" if policy.get("drift_median") else "mean")
+    """`` by the <estimator>`` for a request's drift shift, where not the mean."""
+    estimator = named_drift_estimator(policy)
     return {"median": " by the median", "shrunk": " by the shrunk mean", "pooled": " by the pooled mean"}.get(
         estimator, "")
 

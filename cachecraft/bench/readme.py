@@ -12,6 +12,8 @@ import re
 import sys
 from pathlib import Path
 
+from cachecraft.config import named_drift_estimator
+
 
 def _commit(data: dict) -> str:
     """``, commit 0123456789`` for a result that recorded the commit it was made at, else nothing."""
@@ -235,27 +237,19 @@ def diagnose_table(data: dict) -> str:
 def calibrate_table(data: dict) -> str:
     """Markdown table of a ``calibrate`` result: every candidate, the chosen one marked."""
     chosen = (*(data[k] for k in ("policy_floor", "policy_sink_tokens", "policy_drift_shift")),
-              _estimator(data, "policy_"))
+              named_drift_estimator(data, "policy_"))
     lines = [_made(data, f"{data['limit']} items from #{data['skip']}") + f"; full's TTFT median "
              f"{data['full_ttft_s_median']:.1f} s; means over items, TTFT a median)", "",
              "| alpha | floor | sink tokens | drift shift | recompute | answer KL | token agreement | first-token KL | "
              "TTFT (s) |", "|---" * 9 + "|"]
     for r in data["rows"]:
-        estimator = _estimator(r)
+        estimator = named_drift_estimator(r)
         mark = " (chosen)" if (r["floor"], r["sink_tokens"], r.get("drift_shift", 0.0), estimator) == chosen else ""
         shift = f"{r.get('drift_shift', 0.0):g}" + ("" if estimator == "mean" else f" {estimator}")
         lines.append(f"| {r['alpha']:g} | {r['floor']:g} | {r['sink_tokens']} | {shift}{mark} | "
                      f"{r['recompute']:.3f} | {r['answer_kl']:.4f} | {r['token_agreement']:.3f} | {r['kl']:.4f} | "
                      f"{r['ttft_s']:.2f} |")
     return "\n".join(lines)
-
-
-def _estimator(data: dict, prefix: str = "") -> str:
-    """The drift estimator a calibration result names (results written while it was a
-    yes/no for the median say ``drift_median``; older ones neither: the mean)."""
-    if f"{prefix}drift_estimator" in data:
-        return data[f"{prefix}drift_estimator"]
-    return "median" if data.get(f"{prefix}drift_median") else "mean"
 
 
 def gpu_table(data: dict) -> str:

@@ -289,20 +289,20 @@ def _shift_by_agreement(lay: Layout, seg: torch.Tensor, pos: torch.Tensor, keys:
     n = count.clamp_min(1).float()[None, :, None]  # [1, S, 1]
     share = lay.shift.float()[None, :, None] * measured.float()[None, :, None]
     owner = lay.segment_of[lay.shifted]
+    # read once for keys and values: each is a wait for the device
+    dof, samples, segments = (float(x) for x in ((count - 1).clamp_min(0).sum(), count.sum(), measured.sum()))
     for cached, fresh in ((keys, k), (values, v)):
         change = (fresh - cached[:, pos]).float()  # [H_kv, n_samples, D]
         total = change.new_zeros(change.shape[0], count.numel(), change.shape[2]).index_add_(1, seg, change)
         mean = total / n
         spread = (change - mean[:, seg]).square()
-        dof = float((count - 1).clamp_min(0).sum())
         s2 = spread.sum(dim=1, keepdim=True) / dof if dof else torch.zeros_like(mean[:, :1])
         noise = s2 / n  # [H_kv, S, D]
         if lay.shift_estimator == "shrunk":
             move = mean * _ratio(mean.square(), mean.square() + noise)
         else:
-            g = total.sum(dim=1, keepdim=True) / float(count.sum())
+            g = total.sum(dim=1, keepdim=True) / samples
             m = measured.float()[None, :, None]
-            segments = float(measured.sum())
             t2 = ((((mean - g).square() - noise) * m).sum(dim=1, keepdim=True) / segments).clamp_min(0)
             move = g + _ratio(t2, t2 + noise) * (mean - g)
         cached[:, lay.shifted] += (move * share).to(cached.dtype)[:, owner]

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import torch
 
+from cachecraft.config import named_drift_estimator
 from cachecraft.policy.scores import VariantScore, cci, score_variant, tokens_to_recompute
 
 
@@ -113,9 +114,8 @@ def policy_settings(config, fitted: dict | None = None) -> tuple[dict[str, float
     profile) has one, else ``default``."""
     defaults = type(config)(cache_dir=config.cache_dir)
     values, sources = {}, {}
-    if fitted and "policy_drift_estimator" not in fitted and "policy_drift_median" in fitted:
-        # a profile stored while the estimator was a yes/no for the median
-        fitted = {**fitted, "policy_drift_estimator": "median" if fitted["policy_drift_median"] else "mean"}
+    if fitted and "policy_drift_median" in fitted:  # stored while the estimator was a yes/no for the median
+        fitted = {**fitted, "policy_drift_estimator": named_drift_estimator(fitted, "policy_")}
     for key in FITTED_KEYS:
         own = getattr(config, key)
         mine = own != getattr(defaults, key) or key in config.given
