@@ -102,7 +102,10 @@ def main() -> None:
     parser.add_argument("--shares", default="0/0,0.25/0.25,0.5/0.5,0.75/0.75,1/1")
     parser.add_argument("--model", default="qwen2.5-coder-0.5b")
     args = parser.parse_args()
-    shares = parse_shares(args.shares)
+    try:
+        shares = parse_shares(args.shares)
+    except ValueError:
+        parser.error(f"--shares: give K/V pairs of numbers, comma-separated (e.g. 0.5/0.5,1/0.5), got {args.shares!r}")
     if any(v and not k for k, v in shares):
         parser.error("a values' share above 0 needs a keys' share above 0 (the values' move is the keys' scaled)")
     config = Config.load(overrides={"model": args.model})
