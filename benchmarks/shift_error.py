@@ -33,23 +33,55 @@ from cachecraft.selection import first_tokens, spread_tokens
 SINK_TOKENS, FLOOR = 16, 0.05  # the judge's shipped fit
 
 _engine_shift = blend._shift_drift
-_value_ratio = [1.0]  # the values' share over the keys' for the prefill under way
+Share = tuple[float, float]  # at the first layer and at the last (equal: one share at every layer)
 
 
-def _shift_keys_and_values_apart(lay, active, keys, values, k, v) -> None:
-    """The engine's shift, then the values' move scaled by ``_value_ratio``."""
-    before = values.clone()
+class _Shares:
+    """The keys' and values' shares for the prefill under way; the layer its next shift is at."""
+
+    keys: Share = (1.0, 1.0)
+    values: Share = (1.0, 1.0)
+    layout = None
+    layer = 0
+
+
+def share_at(share: Share, layer: int, num_layers: int) -> float:
+    """``share`` at ``layer``: in a straight line from its first value at layer 0 to its
+    second at the last layer."""
+    first, last = share
+    return first + (last - first) * layer / max(1, num_layers - 1)
+
+
+def _shift_by_layer(lay, active, keys, values, k, v) -> None:
+    """The engine's shift at the whole share, then the keys' and values' moves scaled by
+    this layer's shares. The engine shifts once a layer, in order, on one layout a prefill."""
+    if _Shares.layout is not lay:
+        _Shares.layout, _Shares.layer = lay, 0
+    layer, _Shares.layer = _Shares.layer, _Shares.layer + 1
+    before_keys, before_values = keys.clone(), values.clone()
     _engine_shift(lay, active, keys, values, k, v)
-    values.copy_(before + (values - before) * _value_ratio[0])
+    keys.copy_(before_keys + (keys - before_keys) * share_at(_Shares.keys, layer, lay.num_layers))
+    values.copy_(before_values + (values - before_values) * share_at(_Shares.values, layer, lay.num_layers))
 
 
-def parse_shares(text: str) -> list[tuple[float, float]]:
-    """``K/V`` pairs, comma-separated (``0.5`` alone: both)."""
+def parse_shares(text: str) -> list[tuple[Share, Share]]:
+    """``K/V`` pairs, comma-separated (``0.5`` alone: both); K and V are a number or ``A:B``
+    (from A at the first layer to B at the last)."""
+    def share(part: str) -> Share:
+        first, _, last = part.partition(":")
+        return float(first), float(last or first)
+
     pairs = []
     for part in text.split(","):
         k, _, v = part.partition("/")
-        pairs.append((float(k), float(v or k)))
+        pairs.append((share(k), share(v or k)))
     return pairs
+
+
+def share_name(share: Share) -> str:
+    """``0.5``, or ``1:0.25`` for a share that changes with depth."""
+    first, last = share
+    return f"{first:g}" if first == last else f"{first:g}:{last:g}"
 
 
 def placement(spans: list[tuple[int, int]]) -> list[torch.Tensor]:
@@ -76,8 +108,9 @@ def run_item(pipeline, item, shares: list[tuple[float, float]]) -> dict:
         reused[a + p] = False
     row = {"item": item.index, "shares": {}}
     for k_share, v_share in shares:
-        _value_ratio[0] = v_share / k_share if k_share else 1.0
-        segments = [it.prefix(), *(Segment(ids, "chunk", cached=kv, recompute=p, drift_shift=k_share,
+        _Shares.keys, _Shares.values, _Shares.layout = k_share, v_share, None
+        shifts = any(k_share + v_share)
+        segments = [it.prefix(), *(Segment(ids, "chunk", cached=kv, recompute=p, drift_shift=1.0 if shifts else 0.0,
                                            drift_from=SINK_TOKENS)
                                    for ids, kv, p in zip(it.pieces.chunks, caches, picks)),
                     Segment(it.pieces.question, "question")]
@@ -85,7 +118,7 @@ def run_item(pipeline, item, shares: list[tuple[float, float]]) -> dict:
         k_dev = [float(relative_deviation(k[:, reused], f[:, reused]).mean()) for k, f in zip(result.keys, it.full_keys)]
         v_dev = [float(relative_deviation(v[:, reused], f[:, reused]).mean())
                  for v, f in zip(result.values, it.full_values)]
-        name = f"{k_share:g}/{v_share:g}"
+        name = f"{share_name(k_share)}/{share_name(v_share)}"
         row["shares"][name] = {"k": k_dev, "v": v_dev, **it.judge(result)}
         print(f"item {item.index} share {name}: answer KL {row['shares'][name]['answer_kl']:.4f}, K deviation "
               f"{sum(k_dev[1:]) / (len(k_dev) - 1):.4f}, V deviation {sum(v_dev[1:]) / (len(v_dev) - 1):.4f}",
@@ -105,20 +138,21 @@ def main() -> None:
     try:
         shares = parse_shares(args.shares)
     except ValueError:
-        parser.error(f"--shares: give K/V pairs of numbers, comma-separated (e.g. 0.5/0.5,1/0.5), got {args.shares!r}")
-    if any(v and not k for k, v in shares):
-        parser.error("a values' share above 0 needs a keys' share above 0 (the values' move is the keys' scaled)")
+        parser.error(f"--shares: give K/V pairs of numbers or A:B, comma-separated (e.g. 0.5/0.5,1/0.5,1:0.25), "
+                     f"got {args.shares!r}")
+    if any(x < 0 for pair in shares for share in pair for x in share):
+        parser.error(f"--shares: a share is at least 0, got {args.shares!r}")
     config = Config.load(overrides={"model": args.model})
     lm = load_model(config=config)
     items = load_items(args.dataset, args.skip + args.limit)[args.skip:]
-    blend._shift_drift = _shift_keys_and_values_apart
+    blend._shift_drift = _shift_by_layer
     rows = []
     with scratch_pipeline(lm, config, fitted=False) as pipeline:
         for item in items:
             rows.append(run_item(pipeline, item, shares))
     with open(args.out, "w", encoding="utf-8") as handle:
         json.dump({"benchmark": "shift_error", "model": args.model, "dataset": args.dataset, "skip": args.skip,
-                   "limit": len(items), "shares": [f"{k:g}/{v:g}" for k, v in shares], "rows": rows,
+                   "limit": len(items), "shares": [f"{share_name(k)}/{share_name(v)}" for k, v in shares], "rows": rows,
                    "machine": machine(), "code": running_code()}, handle, indent=2)
 
 
