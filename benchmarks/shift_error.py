@@ -95,7 +95,7 @@ def placement(spans: list[tuple[int, int]]) -> list[torch.Tensor]:
     return picks
 
 
-def run_item(pipeline, item, shares: list[tuple[float, float]]) -> dict:
+def run_item(pipeline, item, shares: list[tuple[Share, Share]]) -> dict:
     """One item's figures for every share."""
     it = _Item(pipeline, item)
     warm_ids, _ = pipeline._warm_context()
