@@ -84,6 +84,11 @@ def share_name(share: Share) -> str:
     return f"{first:g}" if first == last else f"{first:g}:{last:g}"
 
 
+def pair_name(keys: Share, values: Share) -> str:
+    """``K/V`` as the results name it, e.g. ``0.5/0.5`` or ``1/1:0``."""
+    return f"{share_name(keys)}/{share_name(values)}"
+
+
 def placement(spans: list[tuple[int, int]]) -> list[torch.Tensor]:
     """Each chunk's recomputed tokens as the shipped fit places them."""
     picks = []
@@ -118,7 +123,7 @@ def run_item(pipeline, item, shares: list[tuple[Share, Share]]) -> dict:
         k_dev = [float(relative_deviation(k[:, reused], f[:, reused]).mean()) for k, f in zip(result.keys, it.full_keys)]
         v_dev = [float(relative_deviation(v[:, reused], f[:, reused]).mean())
                  for v, f in zip(result.values, it.full_values)]
-        name = f"{share_name(k_share)}/{share_name(v_share)}"
+        name = pair_name(k_share, v_share)
         row["shares"][name] = {"k": k_dev, "v": v_dev, **it.judge(result)}
         print(f"item {item.index} share {name}: answer KL {row['shares'][name]['answer_kl']:.4f}, K deviation "
               f"{sum(k_dev[1:]) / (len(k_dev) - 1):.4f}, V deviation {sum(v_dev[1:]) / (len(v_dev) - 1):.4f}",
@@ -152,7 +157,7 @@ def main() -> None:
             rows.append(run_item(pipeline, item, shares))
     with open(args.out, "w", encoding="utf-8") as handle:
         json.dump({"benchmark": "shift_error", "model": args.model, "dataset": args.dataset, "skip": args.skip,
-                   "limit": len(items), "shares": [f"{share_name(k)}/{share_name(v)}" for k, v in shares], "rows": rows,
+                   "limit": len(items), "shares": [pair_name(k, v) for k, v in shares], "rows": rows,
                    "machine": machine(), "code": running_code()}, handle, indent=2)
 
 
