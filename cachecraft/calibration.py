@@ -1,7 +1,8 @@
 """``cachecraft calibrate``: measure candidate policy settings through the pipeline and
 pick the one the goal asks for.
 
-Each candidate (an alpha, a check layer, a floor, a number of sink tokens, a drift shift) runs as a
+Each candidate (an alpha, a check layer, a floor, a number of sink tokens, a drift shift, a
+relevance) runs as a
 ``cachecraft`` method next to
 ``full`` on the same items, through the one request path (:mod:`cachecraft.evaluation`)
 with the user's config, so early termination and the loading rules are the ones
@@ -29,12 +30,12 @@ from cachecraft.policy.planner import layer_at
 def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[float], goal: Goal,
               check_layers: Sequence[float] | None = None, floors: Sequence[float] | None = None,
               sink_tokens: Sequence[int] | None = None, drift_shifts: Sequence[float] | None = None,
-              drift_estimators: Sequence[str] | None = None, *,
+              drift_estimators: Sequence[str] | None = None, relevances: Sequence[float] | None = None, *,
               max_new_tokens: int = 32,
               on_item: Callable[[int, int], None] | None = None,
               on_answer: OnAnswer | None = None) -> CalibrationResult:
     """Run ``full`` and ``cachecraft`` for every alpha x check layer (layers or depths) x
-    floor x sink-token count x drift shift x drift estimator (each default:
+    floor x sink-token count x drift shift x drift estimator x relevance (each default:
     the config's) on ``items`` and choose by
     ``goal`` (``on_answer`` sees every answer, with its per-chunk plan in ``answer.chunks``)."""
     specs = list(check_layers) if check_layers else [config.policy_check_layer]
@@ -43,10 +44,11 @@ def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[floa
     sink_list = list(sink_tokens) if sink_tokens else [None]
     shift_list = list(drift_shifts) if drift_shifts else [None]
     estimator_list = list(drift_estimators) if drift_estimators else [None]
-    candidates = {(a, spec, f, s, d, m): CacheCraft(a, check_layer=layers[spec] if check_layers else None, floor=f,
-                                                    sink_tokens=s, drift_shift=d, drift_estimator=m)
+    relevance_list = list(relevances) if relevances else [None]
+    candidates = {(a, spec, f, s, d, m, r): CacheCraft(a, check_layer=layers[spec] if check_layers else None, floor=f,
+                                                       sink_tokens=s, drift_shift=d, drift_estimator=m, relevance=r)
                   for spec in specs for f in floor_list for s in sink_list for d in shift_list for m in estimator_list
-                  for a in alphas}
+                  for r in relevance_list for a in alphas}
     unique = list({m.label: m for m in candidates.values()}.values())  # two depths may name one layer
     with scratch_pipeline(lm, config, fitted=False) as pipeline:  # candidates as given, nothing fitted before
         rows = evaluate_items(pipeline, items, [Full(), *unique], max_new_tokens=max_new_tokens,
@@ -56,7 +58,7 @@ def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[floa
         return statistics.fmean(r[key] for r in rows if r["method"] == label)
 
     measured = []
-    for (alpha, spec, floor, sinks, shift, estimator), method in candidates.items():
+    for (alpha, spec, floor, sinks, shift, estimator, relevance), method in candidates.items():
         label = method.label
         measured.append(CandidateRow(alpha, spec, mean(label, "recompute_fraction"), mean(label, "answer_kl"),
                                      mean(label, "token_agreement"), mean(label, "agreement_f1"), mean(label, "kl"),
@@ -65,7 +67,8 @@ def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[floa
                                      sink_tokens=config.policy_sink_tokens if sinks is None else sinks,
                                      drift_shift=config.policy_drift_shift if shift is None else shift,
                                      drift_estimator=(config.policy_drift_estimator if estimator is None
-                                                      else estimator)))
+                                                      else estimator),
+                                     relevance=config.policy_relevance if relevance is None else relevance))
     chosen, reached = choose(measured, goal)
     full_ttft = statistics.median(r["ttft_s"] for r in rows if r["method"] == Full().label)
     return CalibrationResult(tuple(measured), chosen, goal, reached, full_ttft)

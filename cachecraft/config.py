@@ -138,6 +138,10 @@ class Config:
     # (resists a few far-drifting tokens), shrunk (the mean shrunk toward no move where they
     # disagree) or pooled (each chunk's mean shrunk toward the prompt's)
     policy_drift_estimator: str = "mean"
+    # with a drift shift: this share of the chunks' spread tokens is given out anew, in
+    # proportion to the attention the question pays each chunk at the check layer (0: each
+    # chunk keeps the count its plan gives it; 1: the question's attention alone decides)
+    policy_relevance: float = 0.0
     # an answer from reused chunk-caches that degenerates into repetition is answered again
     # from a full prefill (not for a streamed answer whose streamer cannot start over)
     repetition_fallback: bool = True
@@ -197,6 +201,8 @@ class Config:
               f"policy_drift_shift must be within [0, 2], got {self.policy_drift_shift}")
         check(self.policy_drift_estimator in DRIFT_ESTIMATORS,
               f"policy_drift_estimator must be one of {DRIFT_ESTIMATORS}, got {self.policy_drift_estimator!r}")
+        check(0.0 <= self.policy_relevance <= 1.0,
+              f"policy_relevance must be within [0, 1], got {self.policy_relevance}")
         check(0.0 <= self.early_stop_share <= 1.0, f"early_stop_share must be within [0, 1], got {self.early_stop_share}")
         try:
             ok = all(_is_layer(x) for x in self.early_stop_layer_list)

@@ -121,6 +121,11 @@ def calibrate_cmd(
                                                         "mean shrunk toward no move where they disagree), "
                                                         "pooled (each chunk's mean shrunk toward the prompt's); "
                                                         "default: the config's policy_drift_estimator only."),
+    relevances: Optional[str] = typer.Option(None, "--relevances",
+                                             help="Comma-separated candidate relevances within [0, 1]: with a "
+                                                  "drift shift, the share of the spread tokens given out again "
+                                                  "in proportion to the question's attention to each chunk "
+                                                  "(e.g. 0,0.5,1); default: the config's policy_relevance only."),
     max_new_tokens: int = typer.Option(32, min=1, help="Answer length the divergence is measured along."),
     warm_context: Optional[str] = typer.Option(None, help="What the chunk-caches are made after, following the "
                                                         "system prompt: builtin, none or a text file (default: "
@@ -132,13 +137,14 @@ def calibrate_cmd(
                                                   "benchmarks do."),
 ) -> None:
     """Fit the policy to a model: run `full` and `cachecraft` with every candidate alpha
-    (and check layer, floor, sink tokens, drift shift and estimator) on a MuSiQue-format file, measure the answer-level divergence from
-    full prefill along full's answer, and keep the candidate with the lowest divergence
-    within the recompute budget (or the least recompute that reaches --target-kl). The
-    result is stored in the catalog against the model's fingerprint: `query` and the
-    LlamaIndex engine use it wherever the config leaves policy_alpha, policy_check_layer,
-    policy_floor, policy_sink_tokens, policy_drift_shift and policy_drift_estimator at their defaults; `config show` and `explain` say so. The chunk-caches are made the
-    way `warm` makes them.
+    (and check layer, floor, sink tokens, drift shift and estimator, relevance) on a
+    MuSiQue-format file, measure the answer-level divergence from full prefill along full's
+    answer, and keep the candidate with the lowest divergence within the recompute budget
+    (or the least recompute that reaches --target-kl). The result is stored in the catalog
+    against the model's fingerprint: `query` and the LlamaIndex engine use it wherever the
+    config leaves policy_alpha, policy_check_layer, policy_floor, policy_sink_tokens,
+    policy_drift_shift, policy_drift_estimator and policy_relevance at their defaults;
+    `config show` and `explain` say so. The chunk-caches are made the way `warm` makes them.
 
     Example: cachecraft calibrate --dataset musique_dev.json --skip 30 --limit 20 --budget 0.05
     --floors 0,0.03 --sink-tokens 0,8
@@ -150,7 +156,8 @@ def calibrate_cmd(
     from cachecraft.catalog import Catalog
     from cachecraft.dataset import load_items
     from cachecraft.policy.calibrate import (CalibrationError, Goal, parse_alphas, parse_check_layers, parse_floors,
-                                             parse_drift_estimators, parse_drift_shifts, parse_sink_tokens)
+                                             parse_drift_estimators, parse_drift_shifts, parse_relevances,
+                                             parse_sink_tokens)
 
     try:
         candidates = parse_alphas(alphas)
@@ -159,6 +166,7 @@ def calibrate_cmd(
         sink_list = parse_sink_tokens(sink_tokens) if sink_tokens is not None else None
         shift_list = parse_drift_shifts(drift_shifts) if drift_shifts is not None else None
         estimator_list = parse_drift_estimators(drift_estimators) if drift_estimators is not None else None
+        relevance_list = parse_relevances(relevances) if relevances is not None else None
         goal = Goal(budget=0.05 if budget is None and target_kl is None else budget, target_kl=target_kl)
     except CalibrationError as exc:
         raise UserError(str(exc)) from None
@@ -172,7 +180,7 @@ def calibrate_cmd(
     with Progress(console=err_console, transient=True) as progress:
         task = progress.add_task("items", total=len(items))
         result = calibrate(lm, config, items, candidates, goal, layers, floor_list, sink_list, shift_list,
-                           estimator_list, max_new_tokens=max_new_tokens,
+                           estimator_list, relevances=relevance_list, max_new_tokens=max_new_tokens,
                            on_item=lambda done, total: progress.update(task, completed=done))
     with Catalog(config.cache_dir, url=config.catalog_url or None) as catalog:
         stored = store_fitted(catalog, lm.fingerprint, result, model=config.model, dataset=str(dataset),
@@ -187,20 +195,21 @@ def calibrate_cmd(
         return
     table = Table(title=f"calibrate {config.model} on {len(items)} item(s) from #{skip} ({result.goal.describe()}; "
                         f"full TTFT median {seconds(result.full_ttft_s)})")
-    for column in ("alpha", "check layer", "floor", "sink tokens", "drift shift", "recompute", "answer KL", "token agreement",
-                   "agreement F1", "first-token KL", "TTFT median (s)"):
+    for column in ("alpha", "check layer", "floor", "sink tokens", "drift shift", "relevance", "recompute", "answer KL",
+                   "token agreement", "agreement F1", "first-token KL", "TTFT median (s)"):
         table.add_column(column, justify="right")
     for r in result.rows:
         mark = " *" if r is result.chosen else ""
         table.add_row(f"{r.alpha:g}{mark}", f"{r.check_layer:g}", f"{r.floor:g}", str(r.sink_tokens),
                       f"{r.drift_shift:g}" + ("" if r.drift_estimator == "mean" else f" {r.drift_estimator}"),
-                      f"{r.recompute:.3f}", f"{r.answer_kl:.4f}",
+                      f"{r.relevance:g}", f"{r.recompute:.3f}", f"{r.answer_kl:.4f}",
                       f"{r.token_agreement:.3f}", f"{r.agreement:.3f}", f"{r.kl:.4f}", f"{r.ttft_s:.2f}")
     console.print(table)
     chosen = result.chosen
     picked = (f"chosen: policy_alpha {chosen.alpha:g}, policy_check_layer {chosen.check_layer:g}, policy_floor "
               f"{chosen.floor:g}, policy_sink_tokens {chosen.sink_tokens}, policy_drift_shift {chosen.drift_shift:g}"
-              f"{'' if chosen.drift_estimator == 'mean' else f' ({chosen.drift_estimator})'} (recompute {chosen.recompute:.3f}, answer KL {chosen.answer_kl:.4f})")
+              f"{'' if chosen.drift_estimator == 'mean' else f' ({chosen.drift_estimator})'}, policy_relevance "
+              f"{chosen.relevance:g} (recompute {chosen.recompute:.3f}, answer KL {chosen.answer_kl:.4f})")
     missed = "" if result.reached else f"[yellow]no candidate met the {result.goal.describe()}[/yellow]; "
     console.print(missed + picked, highlight=False)
     console.print(f"stored for {config.model} (fingerprint {lm.fingerprint}) in the catalog at {catalog.where}; "
@@ -535,7 +544,8 @@ def explain_cmd(ctx: typer.Context,
                       f"({origin.get('policy_floor', '?')}), sink tokens {policy.get('sink_tokens', 0)} "
                       f"({origin.get('policy_sink_tokens', '?')}), drift shift {policy.get('drift_shift', 0)} "
                       f"({origin.get('policy_drift_shift', '?')})"
-                      f"{_drift_estimator_words(policy)}, early stop at "
+                      f"{_drift_estimator_words(policy)}, relevance {policy.get('relevance', 0)} "
+                      f"({origin.get('policy_relevance', '?')}), early stop at "
                       f"{policy.get('early_stop_layers') or 'none'}", highlight=False)
 
 

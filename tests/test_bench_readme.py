@@ -118,6 +118,23 @@ def test_calibrate_block_names_the_drift_estimator_of_new_and_older_results(tmp_
     assert "| 16 | 1 | 0.050 | 0.2000 |" in text and "| 16 | 1 median (chosen) | 0.050 | 0.1000 |" in text
 
 
+def test_calibrate_block_has_a_relevance_column_only_where_a_candidate_had_one(tmp_path):
+    row = lambda relevance, kl: {"alpha": 0.08, "check_layer": 8, "floor": 0.05, "sink_tokens": 16,  # noqa: E731
+                                 "drift_shift": 0.5, "drift_estimator": "mean", "relevance": relevance,
+                                 "recompute": 0.05, "answer_kl": kl, "token_agreement": 0.9, "agreement": 0.8,
+                                 "kl": 0.3, "ttft_s": 2.5}
+    base = {"benchmark": "calibrate", "command": "cachecraft calibrate --relevances 0,0.5", "model": "m",
+            "limit": 16, "skip": 36, "date": "2026-11-27T00:00", "machine": {"cpu": "cpu", "cores": 2},
+            "full_ttft_s_median": 40.0, "policy_floor": 0.05, "policy_sink_tokens": 16, "policy_drift_shift": 0.5,
+            "policy_drift_estimator": "mean"}
+    text = render(tmp_path, "calibrate_relevance", {**base, "policy_relevance": 0.5,
+                                                     "rows": [row(0.0, 0.2), row(0.5, 0.1)]})
+    assert "| alpha | floor | sink tokens | drift shift | relevance | recompute |" in text
+    assert "| 16 | 0.5 | 0 | 0.050 | 0.2000 |" in text and "| 16 | 0.5 | 0.5 (chosen) | 0.050 | 0.1000 |" in text
+    text = render(tmp_path, "calibrate_plain", {**base, "policy_relevance": 0.0, "rows": [row(0.0, 0.2)]})
+    assert "| relevance |" not in text and "| 16 | 0.5 (chosen) | 0.050 | 0.2000 |" in text
+
+
 def test_a_block_is_rendered_by_the_benchmark_that_wrote_its_result(tmp_path):
     """A block no table is registered for by name takes its result's kind ("benchmark"); a
     result of no known kind leaves its block as it was."""

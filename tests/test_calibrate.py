@@ -80,7 +80,7 @@ def test_layers_are_named_by_number_or_by_depth():
 
 def test_fitted_settings_apply_where_the_config_keeps_the_default():
     fitted = {"policy_alpha": 0.3, "policy_check_layer": 0.5, "policy_floor": 0.04, "policy_sink_tokens": 8,
-              "policy_drift_shift": 1.0, "policy_drift_estimator": "pooled"}
+              "policy_drift_shift": 1.0, "policy_drift_estimator": "pooled", "policy_relevance": 0.5}
     default = Config.load(environ={})
     values, sources = policy_settings(default, fitted)
     assert values == fitted
@@ -90,10 +90,10 @@ def test_fitted_settings_apply_where_the_config_keeps_the_default():
     assert values == {**fitted, "policy_alpha": 0.2, "policy_sink_tokens": 2}
     assert sources == {"policy_alpha": "config", "policy_check_layer": "calibrated", "policy_floor": "calibrated",
                        "policy_sink_tokens": "config", "policy_drift_shift": "calibrated",
-                       "policy_drift_estimator": "calibrated"}
+                       "policy_drift_estimator": "calibrated", "policy_relevance": "calibrated"}
     params = params_from_config(own, 24, fitted)
     assert (params.alpha, params.check_layer, params.floor, params.sink_tokens, params.drift_shift,
-            params.drift_estimator) == (0.2, 12, 0.04, 2, 1.0, "pooled")
+            params.drift_estimator, params.relevance) == (0.2, 12, 0.04, 2, 1.0, "pooled", 0.5)
     # a profile fitted before the estimator existed shifts by the mean; one stored while it was
     # a yes/no for the median keeps its choice
     older = {k: v for k, v in fitted.items() if k != "policy_drift_estimator"}
@@ -124,9 +124,10 @@ def fake_calibration(monkeypatch):
     seen = []
 
     def fake(lm, config, items, alphas, goal, check_layers=None, floors=None, sink_tokens=None, drift_shifts=None,
-             drift_estimators=None, **kwargs):
+             drift_estimators=None, relevances=None, **kwargs):
         seen.append({"config": config, "items": items, "alphas": alphas, "goal": goal, "layers": check_layers,
-                     "floors": floors, "sinks": sink_tokens, "shifts": drift_shifts, "estimators": drift_estimators})
+                     "floors": floors, "sinks": sink_tokens, "shifts": drift_shifts, "estimators": drift_estimators,
+                     "relevances": relevances})
         return fake_result(alphas, goal, check_layers)
 
     monkeypatch.setattr(calibrate_module, "calibrate", fake)
@@ -152,7 +153,8 @@ def test_calibrate_stores_the_fit_for_the_model_and_query_uses_it(fake_calibrati
         assert pipe.policy.alpha == 0.2 and pipe.policy.check_layer == layer_at(0.5, lm.adapter.num_layers)
         assert pipe.policy_sources == {"policy_alpha": "calibrated", "policy_check_layer": "calibrated",
                                        "policy_floor": "calibrated", "policy_sink_tokens": "calibrated",
-                                       "policy_drift_shift": "calibrated", "policy_drift_estimator": "calibrated"}
+                                       "policy_drift_shift": "calibrated", "policy_drift_estimator": "calibrated",
+                                       "policy_relevance": "calibrated"}
     own = config.replace(policy_alpha=0.4)
     with TieredStore(own, tiers=("cpu",)) as store:
         assert Pipeline(own, lm=lm, store=store).policy.alpha == 0.4  # the config's own value wins
@@ -188,7 +190,8 @@ def test_calibrate_writes_its_result_file_and_names_the_whole_choice(fake_calibr
     assert written["rows"] == printed["rows"] and len(written["rows"]) == 2
     assert {"date", "machine", "code"} <= set(written) and written["dataset"] == str(dataset)
     table = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.1,0.2"])
-    assert "policy_sink_tokens 0, policy_drift_shift 0 (recompute 0.050" in table.output  # alpha 0.2: 0.2/4
+    # alpha 0.2: 0.2/4
+    assert "policy_sink_tokens 0, policy_drift_shift 0, policy_relevance 0 (recompute 0.050" in table.output
 
 
 def test_calibrate_makes_caches_the_way_warm_does(fake_calibration, dataset, cache_dir, tmp_path):
@@ -234,14 +237,16 @@ def test_bad_input_is_one_line_and_exit_1(args, needle, dataset, cache_dir):
 def test_calibrate_searches_floors_and_sink_tokens_and_refuses_bad_ones(fake_calibration, dataset, cache_dir):
     result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.1", "--floors", "0.05,0",
                                  "--sink-tokens", "8,0", "--drift-shifts", "1,0",
-                                 "--drift-estimators", "median,mean,pooled,median"])
+                                 "--drift-estimators", "median,mean,pooled,median", "--relevances", "1,0.5"])
     assert result.exit_code == 0, result.output
     assert fake_calibration[0]["floors"] == [0.0, 0.05] and fake_calibration[0]["sinks"] == [0, 8]
     assert fake_calibration[0]["shifts"] == [0.0, 1.0] and fake_calibration[0]["estimators"] == ["median", "mean", "pooled"]
+    assert fake_calibration[0]["relevances"] == [0.5, 1.0]
     for flag, bad, message in (("--floors", "1.5", "floors must be within"), ("--sink-tokens", "2.5", "not a whole"),
                                ("--sink-tokens", "x", "not a number"),
                                ("--drift-shifts", "3", "drift shifts must be within [0, 2]"),
-                               ("--drift-estimators", "mode", "give some of mean, median, shrunk, pooled")):
+                               ("--drift-estimators", "mode", "give some of mean, median, shrunk, pooled"),
+                               ("--relevances", "1.5", "relevances must be within [0, 1]")):
         result = runner.invoke(app, ["calibrate", "--dataset", str(dataset), flag, bad])
         assert result.exit_code != 0 and message in result.output, result.output
 

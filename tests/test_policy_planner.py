@@ -5,7 +5,7 @@ import math
 import torch
 
 from cachecraft.policy.planner import PolicyParams, VariantInfo, apply_budget, choose_variant, plan_request
-from cachecraft.policy.rules import early_stop_decision
+from cachecraft.policy.rules import early_stop_decision, share_by_attention
 
 INTER = torch.tensor([[1.0, 1.0]])
 INTRA = torch.tensor([2.0])
@@ -57,6 +57,23 @@ def test_early_stop_decision_by_hand():
     # chunk mass 1.0, 0.1, 3.0: even share 4.1/3 = 1.367; threshold 0.25 * 1.367 = 0.342
     assert early_stop_decision(4, mass, [1, 2, 3], 0.25) == {2: 5}
     assert early_stop_decision(4, mass, [], 0.25) == {}
+
+
+def test_share_by_attention_by_hand():
+    """20 tokens, the question's attention 3 : 1. Weight 1: 20 * 3/4 = 15 and 5. Weight 0.5:
+    wanted 0.5 * 10 + 0.5 * 15 = 12.5 and 7.5, rounded down 12 and 7, the token left to the
+    earlier of the two equally short. A room of 12 on the first: it takes 12, and the 3
+    tokens over it go to the other (5 + 3 = 8)."""
+    assert share_by_attention([10, 10], [100, 100], [3.0, 1.0], 1.0) == [15, 5]
+    assert share_by_attention([10, 10], [100, 100], [3.0, 1.0], 0.5) == [13, 7]
+    assert share_by_attention([10, 10], [12, 100], [3.0, 1.0], 1.0) == [12, 8]
+    # 3 tokens by 1 : 1 : 2: wanted 0.75, 0.75, 1.5 -> 0, 0, 1, then one each to the first two
+    assert share_by_attention([1, 1, 1], [9, 9, 9], [1.0, 1.0, 2.0], 1.0) == [1, 1, 1]
+    # 4 tokens by 0 : 1 : 3: wanted 0, 1, 3
+    assert share_by_attention([2, 1, 1], [9, 9, 9], [0.0, 1.0, 3.0], 1.0) == [0, 1, 3]
+    for weight, mass, counts in ((0.0, [3.0, 1.0], [10, 10]), (1.0, [0.0, 0.0], [10, 10]),
+                                 (1.0, [3.0, 1.0], [0, 0])):
+        assert share_by_attention(counts, [100, 100], mass, weight) == counts  # nothing to give out again
 
 
 def test_a_floor_raises_every_reused_chunk_but_an_exact_match():

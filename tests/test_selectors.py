@@ -138,3 +138,32 @@ def test_with_a_drift_shift_the_policy_spreads_each_chunk_s_count_after_its_sink
     assert segments[2].recompute.tolist() == [0, 1, 5, 13, 21] and segments[2].drift_shift == 1.0
     assert segments[3].recompute.tolist() == [0, 1, 18] and segments[3].drift_shift == 1.0
     assert (segments[2].drift_from, segments[3].drift_from) == (2, 2)  # the drift measured past the sinks
+
+
+def test_with_relevance_the_spread_counts_follow_the_question_s_attention_per_chunk(tiny_llama):
+    """Counts 0, 5, 3 with 2 sink tokens, shift 1 and relevance 1: the 3 + 1 = 4 spread tokens
+    go to chunks 1 and 2 in proportion to the question's attention at the check layer to
+    their tokens after the sinks (worked out here from that attention, rounded down, the
+    token left over to the chunk furthest below its share); each is then spread after its
+    sinks as without relevance, and the look-ahead ran."""
+    from cachecraft.methods.policy import place_plan_tokens
+    from cachecraft.policy.planner import ChunkPlan, RecomputePlan
+
+    prefix, chunks, question = make_prompt()
+    segments = cached_segments(tiny_llama, prefix, chunks, question)
+    look = TokenAttention(2)
+    blended_prefill(tiny_llama.adapter, segments, hooks=[look], until_layer=3)
+    starts = [len(prefix) + sum(map(len, chunks[:i])) for i in range(len(chunks))]
+    m1, m2 = (float(look.mass[starts[i] + 2:starts[i] + len(chunks[i])].sum()) for i in (1, 2))
+    wanted = [4 * m1 / (m1 + m2), 4 * m2 / (m1 + m2)]
+    shares = [int(w) for w in wanted]
+    if sum(shares) < 4:
+        shares[0 if wanted[0] - shares[0] >= wanted[1] - shares[1] else 1] += 1
+    counts = [0, 5, 3] + [0] * (len(chunks) - 3)
+    plan = RecomputePlan(tuple(ChunkPlan(f"c{i}", "v", None, n, len(c)) for i, (n, c) in enumerate(zip(counts, chunks))))
+    assert place_plan_tokens(tiny_llama.adapter, segments, plan, check_layer=2, sink_tokens=2, drift_shift=1.0,
+                             relevance=1.0)
+    assert segments[1].recompute is None
+    for i, share in zip((1, 2), shares):
+        expected = [0, 1] + spread_tokens(len(chunks[i]), share, start=2).tolist()
+        assert segments[1 + i].recompute.tolist() == expected and segments[1 + i].drift_shift == 1.0

@@ -236,18 +236,22 @@ def diagnose_table(data: dict) -> str:
 
 def calibrate_table(data: dict) -> str:
     """Markdown table of a ``calibrate`` result: every candidate, the chosen one marked."""
+    # a relevance column only where a candidate had one (results from before it keep their table)
+    relevance = any(r.get("relevance", 0.0) for r in data["rows"])
     chosen = (*(data[k] for k in ("policy_floor", "policy_sink_tokens", "policy_drift_shift")),
-              named_drift_estimator(data, "policy_"))
+              named_drift_estimator(data, "policy_"), data.get("policy_relevance", 0.0))
     lines = [_made(data, f"{data['limit']} items from #{data['skip']}") + f"; full's TTFT median "
              f"{data['full_ttft_s_median']:.1f} s; means over items, TTFT a median)", "",
-             "| alpha | floor | sink tokens | drift shift | recompute | answer KL | token agreement | first-token KL | "
-             "TTFT (s) |", "|---" * 9 + "|"]
+             "| alpha | floor | sink tokens | drift shift | " + ("relevance | " if relevance else "")
+             + "recompute | answer KL | token agreement | first-token KL | TTFT (s) |", "|---" * (9 + relevance) + "|"]
     for r in data["rows"]:
         estimator = named_drift_estimator(r)
-        mark = " (chosen)" if (r["floor"], r["sink_tokens"], r.get("drift_shift", 0.0), estimator) == chosen else ""
+        own = (r["floor"], r["sink_tokens"], r.get("drift_shift", 0.0), estimator, r.get("relevance", 0.0))
+        mark = " (chosen)" if own == chosen else ""
         shift = f"{r.get('drift_shift', 0.0):g}" + ("" if estimator == "mean" else f" {estimator}")
-        lines.append(f"| {r['alpha']:g} | {r['floor']:g} | {r['sink_tokens']} | {shift}{mark} | "
-                     f"{r['recompute']:.3f} | {r['answer_kl']:.4f} | {r['token_agreement']:.3f} | {r['kl']:.4f} | "
+        lines.append(f"| {r['alpha']:g} | {r['floor']:g} | {r['sink_tokens']} | "
+                     + (f"{shift} | {r['relevance']:g}{mark} | " if relevance else f"{shift}{mark} | ")
+                     + f"{r['recompute']:.3f} | {r['answer_kl']:.4f} | {r['token_agreement']:.3f} | {r['kl']:.4f} | "
                      f"{r['ttft_s']:.2f} |")
     return "\n".join(lines)
 

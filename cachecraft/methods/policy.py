@@ -21,8 +21,9 @@ from cachecraft.kv import ChunkKV
 from cachecraft.methods.base import LoadPlan, Method, PrefillHooks, RequestContext
 from cachecraft.methods.experimental import select_question_guided
 from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, layer_at, plan_request
-from cachecraft.policy.rules import early_stop_decision, hide_loading, keep_in_full, worth_loading
-from cachecraft.selection import QuestionAttention, first_tokens, spread_tokens
+from cachecraft.policy.rules import (early_stop_decision, hide_loading, keep_in_full, share_by_attention,
+                                     worth_loading)
+from cachecraft.selection import QuestionAttention, chunk_attention, first_tokens, spread_tokens
 
 
 class CacheCraft(Method):
@@ -35,11 +36,12 @@ class CacheCraft(Method):
 
     def __init__(self, ratio: float | None = None, check_layer: int | None = None, floor: float | None = None,
                  sink_tokens: int | None = None, early_stop: tuple[float, ...] | None = None,
-                 drift_shift: float | None = None, drift_estimator: str | None = None):
+                 drift_shift: float | None = None, drift_estimator: str | None = None,
+                 relevance: float | None = None):
         super().__init__(ratio)
         # None: the pipeline's (calibration and the benchmarks try others)
         self.check_layer, self.floor, self.sink_tokens = check_layer, floor, sink_tokens
-        self.drift_shift, self.drift_estimator = drift_shift, drift_estimator
+        self.drift_shift, self.drift_estimator, self.relevance = drift_shift, drift_estimator, relevance
         self.early_stop = early_stop  # layers or depths (as config early_stop_layers); () turns it off
 
     @property
@@ -52,6 +54,7 @@ class CacheCraft(Method):
                 + ("" if self.floor is None else f"/F{self.floor:g}")
                 + ("" if self.sink_tokens is None else f"/S{self.sink_tokens}")
                 + self._drift_label()
+                + ("" if self.relevance is None else f"/R{self.relevance:g}")
                 + ("" if self.early_stop is None else "/E" + (",".join(f"{x:g}" for x in self.early_stop) or "off")))
 
     def _drift_label(self) -> str:
@@ -65,7 +68,7 @@ class CacheCraft(Method):
         """The request's policy parameters with this method's alpha (and check layer, floor,
         sink tokens, drift shift, early-stop layers where it sets them)."""
         own = {"check_layer": self.check_layer, "floor": self.floor, "sink_tokens": self.sink_tokens,
-               "drift_shift": self.drift_shift, "drift_estimator": self.drift_estimator}
+               "drift_shift": self.drift_shift, "drift_estimator": self.drift_estimator, "relevance": self.relevance}
         if self.early_stop is not None:
             layers = request.adapter.num_layers
             own["early_stop_layers"] = tuple(sorted({layer_at(x, layers) for x in self.early_stop}))
@@ -87,7 +90,7 @@ class CacheCraft(Method):
         assert load is not None and load.plan is not None, "cachecraft prepares a request it planned"
         params = self.params(request)
         looked = place_plan_tokens(request.adapter, segments, load.plan, params.check_layer, params.sink_tokens,
-                                   params.drift_shift, params.drift_estimator)
+                                   params.drift_shift, params.drift_estimator, params.relevance)
         hooks = PrefillHooks(lookahead_layer=min(params.check_layer, request.adapter.num_layers - 1)
                              if looked else None)
         if params.early_stop_layers:
@@ -115,13 +118,16 @@ def sink_counts(counts: list[int], sink_tokens: int) -> list[int]:
 
 
 def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, check_layer: int,
-                      sink_tokens: int = 0, drift_shift: float = 0.0, drift_estimator: str = "mean") -> bool:
+                      sink_tokens: int = 0, drift_shift: float = 0.0, drift_estimator: str = "mean",
+                      relevance: float = 0.0) -> bool:
     """Give the plan's token counts to the chunks: each chunk's first ``sink_tokens`` of its
     count to its first tokens, the rest, in total, where the question looks; with a
     ``drift_shift``, the rest of each chunk's count evenly over the rest of the chunk
     instead (a fair sample of its drift) and the chunk shifts by the drift those show (its
     first tokens left out of it; ``drift_estimator`` says how: the engine's
-    ``Segment.drift_estimator``). Chunks the
+    ``Segment.drift_estimator``); there, with a ``relevance`` above 0, that share of the
+    spread counts is first given out again by the question's attention to each chunk at
+    the check layer (:func:`~cachecraft.policy.rules.share_by_attention`). Chunks the
     plan leaves alone are not candidates. Returns
     whether the question's look-ahead ran (its work counts toward the request's)."""
     chunk_segments = segments[1:-1]
@@ -133,13 +139,24 @@ def place_plan_tokens(adapter, segments: list[Segment], plan: RecomputePlan, che
     if not sum(counts):
         return False
     if drift_shift > 0:
-        for seg, count, sink in zip(chunk_segments, counts, sinks):
+        spreads = [count - sink for count, sink in zip(counts, sinks)]
+        looked = relevance > 0 and sum(seg.fixable for seg in chunk_segments) > 1 and sum(spreads) > 0
+        if looked:
+            mass = chunk_attention(adapter, segments, min(check_layer, adapter.num_layers - 1),
+                                   [0, *sinks, 0])[1:-1]
+            fixable = [i for i, seg in enumerate(chunk_segments) if seg.fixable]
+            shared = share_by_attention([spreads[i] for i in fixable],
+                                        [len(chunk_segments[i].token_ids) - sinks[i] for i in fixable],
+                                        [mass[i] for i in fixable], relevance)
+            for i, count in zip(fixable, shared):
+                spreads[i] = count
+        for seg, spread, sink in zip(chunk_segments, spreads, sinks):
             if seg.fixable:
                 seg.recompute = torch.cat([first_tokens(len(seg.token_ids), sink),
-                                           spread_tokens(len(seg.token_ids), count - sink, start=sink)])
+                                           spread_tokens(len(seg.token_ids), spread, start=sink)])
                 seg.drift_shift, seg.drift_estimator = drift_shift, drift_estimator
                 seg.drift_from = sink  # the first tokens drift more than the rest: not a fair sample
-        return False
+        return looked
     if not sum(sinks):
         select_question_guided(adapter, segments, check_layer, total=total)
         return True

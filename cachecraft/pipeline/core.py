@@ -485,7 +485,7 @@ class Pipeline:
         from (config, calibrated, default), for ``explain`` and ``config show``."""
         return {"alpha": self.policy.alpha, "check_layer": self.policy.check_layer, "floor": self.policy.floor,
                 "sink_tokens": self.policy.sink_tokens, "drift_shift": self.policy.drift_shift,
-                "drift_estimator": self.policy.drift_estimator,
+                "drift_estimator": self.policy.drift_estimator, "relevance": self.policy.relevance,
                 "early_stop_layers": list(self.policy.early_stop_layers), "num_layers": self.lm.adapter.num_layers,
                 "sources": dict(self.policy_sources)}
 

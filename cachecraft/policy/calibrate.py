@@ -3,9 +3,10 @@
 A candidate is an alpha, a check layer (a whole number names a layer, a fraction
 below 1 a depth; see :func:`cachecraft.policy.planner.layer_at`), a floor (the least
 share of each reused chunk recomputed), a number of sink tokens (each chunk's first
-tokens, recomputed first) and a drift shift (0: the rest where the question looks; above
+tokens, recomputed first), a drift shift (0: the rest where the question looks; above
 0: the rest spread over the chunk, whose other tokens move by that share of the drift
-the spread ones show). What is optimised is
+the spread ones show) and, with a shift, a relevance (the share of the spread tokens
+given out again by the question's attention to each chunk). What is optimised is
 the yardstick's answer-level divergence: the mean per-token KL(full || candidate) along
 full's greedy answer. Two goals:
 
@@ -51,6 +52,7 @@ class CandidateRow:
     sink_tokens: int = 0
     drift_shift: float = 0.0
     drift_estimator: str = "mean"
+    relevance: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,7 @@ class CalibrationResult:
         return {"policy_alpha": self.chosen.alpha, "policy_check_layer": self.chosen.check_layer,
                 "policy_floor": self.chosen.floor, "policy_sink_tokens": self.chosen.sink_tokens,
                 "policy_drift_shift": self.chosen.drift_shift, "policy_drift_estimator": self.chosen.drift_estimator,
+                "policy_relevance": self.chosen.relevance,
                 "fitted": {**about, "goal": asdict(self.goal), "reached": self.reached,
                            "answer_kl": self.chosen.answer_kl, "recompute": self.chosen.recompute,
                            "token_agreement": self.chosen.token_agreement}}
@@ -98,7 +101,8 @@ class CalibrationResult:
         return {"goal": asdict(self.goal), "reached": self.reached, "policy_alpha": self.chosen.alpha,
                 "policy_check_layer": self.chosen.check_layer, "policy_floor": self.chosen.floor,
                 "policy_sink_tokens": self.chosen.sink_tokens, "policy_drift_shift": self.chosen.drift_shift,
-                "policy_drift_estimator": self.chosen.drift_estimator, "full_ttft_s_median": self.full_ttft_s,
+                "policy_drift_estimator": self.chosen.drift_estimator, "policy_relevance": self.chosen.relevance,
+                "full_ttft_s_median": self.full_ttft_s,
                 "rows": [asdict(r) for r in self.rows]}
 
 
@@ -153,6 +157,12 @@ def parse_drift_shifts(text: str) -> list[float]:
     return parse_numbers(text, "drift shifts", 0.0, 2.0)
 
 
+def parse_relevances(text: str) -> list[float]:
+    """Candidate relevances: shares of the spread tokens given out by the question's
+    attention per chunk, each within [0, 1] (0: off)."""
+    return parse_numbers(text, "relevances", 0.0, 1.0)
+
+
 def parse_drift_estimators(text: str) -> list[str]:
     """Candidate drift estimators, comma-separated names from :data:`DRIFT_ESTIMATORS`."""
     names = [part.strip().lower() for part in text.split(",") if part.strip()]
@@ -165,12 +175,12 @@ def parse_drift_estimators(text: str) -> list[str]:
 def choose(rows: Sequence[CandidateRow], goal: Goal) -> tuple[CandidateRow, bool]:
     """The candidate ``goal`` asks for, and whether it met it (ties: lower recompute, then
     lower alpha, shallower check layer, lower floor, fewer sink tokens, smaller drift shift,
-    estimators in the order of :data:`DRIFT_ESTIMATORS`)."""
+    estimators in the order of :data:`DRIFT_ESTIMATORS`, lower relevance)."""
     assert rows, "no candidate to choose from"
 
     def cheaper(r: CandidateRow) -> tuple:
         return (r.recompute, r.alpha, r.check_layer, r.floor, r.sink_tokens, r.drift_shift,
-                DRIFT_ESTIMATORS.index(r.drift_estimator))
+                DRIFT_ESTIMATORS.index(r.drift_estimator), r.relevance)
 
     if goal.budget is not None:
         within = [r for r in rows if r.recompute <= goal.budget]

@@ -36,6 +36,9 @@ class PolicyParams:
     # goes where the question looks and the other tokens stay as stored
     drift_shift: float = 0.0
     drift_estimator: str = "mean"  # how the spread tokens' changes make the shift (config.DRIFT_ESTIMATORS)
+    # with a drift shift: the share of the chunks' spread counts given out again by the
+    # question's attention to each chunk at the check layer (0: the plan's counts stand)
+    relevance: float = 0.0
     early_stop_layers: tuple[int, ...] = ()
     early_stop_share: float = 0.25
 
@@ -45,6 +48,7 @@ class PolicyParams:
         assert self.budget is None or 0.0 <= self.budget <= 1.0, "budget must be within [0, 1]"
         assert self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}"
         assert self.drift_shift >= 0, f"drift_shift must be >= 0, got {self.drift_shift}"
+        assert 0.0 <= self.relevance <= 1.0, f"relevance must be within [0, 1], got {self.relevance}"
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ def layer_at(spec: float, num_layers: int) -> int:
 
 # The policy's settings a calibration may fit for a model; explicit config values win.
 FITTED_KEYS = ("policy_alpha", "policy_check_layer", "policy_floor", "policy_sink_tokens", "policy_drift_shift",
-               "policy_drift_estimator")
+               "policy_drift_estimator", "policy_relevance")
 
 
 def policy_settings(config, fitted: dict | None = None) -> tuple[dict[str, float], dict[str, str]]:
@@ -141,6 +145,7 @@ def params_from_config(config, num_layers: int, fitted: dict | None = None) -> P
                         floor=float(values["policy_floor"]), sink_tokens=int(values["policy_sink_tokens"]),
                         drift_shift=float(values["policy_drift_shift"]),
                         drift_estimator=str(values["policy_drift_estimator"]),
+                        relevance=float(values["policy_relevance"]),
                         early_stop_layers=stops, early_stop_share=config.early_stop_share)
 
 

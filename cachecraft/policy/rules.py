@@ -12,6 +12,8 @@
   request's context, it is then kept as a new variant.
 - :func:`early_stop_decision`: adaptive early termination from the question's
   attention per chunk.
+- :func:`share_by_attention`: a request's spread tokens given out again, part in
+  proportion to the question's attention per chunk.
 """
 
 from __future__ import annotations
@@ -82,3 +84,27 @@ def early_stop_decision(layer: int, question_mass: torch.Tensor, chunk_segments:
         return {}
     even = total / len(chunk_segments)
     return {seg: layer + 1 for seg, m in zip(chunk_segments, mass.tolist()) if m < share * even}
+
+
+def share_by_attention(counts: Sequence[int], rooms: Sequence[int], mass: Sequence[float],
+                       weight: float) -> list[int]:
+    """The same total of tokens as ``counts`` (per chunk), given out again: each chunk
+    wants ``(1 - weight) * count + weight * total * mass / sum(mass)`` (``mass``: the
+    question's attention to it), never more than its ``rooms`` (tokens it can take).
+    Whole tokens go first by the wanted amount rounded down, then one at a time to the
+    chunk furthest below what it wants (the earlier on a tie), so a chunk at its room
+    passes its excess on. ``weight`` 0, no total or no mass: ``counts`` as they are."""
+    assert len(counts) == len(rooms) == len(mass), "one count, room and mass per chunk"
+    assert 0.0 <= weight <= 1.0, f"weight must be within [0, 1], got {weight}"
+    total, attention = sum(counts), float(sum(mass))
+    if weight == 0 or total == 0 or attention <= 0:
+        return list(counts)
+    wanted = [(1 - weight) * c + weight * total * m / attention for c, m in zip(counts, mass)]
+    given = [min(room, math.floor(w)) for room, w in zip(rooms, wanted)]
+    left = min(total, sum(rooms)) - sum(given)
+    while left > 0:
+        open_ = [i for i in range(len(given)) if given[i] < rooms[i]]
+        best = max(open_, key=lambda i: (wanted[i] - given[i], -i))
+        given[best] += 1
+        left -= 1
+    return given

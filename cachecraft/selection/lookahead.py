@@ -34,6 +34,32 @@ class TokenAttention(LayerHook):
         return None
 
 
+def question_mass(adapter, segments, check_layer: int) -> torch.Tensor:
+    """The attention mass ``[N]`` the question (last segment) puts on every token of the
+    prompt at ``check_layer``, from the cached KV as stored: only the uncached tokens run,
+    up to that layer, and nothing is recomputed or saved."""
+    probe_segments = [replace(s, recompute=None, stop_layer=None, save=False, collect_stats=False)
+                      for s in segments]
+    look = TokenAttention(check_layer)
+    blended_prefill(adapter, probe_segments, hooks=[look], until_layer=check_layer + 1)
+    assert look.mass is not None, f"check layer {check_layer} is not below the model's {adapter.num_layers} layers"
+    return look.mass
+
+
+def chunk_attention(adapter, segments, check_layer: int, skip: Sequence[int]) -> list[float | None]:
+    """Per segment, the attention mass the question puts at ``check_layer`` on a fixable
+    cached chunk's tokens after its first ``skip[i]`` (None for every other segment)."""
+    mass = question_mass(adapter, segments, check_layer).float().cpu()
+    out: list[float | None] = []
+    start = 0
+    for seg, first in zip(segments, skip):
+        end = start + len(seg.token_ids)
+        fixable = seg.cached is not None and seg.role == "chunk" and seg.fixable
+        out.append(float(mass[start + min(first, end - start):end].sum()) if fixable else None)
+        start = end
+    return out
+
+
 def question_guided(adapter, segments, check_layer: int, ratio: float | None = None,
                     total: int | None = None,
                     chosen_before: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
@@ -44,12 +70,7 @@ def question_guided(adapter, segments, check_layer: int, ratio: float | None = N
     tokens already chosen another way; they are not candidates (``ratio`` and ``total``
     count the new picks), and each segment's result holds them as well as its new picks."""
     assert (ratio is None) != (total is None), "give either ratio or total"
-    probe_segments = [replace(s, recompute=None, stop_layer=None, save=False, collect_stats=False)
-                      for s in segments]
-    look = TokenAttention(check_layer)
-    blended_prefill(adapter, probe_segments, hooks=[look], until_layer=check_layer + 1)
-    assert look.mass is not None, f"check layer {check_layer} is not below the model's {adapter.num_layers} layers"
-    mass = look.mass  # [N]
+    mass = question_mass(adapter, segments, check_layer)
     spans, start = [], 0
     for seg in segments:
         end = start + len(seg.token_ids)
