@@ -27,6 +27,10 @@ from cachecraft.policy.calibrate import (ANY_DEVICE, POLICY_PROFILE, Calibration
 from cachecraft.policy.planner import layer_at
 
 
+# What the result keeps of each answer, for comparing candidates item by item afterwards.
+PER_ITEM_KEYS = ("item", "method", "recompute_fraction", "answer_kl", "token_agreement", "kl", "ttft_s")
+
+
 def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[float], goal: Goal,
               check_layers: Sequence[float] | None = None, floors: Sequence[float] | None = None,
               sink_tokens: Sequence[int] | None = None, drift_shifts: Sequence[float] | None = None,
@@ -71,7 +75,8 @@ def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[floa
                                      relevance=config.policy_relevance if relevance is None else relevance))
     chosen, reached = choose(measured, goal)
     full_ttft = statistics.median(r["ttft_s"] for r in rows if r["method"] == Full().label)
-    return CalibrationResult(tuple(measured), chosen, goal, reached, full_ttft)
+    per_item = tuple({key: r[key] for key in PER_ITEM_KEYS} for r in rows)
+    return CalibrationResult(tuple(measured), chosen, goal, reached, full_ttft, per_item)
 
 
 def store_fitted(catalog, fingerprint: str, result: CalibrationResult, **about) -> dict:

@@ -132,7 +132,8 @@ def calibrate_cmd(
                                                         "config warm_context, as `warm` makes them)."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
-    out: Optional[Path] = typer.Option(None, help="Also write the result (every candidate, the chosen one, the "
+    out: Optional[Path] = typer.Option(None, help="Also write the result (every candidate, the chosen one, each "
+                                                  "answer's figures item by item for paired comparisons, the "
                                                   "command, date, machine and code) to this JSON file, as the "
                                                   "benchmarks do."),
 ) -> None:

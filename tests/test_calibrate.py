@@ -12,6 +12,7 @@ import cachecraft.calibration as calibrate_module
 import cli.app as cli_app
 from cachecraft.catalog import Catalog
 from cachecraft.config import Config, ConfigError
+from cachecraft.methods import CacheCraft
 from cachecraft.pipeline import Pipeline
 from cachecraft.policy.calibrate import (ANY_DEVICE, POLICY_PROFILE, CalibrationError, CalibrationResult,
                                          CandidateRow, Goal, choose, parse_alphas, parse_check_layers)
@@ -265,6 +266,15 @@ def test_calibrate_on_a_tiny_model_measures_floors_and_sinks(tiny_llama, dataset
     assert rows[(1.0, 0)].recompute == rows[(1.0, 2)].recompute > 0.5  # the floor recomputes every reused chunk
     assert rows[(1.0, 0)].answer_kl == pytest.approx(0.0, abs=1e-5)
     assert result.profile()["policy_floor"] == result.chosen.floor
+    # every answer is kept, full's and each candidate's, and the rows are their means
+    per_item = result.to_dict()["per_item"]
+    assert len(per_item) == 5 and sum(e["method"] == "full" for e in per_item) == 1
+    for label in {e["method"] for e in per_item} - {"full"}:
+        mine = [e for e in per_item if e["method"] == label]
+        row = next(r for r in result.rows if CacheCraft(r.alpha, floor=r.floor, sink_tokens=r.sink_tokens).label
+                   == label)
+        assert len(mine) == 1 and mine[0]["item"] == 0
+        assert mine[0]["answer_kl"] == row.answer_kl and mine[0]["recompute_fraction"] == row.recompute
 
 
 def test_calibrate_on_a_tiny_model_measures_drift_shifts(tiny_llama, dataset, tmp_path):

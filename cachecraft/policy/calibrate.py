@@ -84,6 +84,9 @@ class CalibrationResult:
     goal: Goal
     reached: bool
     full_ttft_s: float
+    # one entry per item and method (full and each candidate, by its label): what the rows
+    # average, kept so that two candidates can be compared item by item afterwards
+    per_item: tuple[dict[str, Any], ...] = ()
 
     def profile(self, **about: Any) -> dict[str, Any]:
         """The fitted parameters as the catalog keeps them (``about``: model, dataset,
@@ -97,13 +100,13 @@ class CalibrationResult:
                            "token_agreement": self.chosen.token_agreement}}
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly: goal, chosen parameters and every row."""
+        """JSON-friendly: goal, chosen parameters, every row and the per-item figures."""
         return {"goal": asdict(self.goal), "reached": self.reached, "policy_alpha": self.chosen.alpha,
                 "policy_check_layer": self.chosen.check_layer, "policy_floor": self.chosen.floor,
                 "policy_sink_tokens": self.chosen.sink_tokens, "policy_drift_shift": self.chosen.drift_shift,
                 "policy_drift_estimator": self.chosen.drift_estimator, "policy_relevance": self.chosen.relevance,
                 "full_ttft_s_median": self.full_ttft_s,
-                "rows": [asdict(r) for r in self.rows]}
+                "rows": [asdict(r) for r in self.rows], "per_item": list(self.per_item)}
 
 
 def parse_numbers(text: str, what: str, low: float, high: float) -> list[float]:
