@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.console import Console
 from rich.table import Table
 
 from cachecraft.config import named_drift_estimator
@@ -205,7 +206,8 @@ def calibrate_cmd(
                       f"{r.drift_shift:g}" + ("" if r.drift_estimator == "mean" else f" {r.drift_estimator}"),
                       f"{r.relevance:g}", f"{r.recompute:.3f}", f"{r.answer_kl:.4f}",
                       f"{r.token_agreement:.3f}", f"{r.agreement:.3f}", f"{r.kl:.4f}", f"{r.ttft_s:.2f}")
-    console.print(table)
+    # not a terminal (a log of a long run): wide enough for every column, not squeezed into 80
+    (console if console.is_terminal else Console(soft_wrap=True, width=max(console.width, 160))).print(table)
     chosen = result.chosen
     picked = (f"chosen: policy_alpha {chosen.alpha:g}, policy_check_layer {chosen.check_layer:g}, policy_floor "
               f"{chosen.floor:g}, policy_sink_tokens {chosen.sink_tokens}, policy_drift_shift {chosen.drift_shift:g}"

@@ -193,6 +193,7 @@ def test_calibrate_writes_its_result_file_and_names_the_whole_choice(fake_calibr
     table = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.1,0.2"])
     # alpha 0.2: 0.2/4
     assert "policy_sink_tokens 0, policy_drift_shift 0, policy_relevance 0 (recompute 0.050" in table.output
+    assert "first-token KL" in table.output  # not a terminal: the table is not squeezed to 80 columns
 
 
 def test_calibrate_makes_caches_the_way_warm_does(fake_calibration, dataset, cache_dir, tmp_path):
