@@ -243,7 +243,7 @@ def calibrate_table(data: dict) -> str:
     lines = [_made(data, f"{data['limit']} items from #{data['skip']}") + f"; full's TTFT median "
              f"{data['full_ttft_s_median']:.1f} s; means over items, TTFT a median)", "",
              "| alpha | floor | sink tokens | drift shift | " + ("relevance | " if relevance else "")
-             + "recompute | answer KL | token agreement | first-token KL | TTFT (s) |", "|---" * (9 + relevance) + "|"]
+             + "recompute | answer KL | token agreement | first-token KL | TTFT (s) |", "|---" * (10 if relevance else 9) + "|"]
     for r in data["rows"]:
         estimator = named_drift_estimator(r)
         own = (r["floor"], r["sink_tokens"], r.get("drift_shift", 0.0), estimator, r.get("relevance", 0.0))
