@@ -256,8 +256,10 @@ def ingest_cmd(
     Identical chunks are stored once; ingesting a changed file again replaces its chunks,
     and a directory ingested again also drops the files gone from it. Large files are
     read and chunked piece by piece. A file that cannot be read (type, encoding, damage,
-    permissions) is skipped and listed with its reason, the others are ingested, and the
-    exit code is 1.
+    permissions) is skipped and listed with its reason, and the others are ingested. The
+    exit code is 1 when a skipped file is a problem: one named on the command line, or one
+    of a type that is read but could not be; files of other types met in a directory are
+    listed but do not fail the command, so `ingest docs/ && warm` warms what was read.
 
     Example: cachecraft ingest docs/ notes.md   (then: cachecraft warm)
     """
@@ -281,10 +283,12 @@ def ingest_cmd(
                       f"({report.files} file(s) read); corpus: {report.chunks} chunks from {report.corpus_files} "
                       "file(s)", highlight=False)
         if outcome.skipped:
-            console.print(f"[yellow]{len(outcome.skipped)} file(s) skipped:[/yellow]")
+            ignored = len(outcome.skipped) - len(outcome.failed)
+            console.print(f"[yellow]{len(outcome.skipped)} file(s) skipped[/yellow]"
+                          + (f" ({ignored} of another type, in a directory)" if ignored else "") + ":")
             for skipped in outcome.skipped:
                 console.print(f"  {skipped.path}: {skipped.reason}", highlight=False, markup=False, soft_wrap=True)
-    if outcome.skipped:
+    if outcome.failed:
         raise typer.Exit(1)
 
 

@@ -102,6 +102,25 @@ def test_ingest_reads_html_and_reports_every_skipped_file(env, docs):
     assert report["unchanged"] == report["chunks"] and report["corpus_files"] == 4
 
 
+def test_files_of_other_types_in_a_directory_are_listed_but_do_not_fail_ingest(env, docs):
+    (docs / "settings.json").write_text("{}", encoding="utf-8")
+    (docs / "more" / "logo.png").write_bytes(b"\x89PNG")
+    result = runner.invoke(app, ["ingest", str(docs)])
+    assert result.exit_code == 0, result.output  # so `ingest docs && warm` goes on to warm
+    assert "2 file(s) skipped (2 of another type, in a directory)" in result.output
+    assert "settings.json: unsupported file type '.json'" in result.output and "logo.png" in result.output
+    report = json.loads(runner.invoke(app, ["ingest", str(docs), "--json"]).stdout)
+    assert sorted((Path(s["path"]).name, s["ignored"]) for s in report["skipped"]) == [("logo.png", True),
+                                                                                       ("settings.json", True)]
+    # named on the command line, the same file is a problem
+    named = runner.invoke(app, ["ingest", str(docs / "a.md"), str(docs / "settings.json")])
+    assert named.exit_code == 1 and "1 file(s) skipped:" in named.output
+    # and so is a file of a type that is read but could not be, next to ignored ones
+    (docs / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
+    mixed = runner.invoke(app, ["ingest", str(docs)])
+    assert mixed.exit_code == 1 and "3 file(s) skipped (2 of another type, in a directory)" in mixed.output
+
+
 def test_warm_says_when_the_disk_budget_did_not_keep_what_it_made(env, docs, cache_dir, monkeypatch):
     invoke("ingest", str(docs))
     made = json.loads(invoke("warm", "--json").output)["made"]

@@ -37,10 +37,12 @@ class Document:
 
 @dataclass(frozen=True)
 class Skipped:
-    """A file left out of an ingest, and why."""
+    """A file left out of an ingest, and why. ``ignored``: a file of a type that is not read,
+    found by walking a directory (not named, and nothing in it was lost)."""
 
     path: Path
     reason: str
+    ignored: bool = False
 
 
 @dataclass
@@ -69,7 +71,8 @@ def title_of(text: str, path: Path) -> str:
 def scan_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[Skipped]]:
     """Supported files named by ``paths`` (directories walked recursively, sorted, hidden
     files and folders left out), absolute and without duplicates; and every other entry,
-    with the reason it is left out (unsupported type, broken link, not a regular file).
+    with the reason it is left out (unsupported type, broken link, not a regular file;
+    one of another type met in a directory is marked ``ignored``).
     A path that does not exist is a :class:`DocumentError`."""
     found: dict[Path, None] = {}
     skipped: dict[Path, Skipped] = {}
@@ -77,12 +80,14 @@ def scan_files(paths: Iterable[str | Path]) -> tuple[list[Path], list[Skipped]]:
         path = Path(given).expanduser()
         if not path.exists() and not path.is_symlink():
             raise DocumentError(f"no such file or directory: {given}")
-        entries = _walk(path) if path.is_dir() else [path]
+        walked = path.is_dir()
+        entries = _walk(path) if walked else [path]
         for entry in entries:
             reason = _unreadable_entry(entry)
             absolute = entry.absolute() if reason else entry.resolve()
             if reason:
-                skipped[absolute] = Skipped(absolute, reason)
+                other_type = walked and entry.is_file() and entry.suffix.lower() not in SUFFIXES
+                skipped[absolute] = Skipped(absolute, reason, ignored=other_type)
             else:
                 found[absolute] = None
     return list(found), list(skipped.values())

@@ -31,10 +31,17 @@ class IngestOutcome:
     report: IngestReport
     skipped: tuple[Skipped, ...]
 
+    @property
+    def failed(self) -> list[Skipped]:
+        """The skipped files that are a problem: named ones, and files of a type that is
+        read but could not be (encoding, damage, permissions, no text, broken links); not
+        the files of other types met in a directory."""
+        return [s for s in self.skipped if not s.ignored]
+
     def to_dict(self) -> dict:
-        """The report's counts plus ``skipped``: ``[{path, reason}]``."""
+        """The report's counts plus ``skipped``: ``[{path, reason, ignored}]``."""
         return {**self.report.to_dict(),
-                "skipped": [{"path": str(s.path), "reason": s.reason} for s in self.skipped]}
+                "skipped": [{"path": str(s.path), "reason": s.reason, "ignored": s.ignored} for s in self.skipped]}
 
 
 def ingest_paths(corpus: Corpus, chunker: Chunker, paths: Iterable[str | Path], *,
