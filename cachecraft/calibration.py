@@ -72,7 +72,8 @@ def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[floa
                                      drift_shift=config.policy_drift_shift if shift is None else shift,
                                      drift_estimator=(config.policy_drift_estimator if estimator is None
                                                       else estimator),
-                                     relevance=config.policy_relevance if relevance is None else relevance))
+                                     relevance=config.policy_relevance if relevance is None else relevance,
+                                     label=label))
     chosen, reached = choose(measured, goal)
     full_ttft = statistics.median(r["ttft_s"] for r in rows if r["method"] == Full().label)
     per_item = tuple({key: r[key] for key in PER_ITEM_KEYS} for r in rows)

@@ -157,6 +157,7 @@ def calibrate_cmd(
     from cachecraft.calibration import calibrate, store_fitted
     from cachecraft.catalog import Catalog
     from cachecraft.dataset import load_items
+    from cachecraft.intervals import NO_DIFFERENCE, verdict
     from cachecraft.policy.calibrate import (CalibrationError, Goal, parse_alphas, parse_check_layers, parse_floors,
                                              parse_drift_estimators, parse_drift_shifts, parse_relevances,
                                              parse_sink_tokens)
@@ -197,17 +198,25 @@ def calibrate_cmd(
         return
     table = Table(title=f"calibrate {config.model} on {len(items)} item(s) from #{skip} ({result.goal.describe()}; "
                         f"full TTFT median {seconds(result.full_ttft_s)})")
+    against = result.versus_chosen()
     for column in ("alpha", "check layer", "floor", "sink tokens", "drift shift", "relevance", "recompute", "answer KL",
-                   "token agreement", "agreement F1", "first-token KL", "TTFT median (s)"):
-        table.add_column(column, justify="right")
+                   "vs chosen (paired 95%)", "token agreement", "agreement F1", "first-token KL", "TTFT median (s)"):
+        table.add_column(column, justify="right", no_wrap=column.startswith("vs chosen"))
     for r in result.rows:
         mark = " *" if r is result.chosen else ""
+        d = against.get(r.label)
         table.add_row(f"{r.alpha:g}{mark}", f"{r.check_layer:g}", f"{r.floor:g}", str(r.sink_tokens),
                       f"{r.drift_shift:g}" + ("" if r.drift_estimator == "mean" else f" {r.drift_estimator}"),
                       f"{r.relevance:g}", f"{r.recompute:.3f}", f"{r.answer_kl:.4f}",
+                      "" if d is None else f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]",
                       f"{r.token_agreement:.3f}", f"{r.agreement:.3f}", f"{r.kl:.4f}", f"{r.ttft_s:.2f}")
     # not a terminal (a log of a long run): wide enough for every column, not squeezed into 80
-    (console if console.is_terminal else Console(soft_wrap=True, width=max(console.width, 160))).print(table)
+    (console if console.is_terminal else Console(soft_wrap=True, width=max(console.width, 200))).print(table)
+    untold = [label for label, d in against.items() if verdict(d, lower_is_better=True) == NO_DIFFERENCE]
+    if untold:  # the choice is by the mean; say where the items could not tell candidates apart
+        console.print(f"{len(untold)} of the {len(against)} other candidate(s) are not measurably worse than the "
+                      f"chosen one on answer KL over these {len(items)} item(s) (their paired interval holds 0): "
+                      "more items would tell them apart", highlight=False)
     chosen = result.chosen
     picked = (f"chosen: policy_alpha {chosen.alpha:g}, policy_check_layer {chosen.check_layer:g}, policy_floor "
               f"{chosen.floor:g}, policy_sink_tokens {chosen.sink_tokens}, policy_drift_shift {chosen.drift_shift:g}"

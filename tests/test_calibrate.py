@@ -4,6 +4,7 @@ profile that query and config show use, and the CLI on a tiny model."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from typer.testing import CliRunner
@@ -48,6 +49,26 @@ def test_ties_go_to_the_cheaper_candidate():
     tied = [row(0.2, 0.04, 0.2, check_layer=12), row(0.1, 0.04, 0.2, check_layer=0.4), row(0.1, 0.03, 0.2)]
     assert choose(tied, Goal(budget=0.05))[0] is tied[2]
     assert choose(tied[:2], Goal(budget=0.05))[0] is tied[1]
+
+
+def test_each_candidate_is_compared_with_the_chosen_one_item_by_item():
+    chosen = CandidateRow(0.1, 8, 0.05, 0.2, 0.9, 0.9, 0.1, 1.0, label="a")
+    worse = CandidateRow(0.2, 8, 0.05, 0.3, 0.9, 0.9, 0.1, 1.0, label="b")
+    mixed = CandidateRow(0.3, 8, 0.05, 0.2, 0.9, 0.9, 0.1, 1.0, label="c")
+    elsewhere = CandidateRow(0.4, 8, 0.05, 0.2, 0.9, 0.9, 0.1, 1.0, label="d")
+    kls = {"a": [0.1, 0.2, 0.3], "b": [0.2, 0.3, 0.4], "c": [0.0, 0.3, 0.3]}
+    per_item = [{"item": i, "method": label, "answer_kl": kl} for label, values in kls.items()
+                for i, kl in enumerate(values)]
+    per_item.append({"item": 7, "method": "d", "answer_kl": 0.2})  # not the chosen one's items: left out
+    result = CalibrationResult((chosen, worse, mixed, elsewhere), chosen, Goal(budget=0.1), True, 1.0, tuple(per_item))
+    against = result.versus_chosen()
+    assert set(against) == {"b", "c"}
+    # b is 0.1 above on every item: every resample's mean is 0.1
+    assert against["b"].mean == pytest.approx(0.1) and against["b"].low == pytest.approx(0.1)
+    # c is -0.1, +0.1 and 0 from the chosen one: mean 0, and resamples of -0.1s and +0.1s both ways
+    assert against["c"].mean == pytest.approx(0.0) and against["c"].low < 0 < against["c"].high
+    shown = result.to_dict()["versus_chosen"]
+    assert shown["b"]["verdict"] == "worse" and shown["c"]["verdict"] == "no measurable difference"
 
 
 def test_goals_and_candidates_are_checked():
@@ -115,9 +136,13 @@ def test_fitted_settings_apply_where_the_config_keeps_the_default():
 
 
 def fake_result(alphas, goal, layers=None):
-    rows = tuple(row(a, a / 4, 0.5 - a / 2, check_layer=spec) for spec in (layers or [0.27]) for a in alphas)
+    rows = tuple(replace(row(a, a / 4, 0.5 - a / 2, check_layer=spec), label=f"a{a}@{spec}")
+                 for spec in (layers or [0.27]) for a in alphas)
     chosen, reached = choose(rows, goal)
-    return CalibrationResult(rows, chosen, goal, reached, full_ttft_s=2.0)
+    # two items per candidate, 0.1 either side of its mean, the other way round every other row
+    per_item = tuple({"item": i, "method": r.label, "answer_kl": r.answer_kl + (0.1 if (i + j) % 2 else -0.1)}
+                     for j, r in enumerate(rows) for i in range(2))
+    return CalibrationResult(rows, chosen, goal, reached, full_ttft_s=2.0, per_item=per_item)
 
 
 @pytest.fixture
@@ -194,6 +219,12 @@ def test_calibrate_writes_its_result_file_and_names_the_whole_choice(fake_calibr
     # alpha 0.2: 0.2/4
     assert "policy_sink_tokens 0, policy_drift_shift 0, policy_relevance 0 (recompute 0.050" in table.output
     assert "first-token KL" in table.output  # not a terminal: the table is not squeezed to 80 columns
+    # alpha 0.1 against 0.2 item by item: 0.45 - 0.1 - (0.4 + 0.1) and 0.45 + 0.1 - (0.4 - 0.1)
+    assert "+0.0500 [-0.1500, +0.2500]" in table.output
+    assert "1 of the 1 other candidate(s) are not measurably worse than the chosen one" in table.output
+    assert written["versus_chosen"] == {"a0.1@0.27": {"mean": pytest.approx(0.05), "low": pytest.approx(-0.15),
+                                                      "high": pytest.approx(0.25),
+                                                      "verdict": "no measurable difference"}}
 
 
 def test_calibrate_makes_caches_the_way_warm_does(fake_calibration, dataset, cache_dir, tmp_path):
@@ -274,8 +305,9 @@ def test_calibrate_on_a_tiny_model_measures_floors_and_sinks(tiny_llama, dataset
         mine = [e for e in per_item if e["method"] == label]
         row = next(r for r in result.rows if CacheCraft(r.alpha, floor=r.floor, sink_tokens=r.sink_tokens).label
                    == label)
-        assert len(mine) == 1 and mine[0]["item"] == 0
+        assert len(mine) == 1 and mine[0]["item"] == 0 and row.label == label
         assert mine[0]["answer_kl"] == row.answer_kl and mine[0]["recompute_fraction"] == row.recompute
+    assert set(result.to_dict()["versus_chosen"]) == {r.label for r in result.rows} - {result.chosen.label}
 
 
 def test_calibrate_on_a_tiny_model_measures_drift_shifts(tiny_llama, dataset, tmp_path):

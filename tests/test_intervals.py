@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachecraft.bench.intervals import NO_DIFFERENCE, Interval, bootstrap, paired, verdict
+from cachecraft.intervals import NO_DIFFERENCE, Interval, bootstrap, paired, verdict
 
 
 def test_a_quarter_of_ones_by_hand():

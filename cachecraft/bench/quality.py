@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from cachecraft.bench.common import PeakRSS
-from cachecraft.bench.intervals import bootstrap, paired, verdict
+from cachecraft.intervals import bootstrap, paired, verdict
 from cachecraft.config import Config
 from cachecraft.dataset import QAItem
 from cachecraft.evaluation import InContext, OnAnswer, evaluate_items, method_order, row_labels, scratch_pipeline

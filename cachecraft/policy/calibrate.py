@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from cachecraft.config import DRIFT_ESTIMATORS
+from cachecraft.intervals import Interval, paired, verdict
 
 POLICY_PROFILE = "policy"  # the catalog's model-profile kind for fitted parameters
 ANY_DEVICE = "*"  # fitted parameters hold on every device (they are about answers, not speed)
@@ -53,6 +54,7 @@ class CandidateRow:
     drift_shift: float = 0.0
     drift_estimator: str = "mean"
     relevance: float = 0.0
+    label: str = ""  # the method's label, naming its answers in ``CalibrationResult.per_item``
 
 
 @dataclass(frozen=True)
@@ -99,14 +101,36 @@ class CalibrationResult:
                            "answer_kl": self.chosen.answer_kl, "recompute": self.chosen.recompute,
                            "token_agreement": self.chosen.token_agreement}}
 
+    def versus_chosen(self) -> dict[str, Interval]:
+        """For every other candidate (by label), its answer KL minus the chosen one's, item by
+        item, with the paired bootstrap interval (:mod:`cachecraft.intervals`): an interval
+        that holds 0 means the two were not told apart on these items. Empty without
+        ``per_item`` or labels."""
+        def answer_kl(label: str) -> dict[int, float]:
+            return {r["item"]: r["answer_kl"] for r in self.per_item if r["method"] == label}
+
+        chosen = answer_kl(self.chosen.label)
+        out = {}
+        for row in self.rows:
+            mine = answer_kl(row.label)
+            if row is self.chosen or not mine or mine.keys() != chosen.keys():
+                continue
+            items = sorted(chosen)
+            out[row.label] = paired([mine[i] for i in items], [chosen[i] for i in items])
+        return out
+
     def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly: goal, chosen parameters, every row and the per-item figures."""
+        """JSON-friendly: goal, chosen parameters, every row, the per-item figures and each
+        other candidate's answer KL against the chosen one's (``versus_chosen``: mean, low,
+        high, verdict)."""
         return {"goal": asdict(self.goal), "reached": self.reached, "policy_alpha": self.chosen.alpha,
                 "policy_check_layer": self.chosen.check_layer, "policy_floor": self.chosen.floor,
                 "policy_sink_tokens": self.chosen.sink_tokens, "policy_drift_shift": self.chosen.drift_shift,
                 "policy_drift_estimator": self.chosen.drift_estimator, "policy_relevance": self.chosen.relevance,
                 "full_ttft_s_median": self.full_ttft_s,
-                "rows": [asdict(r) for r in self.rows], "per_item": list(self.per_item)}
+                "rows": [asdict(r) for r in self.rows], "per_item": list(self.per_item),
+                "versus_chosen": {label: {**d.to_dict(), "verdict": verdict(d, lower_is_better=True)}
+                                  for label, d in self.versus_chosen().items()}}
 
 
 def parse_numbers(text: str, what: str, low: float, high: float) -> list[float]:
