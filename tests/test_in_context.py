@@ -83,6 +83,34 @@ def test_a_variant_made_after_its_neighbour_is_that_prefill_and_is_reused_exactl
     assert alone.chunks[1].variant == variant_key(key1, (prefix_key,))
 
 
+def test_a_variant_follows_its_neighbours_own_stored_cache_made_first_if_missing(cache_dir):
+    # with a warm context, a chunk's own cache differs from a fresh prefill of it; a request
+    # that puts it first reuses that cache, so its neighbour's variant is made after it
+    config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 4, "kv_dtype": "float32"},
+                         environ={})
+    with TieredStore(config, tiers=("cpu",)) as store:
+        pipe = Pipeline(config, lm=tiny_model("llama"), store=store)
+        assert pipe.warm_after([(CHUNKS[0], CHUNKS[1])]) == 1  # chunk 0 never warmed
+        pieces = pipe.builder.build(CHUNKS[:2], "warm")
+        prefix_key = chunk_key(pipe.lm.fingerprint, pieces.prefix)
+        key0, key1 = (chunk_key(pipe.lm.fingerprint, ids) for ids in pieces.chunks)
+        context_key = pipe._warm_key_of(prefix_key)
+        assert context_key is not None
+        get = lambda name: pipe.store.get(name, dtype=torch.float32, device=torch.device("cpu"),  # noqa: E731
+                                          fingerprint=pipe.lm.fingerprint)
+        own = get(variant_key(key0, context_key))  # made on the way, as warm makes it
+        assert [tuple(r.prefix) for r in pipe.store.variants_of(key0)] == [context_key]
+        prefix = Segment(pieces.prefix, "prefix")
+        after_own = blended_prefill(pipe.lm.adapter, [prefix, Segment(pieces.chunks[0], cached=own),
+                                                      Segment(pieces.chunks[1], save=True)]).saved[2]
+        after_fresh = blended_prefill(pipe.lm.adapter, [prefix, Segment(pieces.chunks[0]),
+                                                        Segment(pieces.chunks[1], save=True)]).saved[2]
+        stored = get(variant_key(key1, (prefix_key, key0)))
+        assert (stored.keys - after_own.keys).abs().max() < 1e-5
+        assert (stored.values - after_own.values).abs().max() < 1e-5
+        assert (stored.values - after_fresh.values).abs().max() > 1e-3  # the difference is real
+
+
 def test_each_reused_variant_has_what_the_request_saved_folded_into_its_quality(pipeline):
     pipe = pipeline
     pipe.warm(CHUNKS)
@@ -217,8 +245,9 @@ def test_lookup_links_name_the_chunks_each_variant_was_made_right_after(ordering
     pieces = pipe.builder.build(given, "q")
     keys = [chunk_key(pipe.lm.fingerprint, ids) for ids in pieces.chunks]
     request = pipe._request(given, "q", None)
-    # chunk 0 (given second) was made after chunks 2 and 1; chunks 1 and 0 after the prompt alone
-    assert request.lookup.links(keys, request.prefix_key) == ([set(), {0, 2}, set()], {0, 1})
+    # chunk 0 (given second) was made after chunks 2 and 1; every chunk after the prompt alone,
+    # chunk 2 too: its own cache, missing, was made for chunk 0's variant to follow
+    assert request.lookup.links(keys, request.prefix_key) == ([set(), {0, 2}, set()], {0, 1, 2})
     # under another system prompt nothing links
     assert request.lookup.links(keys, "another prompt") == ([set(), set(), set()], set())
 

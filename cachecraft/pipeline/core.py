@@ -211,24 +211,32 @@ class Pipeline:
         for ids, key in zip(pieces.chunks, keys):
             if self.store.variants_of(key):
                 continue
-            context = context or self._warm_context_segment(prefix)
-            fits = context is not None and (len(pieces.prefix) + len(context.token_ids) + len(ids)
-                                            <= self.lm.max_context)
-            segments = [prefix, *([context] if fits else []),
-                        Segment(ids, "chunk", save=True, collect_stats=True, key=key)]
-            kv = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint,
-                                 hooks=[ChunkStatistics(self.stats_layers)]).saved[len(segments) - 1]
-            self._put(kv)
+            context = context or self._warm_context_segment(prefix)  # loaded once for all chunks
+            self._warm_chunk(ids, key, prefix, context)
             made += 1
         return made
 
+    def _warm_chunk(self, ids: Sequence[int], key: str, prefix: Segment, context: Segment | None) -> ChunkKV:
+        """Make and store one chunk's cache after ``prefix`` and the warm context ``context``
+        (None: none is set; left out where it and the chunk do not fit the model's context);
+        returns it."""
+        fits = context is not None and (len(prefix.token_ids) + len(context.token_ids) + len(ids)
+                                        <= self.lm.max_context)
+        segments = [prefix, *([context] if fits else []),
+                    Segment(ids, "chunk", save=True, collect_stats=True, key=key)]
+        kv = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint,
+                             hooks=[ChunkStatistics(self.stats_layers)]).saved[len(segments) - 1]
+        self._put(kv)
+        return kv
+
     def warm_after(self, pairs: Sequence[tuple[str, str]], sources: Sequence[str] | None = None) -> int:
         """In-context variants: for each ``(before, chunk)`` text pair, make ``chunk``'s cache
-        right after the system prefix and ``before`` (both computed afresh), as a request that
-        puts ``before`` just ahead of it would see it; such a request then reuses it exactly,
-        and one that holds ``before`` elsewhere finds most of its context there. Returns how
-        many were made (those already stored are skipped). ``sources`` name the chunks'
-        files, one per pair."""
+        right after the system prefix and ``before``, as a request that puts ``before`` just
+        ahead of it would see it; one that holds ``before`` elsewhere finds most of its
+        context there. ``before`` comes from its own stored cache (the one :meth:`warm`
+        makes, made here first if missing), as such a request reuses it, so only ``chunk``'s
+        tokens are computed. Returns how many were made (those already stored are skipped).
+        ``sources`` name the chunks' files, one per pair."""
         if not pairs:
             return 0
         pieces = self.builder.build([text for pair in pairs for text in pair], "warm")
@@ -244,7 +252,8 @@ class Pipeline:
                 continue
             if len(pieces.prefix) + len(before_ids) + len(ids) > self.lm.max_context:
                 continue
-            segments = [prefix, Segment(before_ids, "chunk", key=before_key),
+            segments = [prefix, Segment(before_ids, "chunk", cached=self._warm_kv(before_ids, before_key, prefix),
+                                        key=before_key),
                         Segment(ids, "chunk", save=True, collect_stats=True, key=key)]
             kv = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint,
                                  hooks=[ChunkStatistics(self.stats_layers)]).saved[2]
@@ -275,12 +284,17 @@ class Pipeline:
         chunks = [c for c in self.corpus.chunks() if int(c.id[:12], 16) % count == index]
         near = self.corpus.neighbours(self.config.warm_neighbours) if self.config.warm_neighbours else {}
         made = in_context = 0
+        steps = len(chunks) * (2 if near else 1)
         for i, chunk in enumerate(chunks):
             made += self.warm([chunk.prompt_text], sources=[chunk.source])
+            if progress:
+                progress(i + 1, steps)
+        # the variants after every chunk's own cache is made: each reuses its neighbour's
+        for i, chunk in enumerate(chunks if near else ()):
             pairs = [(other.prompt_text, chunk.prompt_text) for other in near.get(chunk.id, ())]
             in_context += self.warm_after(pairs, sources=[chunk.source] * len(pairs))
             if progress:
-                progress(i + 1, len(chunks))
+                progress(len(chunks) + i + 1, steps)
         return WarmReport(made, len(chunks) - made, len(chunks), in_context)
 
     def query(self, question: str, top_k: int | None = None, method: str = "cachecraft", streamer=None,
@@ -567,6 +581,15 @@ class Pipeline:
                                          self.config.warm_context_tokens, self.lm.max_context)
             self._warm = ids, chunk_key(self.lm.fingerprint, ids)
         return self._warm
+
+    def _warm_kv(self, ids: Sequence[int], key: str, prefix: Segment) -> ChunkKV:
+        """The cache :meth:`warm` makes of the chunk ``ids`` (keyed ``key``) after ``prefix``,
+        loaded, or made and stored when it is not there (a damaged one is made again)."""
+        name = variant_key(key, self._warm_key_of(prefix.key) or (prefix.key,))
+        kv, _ = self._load(name, count_hit=False)
+        if kv is None:
+            kv = self._warm_chunk(ids, key, prefix, self._warm_context_segment(prefix))
+        return kv
 
     def _warm_key_of(self, prefix_key: str) -> tuple[str, ...] | None:
         """The prefix tuple of variants made by :meth:`warm` (None when the context is off)."""
