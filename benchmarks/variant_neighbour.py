@@ -9,7 +9,8 @@ through the one request path: for each MuSiQue item, full (the reference), the d
 nearest passage by embedding among the item's own) made the new way, then the same variants
 made the old way (this script keeps a copy of it) and the same method again. Per way: the
 time to make the variants, and the answer KL, token agreement and first-token KL along full's
-answer. Writes OUT (JSON, with every answer's figures) and prints a line per item.
+answer. Writes OUT (JSON, with every answer's figures) after every item and prints a line
+per item; ``--resume`` keeps the items OUT holds and runs the rest.
 
     python benchmarks/variant_neighbour.py OUT --model qwen2.5-coder-0.5b \\
         --dataset ../shared/data/musique_dev.json --skip 36 --limit 8
@@ -73,16 +74,26 @@ def main() -> None:
     parser.add_argument("--dataset", type=Path, required=True)
     parser.add_argument("--skip", type=int, default=36)
     parser.add_argument("--limit", type=int, default=8)
+    parser.add_argument("--resume", action="store_true", help="keep the items OUT already holds, run the rest")
     args = parser.parse_args()
     config = Config.load(overrides={"model": args.model})
     items = load_items(args.dataset, args.skip + args.limit)[args.skip:]
     lm = load_model(None, config)
     method = parse_method("cachecraft")
     nearest = InContext(method, 1, Embedder().embed).nearest
-    rows, timing = [], []
+    rows, timing, runs = [], [], []
+    if args.resume and args.out.exists():
+        kept = json.loads(args.out.read_text())
+        rows, timing = kept["per_item"], kept["timing"]
+        runs = kept.get("runs") or [{key: kept[key] for key in ("command", "date", "code")}]
+    done = {t["item"] for t in timing}
+    runs.append({"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                 "code": running_code(), "items": [i.index for i in items if i.index not in done]})
     with scratch_pipeline(lm, config) as pipe:
         pipe.ensure_cost_model()
         for item in items:
+            if item.index in done:
+                continue
             chunks = item_chunks(item)
             pipe.warm(chunks)
             full, reference = _answer_row(pipe, item, chunks, Full(), None, 32, None, None)
@@ -108,11 +119,12 @@ def main() -> None:
                   f"{plain['answer_kl']:.4f})", flush=True)
             result = summarise(rows, timing, method.label)  # written after every item: a stopped run keeps them
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"benchmark": "variant_neighbour", "command": " ".join(["python", *sys.argv]),
-                                            "model": args.model, "dataset": str(args.dataset), "skip": args.skip,
-                                            "limit": len(timing), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                            "machine": machine(), "code": running_code(), **result}, indent=2))
-    print(json.dumps({k: result[k] for k in ("summary", "paired", "variant_time")}, indent=2))
+            args.out.write_text(json.dumps({"benchmark": "variant_neighbour", "runs": runs, "model": args.model,
+                                            "dataset": str(args.dataset), "items": len(timing),
+                                            "machine": machine(), **result}, indent=2))
+    if timing:
+        result = summarise(rows, timing, method.label)
+        print(json.dumps({k: result[k] for k in ("summary", "paired", "variant_time")}, indent=2))
 
 
 def summarise(rows: list[dict], timing: list[dict], plain: str) -> dict:
