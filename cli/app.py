@@ -311,7 +311,8 @@ def warm_cmd(
                                              help="Also make each chunk's cache after each of its N nearest "
                                                   "chunks in the index (in-context variants: a query that "
                                                   "retrieves both reuses it with its real context). Default: "
-                                                  "config warm_neighbours (0). Costs N more prefills and "
+                                                  "config warm_neighbours (0). Costs N more prefills of one "
+                                                  "chunk (the neighbour comes from its own cache) and N more "
                                                   "caches per chunk."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
