@@ -83,6 +83,9 @@ def check_model_cmd(
     raise typer.Exit(0 if report.passed else 1)
 
 
+FEW_ITEMS = 10  # below this many items, calibrate calls its paired intervals rough
+
+
 @app.command("calibrate")
 @friendly
 def calibrate_cmd(
@@ -212,6 +215,9 @@ def calibrate_cmd(
                       f"{r.token_agreement:.3f}", f"{r.agreement:.3f}", f"{r.kl:.4f}", f"{r.ttft_s:.2f}")
     # not a terminal (a log of a long run): wide enough for every column, not squeezed into 80
     (console if console.is_terminal else Console(soft_wrap=True, width=max(console.width, 200))).print(table)
+    if against and len(items) < FEW_ITEMS:  # a bootstrap over 2 items is [the smaller, the larger difference]
+        console.print(f"the intervals are rough over {len(items)} item(s): use {FEW_ITEMS} or more to rely on them",
+                      highlight=False)
     untold = [label for label, d in against.items() if verdict(d, lower_is_better=True) == NO_DIFFERENCE]
     if untold:  # the choice is by the mean; say where the items could not tell candidates apart
         console.print(f"{len(untold)} of the {len(against)} other candidate(s) are not measurably worse than the "

@@ -222,6 +222,7 @@ def test_calibrate_writes_its_result_file_and_names_the_whole_choice(fake_calibr
     # alpha 0.1 against 0.2 item by item: 0.45 - 0.1 - (0.4 + 0.1) and 0.45 + 0.1 - (0.4 - 0.1)
     assert "+0.0500 [-0.1500, +0.2500]" in table.output
     assert "1 of the 1 other candidate(s) are not measurably worse than the chosen one" in table.output
+    assert "the intervals are rough over 2 item(s): use 10 or more" in table.output
     assert written["versus_chosen"] == {"a0.1@0.27": {"mean": pytest.approx(0.05), "low": pytest.approx(-0.15),
                                                       "high": pytest.approx(0.25),
                                                       "verdict": "no measurable difference"}}
