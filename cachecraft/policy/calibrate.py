@@ -110,12 +110,12 @@ class CalibrationResult:
             return {r["item"]: r["answer_kl"] for r in self.per_item if r["method"] == label}
 
         chosen = answer_kl(self.chosen.label)
+        items = sorted(chosen)
         out = {}
         for row in self.rows:
             mine = answer_kl(row.label)
             if row is self.chosen or not mine or mine.keys() != chosen.keys():
                 continue
-            items = sorted(chosen)
             out[row.label] = paired([mine[i] for i in items], [chosen[i] for i in items])
         return out
 
