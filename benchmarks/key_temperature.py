@@ -1,0 +1,120 @@
+"""A temperature on the attention to reused chunks: does it bring the answers closer to full's?
+
+Caches made without the chunks before them are off from full's; one reading of the
+parallel-encoding literature is that the attention a later token pays to such chunks is
+too flat or too sharp, and that scaling the logits it gives them (a temperature) puts part
+of the difference right at no recompute. Scaling a key scales every logit a query gives
+it, so this script multiplies the reused (not recomputed) chunk rows' keys by a factor at
+every layer from layer 1 up (layer 0's are exact) while a request is prefilled; the scaled
+keys then stay in the KV that the question, the answer and the teacher-forced comparison
+read. The warm caches are made unscaled. Everything else is the default request path:
+for each MuSiQue item, full (the reference), then the default ``cachecraft`` once per
+factor (1.0 is the shipped policy as it is), every answer compared with full's. Writes OUT
+(JSON: per item, per factor, and each factor paired with 1.0) after every item.
+
+    python benchmarks/key_temperature.py OUT --model qwen2.5-coder-0.5b \\
+        --dataset ../shared/data/musique_dev.json --skip 36 --limit 8 --factors 1.0,0.9,1.05,1.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import cachecraft.engine.blend as blend
+from cachecraft.bench.common import machine, running_code
+from cachecraft.config import Config
+from cachecraft.dataset import load_items
+from cachecraft.evaluation import _answer_row, item_chunks, scratch_pipeline
+from cachecraft.intervals import paired, verdict
+from cachecraft.methods import Full, parse_method
+from cachecraft.model.loader import load_model
+
+KEYS = ("answer_kl", "token_agreement", "kl", "recompute_fraction", "ttft_s", "gold_f1", "answer")
+FIRST_SCALED_LAYER = 1  # layer 0's K/V depend on the token alone: reused exactly
+
+
+class KeyScale:
+    """Wraps the engine's assembly of cached K/V so the reused chunk rows' keys come out
+    multiplied by ``factor`` (1.0: untouched)."""
+
+    def __init__(self) -> None:
+        self.factor = 1.0
+        self._assemble = blend._cached_kv
+
+    def __call__(self, adapter, lay, layer):
+        keys, values = self._assemble(adapter, lay, layer)
+        if self.factor != 1.0 and layer >= FIRST_SCALED_LAYER:
+            keys[:, lay.context & ~lay.must] *= self.factor  # rows running this layer are overwritten after
+        return keys, values
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--dataset", type=Path, required=True)
+    parser.add_argument("--skip", type=int, default=36)
+    parser.add_argument("--limit", type=int, default=8)
+    parser.add_argument("--factors", default="1.0,0.9,1.05,1.1", help="key factors, comma-separated; 1.0 is added")
+    args = parser.parse_args()
+    factors = list(dict.fromkeys([1.0, *(float(x) for x in args.factors.split(","))]))
+    config = Config.load(overrides={"model": args.model})
+    items = load_items(args.dataset, args.skip + args.limit)[args.skip:]
+    lm = load_model(None, config)
+    method = parse_method("cachecraft")
+    scale = KeyScale()
+    blend._cached_kv = scale
+    rows: list[dict] = []
+    run = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+           "code": running_code()}
+    with scratch_pipeline(lm, config) as pipe:
+        pipe.ensure_cost_model()
+        for item in items:
+            chunks = item_chunks(item)
+            scale.factor = 1.0  # the caches are made as warm makes them
+            pipe.warm(chunks)
+            _, reference = _answer_row(pipe, item, chunks, Full(), None, 32, None, None)
+            for factor in factors:
+                scale.factor = factor
+                gc.collect()
+                row, _ = _answer_row(pipe, item, chunks, method, reference, 32, None, None)
+                rows.append({"item": item.index, "factor": factor, **{k: row[k] for k in KEYS}})
+            scale.factor = 1.0
+            pipe.forget(chunks)
+            print(f"item {item.index}: answer KL " + ", ".join(
+                f"x{r['factor']:g} {r['answer_kl']:.4f}" for r in rows if r["item"] == item.index), flush=True)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({"benchmark": "key_temperature", "run": run, "model": args.model,
+                                            "dataset": str(args.dataset), "machine": machine(),
+                                            **summarise(rows, factors)}, indent=2))
+    print(json.dumps(summarise(rows, factors)["paired"], indent=2))
+
+
+def summarise(rows: list[dict], factors: list[float]) -> dict:
+    """Means per factor and each factor paired with 1.0, item by item, so far."""
+
+    def of(factor: float, key: str) -> list[float]:
+        return [r[key] for r in rows if r["factor"] == factor]
+
+    summary = {f"{f:g}": {"answer_kl": statistics.fmean(of(f, "answer_kl")),
+                          "token_agreement": statistics.fmean(of(f, "token_agreement")),
+                          "first_token_kl": statistics.fmean(of(f, "kl")),
+                          "recompute": statistics.fmean(of(f, "recompute_fraction"))} for f in factors}
+    comparisons = []
+    for f in factors[1:]:
+        entry = {"factor": f, "against": 1.0}
+        for key, lower in (("answer_kl", True), ("token_agreement", False), ("kl", True)):
+            d = paired(of(f, key), of(1.0, key))
+            entry[key] = {**d.to_dict(), "verdict": verdict(d, lower_is_better=lower)}
+        comparisons.append(entry)
+    return {"items": len(of(1.0, "answer_kl")), "summary": summary, "paired": comparisons, "per_item": rows}
+
+
+if __name__ == "__main__":
+    main()
