@@ -312,7 +312,8 @@ def ingest_cmd(
 def warm_cmd(
     ctx: typer.Context,
     workers: int = typer.Option(1, "--workers", "-w", min=1, help="Processes, each warming a disjoint share of "
-                                "the chunks with cores // N torch threads."),
+                                "the chunks with cores // N torch threads (with --neighbours, all make "
+                                "their own caches before any makes variants)."),
     neighbours: Optional[int] = typer.Option(None, "--neighbours", "-n", min=0, max=8,
                                              help="Also make each chunk's cache after each of its N nearest "
                                                   "chunks in the index (in-context variants: a query that "

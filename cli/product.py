@@ -85,7 +85,9 @@ def warm_in_workers(config: Config, workers: int) -> WarmTotals:
     threads = max(1, (os.cpu_count() or 1) // workers)
     context = multiprocessing.get_context("spawn")
     messages = context.Queue()
-    procs = [context.Process(target=_warm_worker, args=(config, (i, workers), threads, messages), daemon=True)
+    # with neighbours, every worker makes its own caches before any makes variants
+    ready = context.Barrier(workers)
+    procs = [context.Process(target=_warm_worker, args=(config, (i, workers), threads, messages, ready), daemon=True)
              for i in range(workers)]
     for proc in procs:
         proc.start()
@@ -130,8 +132,9 @@ def _check_alive(procs: list, finished: set) -> None:
                             "run `cachecraft warm` again to resume")
 
 
-def _warm_worker(config: Config, shard: tuple[int, int], threads: int, messages) -> None:
-    """One warm process: its shard of the corpus, reported through ``messages``."""
+def _warm_worker(config: Config, shard: tuple[int, int], threads: int, messages, ready) -> None:
+    """One warm process: its shard of the corpus, reported through ``messages``; it waits
+    at the barrier ``ready`` between its own caches and its in-context variants."""
     import torch
 
     from .common import _user_errors, quiet_libraries
@@ -146,7 +149,7 @@ def _warm_worker(config: Config, shard: tuple[int, int], threads: int, messages)
 
         with Pipeline(config, lm=load_model(None, config), store=TieredStore(config, tiers=("disk",))) as pipe:
             report = pipe.warm_corpus(progress=lambda done, total: messages.put(("progress", index, done, total)),
-                                      shard=shard)
+                                      shard=shard, between=ready.wait)
         messages.put(("done", index, report.made, report.skipped, report.total, report.in_context))
     except _user_errors() as exc:
         messages.put(("error", index, str(exc)))

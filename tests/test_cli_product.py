@@ -245,6 +245,20 @@ def test_concurrent_queries_and_warm_leave_a_consistent_cache(env, docs, cache_d
         assert len(tx.request_ids()) == 2
 
 
+def test_warm_workers_with_neighbours_make_each_cache_once_and_count_it_once(env, docs):
+    """The workers meet between their own caches and their variants, so none makes (and
+    leaves uncounted) a neighbour's cache that another's shard holds."""
+    invoke("ingest", str(docs))
+    cli = [sys.executable, "-m", "cli.app", "warm", "--workers", "2", "--neighbours", "1", "--json"]
+    done = subprocess.run(cli, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert (report["made"], report["skipped"]) == (report["total"], 0) and report["total"] > 2
+    assert report["in_context"] == report["total"]  # one neighbour each
+    again = json.loads(invoke("warm", "--neighbours", "1", "--json").output)
+    assert (again["made"], again["in_context"], again["skipped"]) == (0, 0, report["total"])
+
+
 def test_bench_dataset_turns_questions_about_the_corpus_into_items_quality_runs_on(env, docs, tmp_path):
     """Each question gets the chunks `query` retrieves for it; `bench quality` then runs on
     the file, and every answer carries its repetition flag."""

@@ -159,6 +159,37 @@ def test_warm_with_neighbours_makes_each_chunk_after_its_nearest_chunks(cache_di
             assert pipe.catalog.chunk(key_of(chunk.prompt_text)).source == chunk.source
 
 
+def test_sharded_warm_makes_every_variant_after_the_shards_own_caches_and_counts_each_once(cache_dir, tmp_path):
+    """Two shards as two workers would run them: shard 0 waits (``between``) until shard 1
+    has made its own caches, so no variant of shard 0 makes a neighbour's cache that shard 1
+    then skips: every chunk is counted made once, by its own shard."""
+    from tests.test_pipeline import _write_docs
+
+    config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32", "chunk_tokens": 24,
+                                    "warm_context": "none", "warm_neighbours": 1}, environ={})
+    with TieredStore(config, tiers=("cpu", "disk")) as store:
+        pipe = Pipeline(config, lm=tiny_model("llama"), store=store)
+        pipe.ingest([_write_docs(tmp_path / "docs")])
+        chunks = pipe.corpus.chunks()
+        key_of = lambda text: chunk_key(pipe.lm.fingerprint, pipe.builder.build([text], "w").chunks[0])  # noqa: E731
+        mine = [c for c in chunks if int(c.id[:12], 16) % 2 == 0]
+        assert 0 < len(mine) < len(chunks)  # both shards hold chunks
+        seen = []
+
+        def other_shard_makes_its_own():
+            assert all(pipe.store.variants_of(key_of(c.prompt_text)) for c in mine)
+            assert not any(pipe.store.variants_of(key_of(c.prompt_text)) for c in chunks if c not in mine)
+            seen.append(pipe.warm([c.prompt_text for c in chunks if c not in mine]))
+
+        first = pipe.warm_corpus(shard=(0, 2), between=other_shard_makes_its_own)
+        assert seen == [len(chunks) - len(mine)]
+        assert (first.made, first.skipped, first.in_context) == (len(mine), 0, len(mine))
+        second = pipe.warm_corpus(shard=(1, 2), between=lambda: None)
+        assert (second.made, second.in_context) == (0, len(chunks) - len(mine))  # made above, as worker 1 would
+        plain = pipe.warm_corpus(shard=(0, 2), between=lambda: seen.append("called"))
+        assert plain.made == 0 and seen[-1] == "called"
+
+
 def test_warm_neighbours_is_a_checked_config_key(cache_dir):
     from cachecraft.config import ConfigError
 

@@ -272,11 +272,15 @@ class Pipeline:
                     "chunk_overlap": self.config.chunk_overlap}
         return ingest_paths(self.corpus, chunker, paths, settings=settings, progress=progress)
 
-    def warm_corpus(self, progress: Progress | None = None, shard: tuple[int, int] = (0, 1)) -> WarmReport:
+    def warm_corpus(self, progress: Progress | None = None, shard: tuple[int, int] = (0, 1),
+                    between: Callable[[], None] | None = None) -> WarmReport:
         """Make the chunk-cache of every ingested chunk not cached yet (after the system prefix
         and the warm context), and with ``config.warm_neighbours`` = N also its in-context
         variants after each of its N nearest chunks in the index (:meth:`warm_after`).
-        ``shard=(i, n)`` takes the i-th of n disjoint parts, for parallel workers."""
+        ``shard=(i, n)`` takes the i-th of n disjoint parts, for parallel workers;
+        ``between`` is called once the shard's own caches are made, before its variants
+        (with ``warm_neighbours`` only): a worker waits there for the others, so that every
+        neighbour's cache is made, and counted, by the worker whose shard holds it."""
         index, count = shard
         if not 0 <= index < count:
             raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {shard}")
@@ -290,6 +294,8 @@ class Pipeline:
             if progress:
                 progress(i + 1, steps)
         # the variants after every chunk's own cache is made: each reuses its neighbour's
+        if self.config.warm_neighbours and between:  # every worker alike, whatever its share holds
+            between()
         for i, chunk in enumerate(chunks if near else ()):
             pairs = [(other.prompt_text, chunk.prompt_text) for other in near.get(chunk.id, ())]
             in_context += self.warm_after(pairs, sources=[chunk.source] * len(pairs))
