@@ -18,18 +18,14 @@ factor (1.0 is the shipped policy as it is), every answer compared with full's. 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import cachecraft.engine.blend as blend
-from cachecraft.bench.common import machine, running_code
-from cachecraft.config import Config
-from cachecraft.dataset import load_items
+from cachecraft.bench.common import items_parser, machine, running_code, script_items
 from cachecraft.evaluation import _answer_row, item_chunks, scratch_pipeline
 from cachecraft.intervals import paired, verdict
 from cachecraft.methods import Full, parse_method
@@ -55,17 +51,11 @@ class KeyScale:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--dataset", type=Path, required=True)
-    parser.add_argument("--skip", type=int, default=36)
-    parser.add_argument("--limit", type=int, default=8)
+    parser = items_parser(__doc__.splitlines()[0])
     parser.add_argument("--factors", default="1.0,0.9,1.05,1.1", help="key factors, comma-separated; 1.0 is added")
     args = parser.parse_args()
     factors = list(dict.fromkeys([1.0, *(float(x) for x in args.factors.split(","))]))
-    config = Config.load(overrides={"model": args.model})
-    items = load_items(args.dataset, args.skip + args.limit)[args.skip:]
+    config, items = script_items(args)
     lm = load_model(None, config)
     method = parse_method("cachecraft")
     scale = KeyScale()

@@ -18,17 +18,13 @@ per item; ``--resume`` keeps the items OUT holds and runs the rest.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from cachecraft.bench.common import machine, running_code
-from cachecraft.config import Config
-from cachecraft.dataset import load_items
+from cachecraft.bench.common import items_parser, machine, running_code, script_items
 from cachecraft.engine import Segment, blended_prefill
 from cachecraft.evaluation import InContext, _answer_row, item_chunks, scratch_pipeline
 from cachecraft.intervals import paired, verdict
@@ -68,16 +64,10 @@ def drop_in_context(pipe, chunks) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--dataset", type=Path, required=True)
-    parser.add_argument("--skip", type=int, default=36)
-    parser.add_argument("--limit", type=int, default=8)
+    parser = items_parser(__doc__.splitlines()[0])
     parser.add_argument("--resume", action="store_true", help="keep the items OUT already holds, run the rest")
     args = parser.parse_args()
-    config = Config.load(overrides={"model": args.model})
-    items = load_items(args.dataset, args.skip + args.limit)[args.skip:]
+    config, items = script_items(args)
     lm = load_model(None, config)
     method = parse_method("cachecraft")
     nearest = InContext(method, 1, Embedder().embed).nearest

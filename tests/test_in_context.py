@@ -136,7 +136,9 @@ def test_each_reused_variant_has_what_the_request_saved_folded_into_its_quality(
                                                                                              - stored[c.variant]))
 
 
-def test_warm_with_neighbours_makes_each_chunk_after_its_nearest_chunks(cache_dir, tmp_path):
+@pytest.fixture
+def corpus_pipeline(cache_dir, tmp_path):
+    """A tiny-model pipeline over a small ingested corpus, warming one neighbour per chunk."""
     from tests.test_pipeline import _write_docs
 
     config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32", "chunk_tokens": 24,
@@ -144,50 +146,49 @@ def test_warm_with_neighbours_makes_each_chunk_after_its_nearest_chunks(cache_di
     with TieredStore(config, tiers=("cpu", "disk")) as store:
         pipe = Pipeline(config, lm=tiny_model("llama"), store=store)
         pipe.ingest([_write_docs(tmp_path / "docs")])
-        chunks = pipe.corpus.chunks()
-        near = pipe.corpus.neighbours(1)
-        assert set(near) == {c.id for c in chunks} and all(len(v) == 1 and v[0].id != k for k, v in near.items())
-        report = pipe.warm_corpus()
-        assert (report.made, report.in_context) == (len(chunks), len(chunks))
-        again = pipe.warm_corpus()
-        assert (again.made, again.in_context, again.skipped) == (0, 0, len(chunks))
-        key_of = lambda text: chunk_key(pipe.lm.fingerprint, pipe.builder.build([text], "w").chunks[0])  # noqa: E731
-        prefix_key = chunk_key(pipe.lm.fingerprint, pipe.builder.build([chunks[0].prompt_text], "w").prefix)
-        for chunk in chunks:
-            other = near[chunk.id][0]
-            assert pipe.store.contains(variant_key(key_of(chunk.prompt_text), (prefix_key, key_of(other.prompt_text))))
-            assert pipe.catalog.chunk(key_of(chunk.prompt_text)).source == chunk.source
+        yield pipe
 
 
-def test_sharded_warm_makes_every_variant_after_the_shards_own_caches_and_counts_each_once(cache_dir, tmp_path):
+def test_warm_with_neighbours_makes_each_chunk_after_its_nearest_chunks(corpus_pipeline):
+    pipe = corpus_pipeline
+    chunks = pipe.corpus.chunks()
+    near = pipe.corpus.neighbours(1)
+    assert set(near) == {c.id for c in chunks} and all(len(v) == 1 and v[0].id != k for k, v in near.items())
+    report = pipe.warm_corpus()
+    assert (report.made, report.in_context) == (len(chunks), len(chunks))
+    again = pipe.warm_corpus()
+    assert (again.made, again.in_context, again.skipped) == (0, 0, len(chunks))
+    key_of = lambda text: chunk_key(pipe.lm.fingerprint, pipe.builder.build([text], "w").chunks[0])  # noqa: E731
+    prefix_key = chunk_key(pipe.lm.fingerprint, pipe.builder.build([chunks[0].prompt_text], "w").prefix)
+    for chunk in chunks:
+        other = near[chunk.id][0]
+        assert pipe.store.contains(variant_key(key_of(chunk.prompt_text), (prefix_key, key_of(other.prompt_text))))
+        assert pipe.catalog.chunk(key_of(chunk.prompt_text)).source == chunk.source
+
+
+def test_sharded_warm_makes_every_variant_after_the_shards_own_caches_and_counts_each_once(corpus_pipeline):
     """Two shards as two workers would run them: shard 0 waits (``between``) until shard 1
     has made its own caches, so no variant of shard 0 makes a neighbour's cache that shard 1
     then skips: every chunk is counted made once, by its own shard."""
-    from tests.test_pipeline import _write_docs
+    pipe = corpus_pipeline
+    chunks = pipe.corpus.chunks()
+    key_of = lambda text: chunk_key(pipe.lm.fingerprint, pipe.builder.build([text], "w").chunks[0])  # noqa: E731
+    mine = [c for c in chunks if int(c.id[:12], 16) % 2 == 0]
+    assert 0 < len(mine) < len(chunks)  # both shards hold chunks
+    seen = []
 
-    config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32", "chunk_tokens": 24,
-                                    "warm_context": "none", "warm_neighbours": 1}, environ={})
-    with TieredStore(config, tiers=("cpu", "disk")) as store:
-        pipe = Pipeline(config, lm=tiny_model("llama"), store=store)
-        pipe.ingest([_write_docs(tmp_path / "docs")])
-        chunks = pipe.corpus.chunks()
-        key_of = lambda text: chunk_key(pipe.lm.fingerprint, pipe.builder.build([text], "w").chunks[0])  # noqa: E731
-        mine = [c for c in chunks if int(c.id[:12], 16) % 2 == 0]
-        assert 0 < len(mine) < len(chunks)  # both shards hold chunks
-        seen = []
+    def other_shard_makes_its_own():
+        assert all(pipe.store.variants_of(key_of(c.prompt_text)) for c in mine)
+        assert not any(pipe.store.variants_of(key_of(c.prompt_text)) for c in chunks if c not in mine)
+        seen.append(pipe.warm([c.prompt_text for c in chunks if c not in mine]))
 
-        def other_shard_makes_its_own():
-            assert all(pipe.store.variants_of(key_of(c.prompt_text)) for c in mine)
-            assert not any(pipe.store.variants_of(key_of(c.prompt_text)) for c in chunks if c not in mine)
-            seen.append(pipe.warm([c.prompt_text for c in chunks if c not in mine]))
-
-        first = pipe.warm_corpus(shard=(0, 2), between=other_shard_makes_its_own)
-        assert seen == [len(chunks) - len(mine)]
-        assert (first.made, first.skipped, first.in_context) == (len(mine), 0, len(mine))
-        second = pipe.warm_corpus(shard=(1, 2), between=lambda: None)
-        assert (second.made, second.in_context) == (0, len(chunks) - len(mine))  # made above, as worker 1 would
-        plain = pipe.warm_corpus(shard=(0, 2), between=lambda: seen.append("called"))
-        assert plain.made == 0 and seen[-1] == "called"
+    first = pipe.warm_corpus(shard=(0, 2), between=other_shard_makes_its_own)
+    assert seen == [len(chunks) - len(mine)]
+    assert (first.made, first.skipped, first.in_context) == (len(mine), 0, len(mine))
+    second = pipe.warm_corpus(shard=(1, 2), between=lambda: None)
+    assert (second.made, second.in_context) == (0, len(chunks) - len(mine))  # made above, as worker 1 would
+    plain = pipe.warm_corpus(shard=(0, 2), between=lambda: seen.append("called"))
+    assert plain.made == 0 and seen[-1] == "called"
 
 
 def test_warm_neighbours_is_a_checked_config_key(cache_dir):

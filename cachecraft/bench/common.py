@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
@@ -191,3 +192,22 @@ def pyplot():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def items_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments of a one-measurement script over dataset items: OUT, ``--model``,
+    ``--dataset``, and ``--skip``/``--limit`` (the calibration items, 36 on, by default)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--dataset", type=Path, required=True)
+    parser.add_argument("--skip", type=int, default=36)
+    parser.add_argument("--limit", type=int, default=8)
+    return parser
+
+
+def script_items(args: argparse.Namespace) -> tuple[Config, list]:
+    """The config (``args.model``) and the items an :func:`items_parser` script runs on."""
+    from cachecraft.dataset import load_items
+
+    return Config.load(overrides={"model": args.model}), load_items(args.dataset, args.skip + args.limit)[args.skip:]
