@@ -16,6 +16,7 @@ from cachecraft.evaluation import InContext, item_chunks
 from cachecraft.kv import chunk_key, variant_key
 from cachecraft.methods import parse_methods
 from cachecraft.pipeline import Pipeline
+from cachecraft.pipeline.core import in_shard
 from cachecraft.policy.planner import PolicyParams
 from cachecraft.retrieval.index import ChunkIndex
 from cachecraft.store import TieredStore
@@ -136,6 +137,11 @@ def test_each_reused_variant_has_what_the_request_saved_folded_into_its_quality(
                                                                                              - stored[c.variant]))
 
 
+def _chunk_key_of(pipe: Pipeline, text: str) -> str:
+    """The key of one chunk text's cache."""
+    return chunk_key(pipe.lm.fingerprint, pipe.builder.build([text], "w").chunks[0])
+
+
 @pytest.fixture
 def corpus_pipeline(cache_dir, tmp_path):
     """A tiny-model pipeline over a small ingested corpus, warming one neighbour per chunk."""
@@ -158,7 +164,7 @@ def test_warm_with_neighbours_makes_each_chunk_after_its_nearest_chunks(corpus_p
     assert (report.made, report.in_context) == (len(chunks), len(chunks))
     again = pipe.warm_corpus()
     assert (again.made, again.in_context, again.skipped) == (0, 0, len(chunks))
-    key_of = lambda text: chunk_key(pipe.lm.fingerprint, pipe.builder.build([text], "w").chunks[0])  # noqa: E731
+    key_of = lambda text: _chunk_key_of(pipe, text)  # noqa: E731
     prefix_key = chunk_key(pipe.lm.fingerprint, pipe.builder.build([chunks[0].prompt_text], "w").prefix)
     for chunk in chunks:
         other = near[chunk.id][0]
@@ -172,8 +178,8 @@ def test_sharded_warm_makes_every_variant_after_the_shards_own_caches_and_counts
     then skips: every chunk is counted made once, by its own shard."""
     pipe = corpus_pipeline
     chunks = pipe.corpus.chunks()
-    key_of = lambda text: chunk_key(pipe.lm.fingerprint, pipe.builder.build([text], "w").chunks[0])  # noqa: E731
-    mine = [c for c in chunks if int(c.id[:12], 16) % 2 == 0]
+    key_of = lambda text: _chunk_key_of(pipe, text)  # noqa: E731
+    mine = [c for c in chunks if in_shard(c.id, (0, 2))]
     assert 0 < len(mine) < len(chunks)  # both shards hold chunks
     seen = []
 

@@ -18,6 +18,7 @@ import torch
 
 import cachecraft
 from cachecraft.config import ENV_PREFIX, Config
+from cachecraft.dataset import load_items
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -208,6 +209,4 @@ def items_parser(description: str) -> argparse.ArgumentParser:
 
 def script_items(args: argparse.Namespace) -> tuple[Config, list]:
     """The config (``args.model``) and the items an :func:`items_parser` script runs on."""
-    from cachecraft.dataset import load_items
-
     return Config.load(overrides={"model": args.model}), load_items(args.dataset, args.skip + args.limit)[args.skip:]

@@ -59,6 +59,13 @@ from cachecraft import warm_context
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
+
+
+def in_shard(chunk_id: str, shard: tuple[int, int]) -> bool:
+    """Whether the chunk ``chunk_id`` is in the i-th of n disjoint parts of the corpus
+    (``shard=(i, n)``) that parallel warm workers take, by its id."""
+    index, count = shard
+    return int(chunk_id[:12], 16) % count == index
 Observer = Callable[[PrefillTrace], None]
 
 
@@ -285,7 +292,7 @@ class Pipeline:
         if not 0 <= index < count:
             raise ValueError(f"shard must be (i, n) with 0 <= i < n, got {shard}")
         self._require_corpus()
-        chunks = [c for c in self.corpus.chunks() if int(c.id[:12], 16) % count == index]
+        chunks = [c for c in self.corpus.chunks() if in_shard(c.id, shard)]
         near = self.corpus.neighbours(self.config.warm_neighbours) if self.config.warm_neighbours else {}
         made = in_context = 0
         steps = len(chunks) * (2 if near else 1)
