@@ -18,17 +18,13 @@ factor (1.0 is the shipped policy as it is), every answer compared with full's. 
 
 from __future__ import annotations
 
-import gc
 import json
-import statistics
-import sys
-import time
 
 import cachecraft.engine.blend as blend
-from cachecraft.bench.common import items_parser, machine, running_code, script_items
-from cachecraft.evaluation import _answer_row, item_chunks, scratch_pipeline
-from cachecraft.intervals import paired, verdict
-from cachecraft.methods import Full, parse_method
+from cachecraft.bench.common import (items_parser, runs_against_full, script_items, script_run, summarise_runs,
+                                    write_script_result)
+from cachecraft.evaluation import scratch_pipeline
+from cachecraft.methods import parse_method
 from cachecraft.model.loader import load_model
 
 KEYS = ("answer_kl", "token_agreement", "kl", "recompute_fraction", "ttft_s", "gold_f1", "answer")
@@ -61,49 +57,24 @@ def main() -> None:
     scale = KeyScale()
     blend._cached_kv = scale
     rows: list[dict] = []
-    run = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-           "code": running_code()}
+    run = script_run()
+
+    def use(factor) -> None:
+        scale.factor = factor if isinstance(factor, float) else 1.0  # caches and full's answer: unscaled
+
     with scratch_pipeline(lm, config) as pipe:
         pipe.ensure_cost_model()
-        for item in items:
-            chunks = item_chunks(item)
-            scale.factor = 1.0  # the caches are made as warm makes them
-            pipe.warm(chunks)
-            _, reference = _answer_row(pipe, item, chunks, Full(), None, 32, None, None)
-            for factor in factors:
-                scale.factor = factor
-                gc.collect()
-                row, _ = _answer_row(pipe, item, chunks, method, reference, 32, None, None)
-                rows.append({"item": item.index, "factor": factor, **{k: row[k] for k in KEYS}})
-            scale.factor = 1.0
-            pipe.forget(chunks)
-            print(f"item {item.index}: answer KL " + ", ".join(
-                f"x{r['factor']:g} {r['answer_kl']:.4f}" for r in rows if r["item"] == item.index), flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"benchmark": "key_temperature", "run": run, "model": args.model,
-                                            "dataset": str(args.dataset), "machine": machine(),
-                                            **summarise(rows, factors)}, indent=2))
+        for item_rows in runs_against_full(pipe, items, method, factors, "factor", use, KEYS):
+            rows += item_rows
+            print(f"item {item_rows[0]['item']}: answer KL " + ", ".join(
+                f"x{r['factor']:g} {r['answer_kl']:.4f}" for r in item_rows), flush=True)
+            write_script_result(args, "key_temperature", run=run, **summarise(rows, factors))
     print(json.dumps(summarise(rows, factors)["paired"], indent=2))
 
 
 def summarise(rows: list[dict], factors: list[float]) -> dict:
     """Means per factor and each factor paired with 1.0, item by item, so far."""
-
-    def of(factor: float, key: str) -> list[float]:
-        return [r[key] for r in rows if r["factor"] == factor]
-
-    summary = {f"{f:g}": {"answer_kl": statistics.fmean(of(f, "answer_kl")),
-                          "token_agreement": statistics.fmean(of(f, "token_agreement")),
-                          "first_token_kl": statistics.fmean(of(f, "kl")),
-                          "recompute": statistics.fmean(of(f, "recompute_fraction"))} for f in factors}
-    comparisons = []
-    for f in factors[1:]:
-        entry = {"factor": f, "against": 1.0}
-        for key, lower in (("answer_kl", True), ("token_agreement", False), ("kl", True)):
-            d = paired(of(f, key), of(1.0, key))
-            entry[key] = {**d.to_dict(), "verdict": verdict(d, lower_is_better=lower)}
-        comparisons.append(entry)
-    return {"items": len(of(1.0, "answer_kl")), "summary": summary, "paired": comparisons, "per_item": rows}
+    return summarise_runs(rows, "factor", factors, 1.0, name=lambda factor: f"{factor:g}")
 
 
 if __name__ == "__main__":

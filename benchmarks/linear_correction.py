@@ -26,19 +26,16 @@ every item.
 
 from __future__ import annotations
 
-import gc
 import json
 import statistics
-import sys
-import time
 
 import torch
 
 import cachecraft.engine.blend as blend
-from cachecraft.bench.common import items_parser, machine, running_code, script_items
-from cachecraft.evaluation import _answer_row, item_chunks, scratch_pipeline
-from cachecraft.intervals import paired, verdict
-from cachecraft.methods import Full, parse_method
+from cachecraft.bench.common import (FULL_RUN, items_parser, runs_against_full, script_items, script_run,
+                                    summarise_runs, write_script_result)
+from cachecraft.evaluation import scratch_pipeline
+from cachecraft.methods import parse_method
 from cachecraft.model.loader import load_model
 
 MAPS = ("exact", "bias", "chunk-bias", "affine", "chunk-affine")
@@ -133,56 +130,37 @@ def main() -> None:
     blend._layer, blend._cached_kv = oracle.layer, oracle.cached_kv
     runs = ["shipped", *kinds]
     rows: list[dict] = []
-    run = {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-           "code": running_code()}
+    run = script_run()
+
+    removed: dict[str, float] = {}  # the item's runs: each one's share of the deviation removed
+    last: list = [None]
+
+    def use(kind) -> None:
+        if last[0] in runs:  # a run just ended: keep what its map removed
+            removed[last[0]] = statistics.fmean(oracle.removed) if oracle.removed else 0.0
+        elif kind is None:  # an item starts: full's K/V and the figures of the last are of no more use
+            oracle.full = {}
+            removed.clear()
+        last[0] = kind
+        oracle.recording = kind == FULL_RUN
+        oracle.kind = kind if kind in MAPS else None
+        oracle.removed = []
+
     with scratch_pipeline(lm, config) as pipe:
         pipe.ensure_cost_model()
-        for item in items:
-            chunks = item_chunks(item)
-            oracle.kind, oracle.full = None, {}
-            pipe.warm(chunks)
-            oracle.recording = True
-            _, reference = _answer_row(pipe, item, chunks, Full(), None, 32, None, None)
-            oracle.recording = False
-            for kind in runs:
-                oracle.kind = None if kind == "shipped" else kind
-                oracle.removed = []
-                gc.collect()
-                row, _ = _answer_row(pipe, item, chunks, method, reference, 32, None, None)
-                removed = statistics.fmean(oracle.removed) if oracle.removed else 0.0
-                rows.append({"item": item.index, "map": kind, "deviation_removed": removed,
-                             **{k: row[k] for k in KEYS}})
-            oracle.kind, oracle.full = None, {}
-            pipe.forget(chunks)
-            print(f"item {item.index}: answer KL " + ", ".join(
-                f"{r['map']} {r['answer_kl']:.4f}" for r in rows if r["item"] == item.index), flush=True)
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"benchmark": "linear_correction", "run": run, "model": args.model,
-                                            "dataset": str(args.dataset), "machine": machine(),
-                                            **summarise(rows, runs)}, indent=2))
+        for item_rows in runs_against_full(pipe, items, method, runs, "map", use, KEYS):
+            for row in item_rows:
+                row["deviation_removed"] = removed[row["map"]]
+            rows += item_rows
+            print(f"item {item_rows[0]['item']}: answer KL " + ", ".join(
+                f"{r['map']} {r['answer_kl']:.4f}" for r in item_rows), flush=True)
+            write_script_result(args, "linear_correction", run=run, **summarise(rows, runs))
     print(json.dumps(summarise(rows, runs)["paired"], indent=2))
 
 
 def summarise(rows: list[dict], runs: list[str]) -> dict:
     """Means per run and each map paired with the shipped run, item by item, so far."""
-
-    def of(kind: str, key: str) -> list[float]:
-        return [r[key] for r in rows if r["map"] == kind]
-
-    summary = {k: {"answer_kl": statistics.fmean(of(k, "answer_kl")),
-                   "token_agreement": statistics.fmean(of(k, "token_agreement")),
-                   "first_token_kl": statistics.fmean(of(k, "kl")),
-                   "recompute": statistics.fmean(of(k, "recompute_fraction")),
-                   "deviation_removed": statistics.fmean(of(k, "deviation_removed"))} for k in runs}
-    comparisons = []
-    for kind in runs[1:]:
-        entry = {"map": kind, "against": "shipped",
-                 "lower_on": sum(a < b for a, b in zip(of(kind, "answer_kl"), of("shipped", "answer_kl")))}
-        for key, lower in (("answer_kl", True), ("token_agreement", False), ("kl", True)):
-            d = paired(of(kind, key), of("shipped", key))
-            entry[key] = {**d.to_dict(), "verdict": verdict(d, lower_is_better=lower)}
-        comparisons.append(entry)
-    return {"items": len(of("shipped", "answer_kl")), "summary": summary, "paired": comparisons, "per_item": rows}
+    return summarise_runs(rows, "map", runs, "shipped", extra=("deviation_removed",))
 
 
 if __name__ == "__main__":

@@ -24,10 +24,10 @@ import statistics
 import sys
 import time
 
-from cachecraft.bench.common import items_parser, machine, running_code, script_items
+from cachecraft.bench.common import (answer_means, items_parser, paired_figures, running_code, script_items,
+                                    write_script_result)
 from cachecraft.engine import Segment, blended_prefill
 from cachecraft.evaluation import InContext, _answer_row, item_chunks, scratch_pipeline
-from cachecraft.intervals import paired, verdict
 from cachecraft.kv import chunk_key
 from cachecraft.methods import Full, parse_method
 from cachecraft.model.loader import load_model
@@ -108,10 +108,7 @@ def main() -> None:
                   f"a fresh one; answer KL {new['answer_kl']:.4f} against {old['answer_kl']:.4f} (plain "
                   f"{plain['answer_kl']:.4f})", flush=True)
             result = summarise(rows, timing, method.label)  # written after every item: a stopped run keeps them
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps({"benchmark": "variant_neighbour", "runs": runs, "model": args.model,
-                                            "dataset": str(args.dataset), "items": len(timing),
-                                            "machine": machine(), **result}, indent=2))
+            write_script_result(args, "variant_neighbour", runs=runs, items=len(timing), **result)
     if timing:
         result = summarise(rows, timing, method.label)
         print(json.dumps({k: result[k] for k in ("summary", "paired", "variant_time")}, indent=2))
@@ -123,19 +120,13 @@ def summarise(rows: list[dict], timing: list[dict], plain: str) -> dict:
     def of(label: str, key: str) -> list[float]:
         return [r[key] for r in rows if r["method"] == label]
 
-    summary = {label: {"recompute": statistics.fmean(of(label, "recompute_fraction")),
-                       "answer_kl": statistics.fmean(of(label, "answer_kl")),
-                       "token_agreement": statistics.fmean(of(label, "token_agreement")),
-                       "first_token_kl": statistics.fmean(of(label, "kl")),
+    summary = {label: {**answer_means(lambda key: of(label, key)),
                        "ttft_s_median": statistics.median(of(label, "ttft_s"))}
                for label in ("full", plain, NEW, OLD)}
     comparisons = []
     for a, b in ((NEW, OLD), (NEW, plain), (OLD, plain)):
-        entry = {"method": a, "against": b}
-        for key, lower in (("answer_kl", True), ("token_agreement", False), ("kl", True)):
-            d = paired(of(a, key), of(b, key))
-            entry[key] = {**d.to_dict(), "verdict": verdict(d, lower_is_better=lower)}
-        comparisons.append(entry)
+        comparisons.append({"method": a, "against": b,
+                            **paired_figures(lambda key: of(a, key), lambda key: of(b, key))})
     variant_time = {"new_s": sum(t["new_s"] for t in timing), "old_s": sum(t["old_s"] for t in timing)}
     variant_time["ratio"] = variant_time["new_s"] / variant_time["old_s"]
     return {"summary": summary, "paired": comparisons, "variant_time": variant_time, "timing": timing,

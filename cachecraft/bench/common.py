@@ -4,21 +4,25 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import json
 import os
 import platform
 import shlex
 import subprocess
 import sys
+import statistics
 import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 import cachecraft
 from cachecraft.config import ENV_PREFIX, Config
 from cachecraft.dataset import load_items
+from cachecraft.intervals import paired, verdict
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -210,3 +214,90 @@ def items_parser(description: str) -> argparse.ArgumentParser:
 def script_items(args: argparse.Namespace) -> tuple[Config, list]:
     """The config (``args.model``) and the items an :func:`items_parser` script runs on."""
     return Config.load(overrides={"model": args.model}), load_items(args.dataset, args.skip + args.limit)[args.skip:]
+
+
+# The answer-level figures a one-measurement script pairs, and whether lower is better
+ANSWER_FIGURES = (("answer_kl", True), ("token_agreement", False), ("kl", True))
+
+
+def paired_figures(ours: Callable[[str], list[float]], theirs: Callable[[str], list[float]]) -> dict[str, Any]:
+    """Answer KL, token agreement and first-token KL of one run paired item by item with
+    another's (``ours(key)`` and ``theirs(key)``: the per-item values), each with its verdict."""
+    out: dict[str, Any] = {}
+    for key, lower in ANSWER_FIGURES:
+        difference = paired(ours(key), theirs(key))
+        out[key] = {**difference.to_dict(), "verdict": verdict(difference, lower_is_better=lower)}
+    return out
+
+
+def script_run() -> dict[str, Any]:
+    """The running script's command line, start time and code, for its result file."""
+    return {"command": " ".join(["python", *sys.argv]), "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "code": running_code()}
+
+
+def write_script_result(args: argparse.Namespace, benchmark: str, **fields: Any) -> None:
+    """Write an :func:`items_parser` script's OUT: its name, model, dataset, the machine,
+    then ``fields``. Scripts call it after every item, so a stopped run keeps what it measured."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"benchmark": benchmark, "model": args.model, "dataset": str(args.dataset),
+                                    "machine": machine(), **fields}, indent=2))
+
+
+def answer_means(values: Callable[[str], list[float]]) -> dict[str, float]:
+    """A run's means over items (``values(key)``: its per-item values) of answer KL, token
+    agreement, first-token KL and the recomputed share."""
+    return {"answer_kl": statistics.fmean(values("answer_kl")),
+            "token_agreement": statistics.fmean(values("token_agreement")),
+            "first_token_kl": statistics.fmean(values("kl")),
+            "recompute": statistics.fmean(values("recompute_fraction"))}
+
+
+def summarise_runs(rows: list[dict], label_key: str, labels: Sequence[Any], baseline: Any,
+                   name: Callable[[Any], str] = str, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """What a :func:`runs_against_full` script reports so far: per label (``name(label)``
+    in the summary), the means of :func:`answer_means` and of the ``extra`` row fields; and
+    each other label paired item by item with ``baseline``, with the number of items on
+    which its answer KL was lower."""
+
+    def of(label: Any, key: str) -> list[float]:
+        return [r[key] for r in rows if r[label_key] == label]
+
+    summary = {name(label): {**answer_means(lambda key: of(label, key)),
+                             **{key: statistics.fmean(of(label, key)) for key in extra}} for label in labels}
+    comparisons = [{label_key: label, "against": baseline,
+                    "lower_on": sum(a < b for a, b in zip(of(label, "answer_kl"), of(baseline, "answer_kl"))),
+                    **paired_figures(lambda key: of(label, key), lambda key: of(baseline, key))}
+                   for label in labels if label != baseline]
+    return {"items": len(of(baseline, "answer_kl")), "summary": summary, "paired": comparisons, "per_item": rows}
+
+
+def runs_against_full(pipe: Any, items: Sequence[Any], method: Any, labels: Sequence[Any], label_key: str,
+                      use: Callable[[Any], None], fields: Sequence[str]) -> Iterator[list[dict]]:
+    """One request of ``method`` per label on each item, every answer compared with full's,
+    through the one request path; yields each item's rows (``item``, ``label_key``: the
+    label, then ``fields`` of the row). ``use(label)`` sets a run up before it, with
+    ``use(None)`` around making the item's caches and after its runs, and
+    ``use(FULL_RUN)`` before full's reference answer."""
+    # here, not at the top: the result renderers import this module and need no model code
+    from cachecraft.evaluation import _answer_row, item_chunks
+    from cachecraft.methods import Full
+
+    for item in items:
+        chunks = item_chunks(item)
+        use(None)  # the caches are made as warm makes them
+        pipe.warm(chunks)
+        use(FULL_RUN)
+        _, reference = _answer_row(pipe, item, chunks, Full(), None, 32, None, None)
+        rows = []
+        for label in labels:
+            use(label)
+            gc.collect()
+            row, _ = _answer_row(pipe, item, chunks, method, reference, 32, None, None)
+            rows.append({"item": item.index, label_key: label, **{k: row[k] for k in fields}})
+        use(None)
+        pipe.forget(chunks)
+        yield rows
+
+
+FULL_RUN = "full"  # what runs_against_full passes its set-up before full's reference answer
