@@ -1,7 +1,8 @@
-"""Result files record the code that made them."""
+"""Result files record the code that made them; the one-measurement scripts summarise their runs."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import subprocess
@@ -9,7 +10,7 @@ import subprocess
 import pytest
 
 import cachecraft
-from cachecraft.bench.common import code_identity, write_result
+from cachecraft.bench.common import code_identity, summarise_runs, write_result, write_script_result
 from cachecraft.bench.report import describe_code
 
 needs_git = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
@@ -96,3 +97,37 @@ def test_write_result_records_the_code_and_the_report_names_it(tmp_path):
         == "cachecraft 0.1.0, commit 0123456789 with uncommitted changes"
     assert describe_code({"code": {"version": "0.1.0", "commit": None}}) == "cachecraft 0.1.0, not from a git checkout"
     assert describe_code({}) == "not recorded"
+
+
+def _row(item, label, answer_kl, agreement, kl, recompute, **extra):
+    return {"item": item, "way": label, "answer_kl": answer_kl, "token_agreement": agreement, "kl": kl,
+            "recompute_fraction": recompute, **extra}
+
+
+def test_summarise_runs_means_each_run_and_pairs_the_others_with_the_baseline():
+    rows = [_row(1, "base", 0.2, 0.9, 0.3, 0.05, removed=0.0), _row(1, "new", 0.1, 1.0, 0.2, 0.05, removed=0.5),
+            _row(2, "base", 0.4, 0.8, 0.5, 0.05, removed=0.0), _row(2, "new", 0.5, 0.8, 0.1, 0.05, removed=0.25)]
+    out = summarise_runs(rows, "way", ["base", "new"], "base", name=str.upper, extra=("removed",))
+    assert out["items"] == 2 and out["per_item"] is rows
+    assert out["summary"]["NEW"]["answer_kl"] == pytest.approx(0.3)  # (0.1 + 0.5) / 2
+    assert out["summary"]["NEW"]["token_agreement"] == pytest.approx(0.9)
+    assert out["summary"]["NEW"]["first_token_kl"] == pytest.approx(0.15)
+    assert out["summary"]["NEW"]["removed"] == pytest.approx(0.375)
+    assert out["summary"]["BASE"]["recompute"] == pytest.approx(0.05)
+    [pair] = out["paired"]
+    assert pair["way"] == "new" and pair["against"] == "base"
+    assert pair["lower_on"] == 1  # item 1: 0.1 < 0.2; item 2: 0.5 > 0.4
+    assert pair["answer_kl"]["mean"] == pytest.approx(0.0)  # (-0.1 + 0.1) / 2
+    assert pair["token_agreement"]["mean"] == pytest.approx(0.05)
+    assert pair["kl"]["mean"] == pytest.approx(-0.25)  # (-0.1 - 0.4) / 2
+    assert {pair[k]["verdict"] for k in ("answer_kl", "token_agreement", "kl")} <= {
+        "better", "worse", "no measurable difference"}
+
+
+def test_write_script_result_names_the_benchmark_model_and_dataset(tmp_path):
+    args = argparse.Namespace(out=tmp_path / "deep" / "out.json", model="smollm2", dataset=tmp_path / "items.json")
+    write_script_result(args, "a_measurement", items=3)
+    written = json.loads(args.out.read_text())
+    assert (written["benchmark"], written["model"], written["dataset"], written["items"]) == (
+        "a_measurement", "smollm2", str(tmp_path / "items.json"), 3)
+    assert "machine" in written
