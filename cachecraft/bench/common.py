@@ -9,9 +9,9 @@ import json
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
-import statistics
 import threading
 import time
 from pathlib import Path
