@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 
 import cachecraft.engine.blend as blend
-from cachecraft.bench.common import (items_parser, runs_against_full, script_items, script_run, summarise_runs,
-                                    write_script_result)
+from cachecraft.bench.common import (items_parser, record_item, runs_against_full, script_items, script_run,
+                                    summarise_runs)
 from cachecraft.evaluation import scratch_pipeline
 from cachecraft.methods import parse_method
 from cachecraft.model.loader import load_model
@@ -65,10 +65,8 @@ def main() -> None:
     with scratch_pipeline(lm, config) as pipe:
         pipe.ensure_cost_model()
         for item_rows in runs_against_full(pipe, items, method, factors, "factor", use, KEYS):
-            rows += item_rows
-            print(f"item {item_rows[0]['item']}: answer KL " + ", ".join(
-                f"x{r['factor']:g} {r['answer_kl']:.4f}" for r in item_rows), flush=True)
-            write_script_result(args, "key_temperature", run=run, **summarise(rows, factors))
+            record_item(args, "key_temperature", run, rows, item_rows, lambda r: f"x{r['factor']:g}",
+                        lambda: summarise(rows, factors))
     print(json.dumps(summarise(rows, factors)["paired"], indent=2))
 
 

@@ -32,8 +32,8 @@ import statistics
 import torch
 
 import cachecraft.engine.blend as blend
-from cachecraft.bench.common import (FULL_RUN, items_parser, runs_against_full, script_items, script_run,
-                                    summarise_runs, write_script_result)
+from cachecraft.bench.common import (FULL_RUN, items_parser, record_item, runs_against_full, script_items,
+                                    script_run, summarise_runs)
 from cachecraft.evaluation import scratch_pipeline
 from cachecraft.methods import parse_method
 from cachecraft.model.loader import load_model
@@ -151,10 +151,8 @@ def main() -> None:
         for item_rows in runs_against_full(pipe, items, method, runs, "map", use, KEYS):
             for row in item_rows:
                 row["deviation_removed"] = removed[row["map"]]
-            rows += item_rows
-            print(f"item {item_rows[0]['item']}: answer KL " + ", ".join(
-                f"{r['map']} {r['answer_kl']:.4f}" for r in item_rows), flush=True)
-            write_script_result(args, "linear_correction", run=run, **summarise(rows, runs))
+            record_item(args, "linear_correction", run, rows, item_rows, lambda r: r["map"],
+                        lambda: summarise(rows, runs))
     print(json.dumps(summarise(rows, runs)["paired"], indent=2))
 
 

@@ -300,4 +300,14 @@ def runs_against_full(pipe: Any, items: Sequence[Any], method: Any, labels: Sequ
         yield rows
 
 
+def record_item(args: argparse.Namespace, benchmark: str, run: dict[str, Any], rows: list[dict],
+                item_rows: list[dict], label: Callable[[dict], str], summary: Callable[[], dict[str, Any]]) -> None:
+    """Add one item's rows (from :func:`runs_against_full`) to ``rows``, print its answer KL
+    per run (named by ``label(row)``) and write OUT with ``summary()`` of the rows so far."""
+    rows += item_rows
+    print(f"item {item_rows[0]['item']}: answer KL " + ", ".join(
+        f"{label(r)} {r['answer_kl']:.4f}" for r in item_rows), flush=True)
+    write_script_result(args, benchmark, run=run, **summary())
+
+
 FULL_RUN = "full"  # what runs_against_full passes its set-up before full's reference answer
