@@ -87,7 +87,7 @@ class Oracle:
         self.kind: str | None = None
         self.recording = False
         self.full: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}  # tokens -> layer -> K, V
-        self.removed: list[float] = []  # per layer and side: share of the squared deviation removed
+        self.removed: dict[str, list[float]] = {}  # per map, per layer and side: share of the squared deviation removed
         self._layer, self._assemble = blend._layer, blend._cached_kv
 
     def layer(self, adapter, lay, run, hooks, layer, rope, saved):
@@ -111,7 +111,7 @@ class Oracle:
             fixed = corrected(cached, full, self.kind, chunks, rows)
             before = (cached[:, rows] - full[:, rows]).square().sum()
             after = (fixed[:, rows] - full[:, rows]).square().sum()
-            self.removed.append(float(1 - after / before) if before > 0 else 0.0)
+            self.removed.setdefault(self.kind, []).append(float(1 - after / before) if before > 0 else 0.0)
             out.append(fixed)
         return out[0], out[1]
 
@@ -132,25 +132,17 @@ def main() -> None:
     rows: list[dict] = []
     run = script_run()
 
-    removed: dict[str, float] = {}  # the item's runs: each one's share of the deviation removed
-    last: list = [None]
-
-    def use(kind) -> None:
-        if last[0] in runs:  # a run just ended: keep what its map removed
-            removed[last[0]] = statistics.fmean(oracle.removed) if oracle.removed else 0.0
-        elif kind is None:  # an item starts: full's K/V and the figures of the last are of no more use
+    def use(label) -> None:
+        if label == FULL_RUN:  # the last item's K/V are of no more use
             oracle.full = {}
-            removed.clear()
-        last[0] = kind
-        oracle.recording = kind == FULL_RUN
-        oracle.kind = kind if kind in MAPS else None
-        oracle.removed = []
+        oracle.recording = label == FULL_RUN
+        oracle.kind = label if label in MAPS else None
 
     with scratch_pipeline(lm, config) as pipe:
         pipe.ensure_cost_model()
         for item_rows in runs_against_full(pipe, items, method, runs, "map", use, KEYS):
             for row in item_rows:
-                row["deviation_removed"] = removed[row["map"]]
+                row["deviation_removed"] = statistics.fmean(oracle.removed.pop(row["map"], [0.0]))
             record_item(args, "linear_correction", run, rows, item_rows, lambda r: r["map"],
                         lambda: summarise(rows, runs))
     print(json.dumps(summarise(rows, runs)["paired"], indent=2))

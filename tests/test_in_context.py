@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -164,7 +165,7 @@ def test_warm_with_neighbours_makes_each_chunk_after_its_nearest_chunks(corpus_p
     assert (report.made, report.in_context) == (len(chunks), len(chunks))
     again = pipe.warm_corpus()
     assert (again.made, again.in_context, again.skipped) == (0, 0, len(chunks))
-    key_of = lambda text: _chunk_key_of(pipe, text)  # noqa: E731
+    key_of = functools.partial(_chunk_key_of, pipe)
     prefix_key = chunk_key(pipe.lm.fingerprint, pipe.builder.build([chunks[0].prompt_text], "w").prefix)
     for chunk in chunks:
         other = near[chunk.id][0]
@@ -178,7 +179,7 @@ def test_sharded_warm_makes_every_variant_after_the_shards_own_caches_and_counts
     then skips: every chunk is counted made once, by its own shard."""
     pipe = corpus_pipeline
     chunks = pipe.corpus.chunks()
-    key_of = lambda text: _chunk_key_of(pipe, text)  # noqa: E731
+    key_of = functools.partial(_chunk_key_of, pipe)
     mine = [c for c in chunks if in_shard(c.id, (0, 2))]
     assert 0 < len(mine) < len(chunks)  # both shards hold chunks
     seen = []

@@ -272,6 +272,9 @@ def summarise_runs(rows: list[dict], label_key: str, labels: Sequence[Any], base
     return {"items": len(of(baseline, "answer_kl")), "summary": summary, "paired": comparisons, "per_item": rows}
 
 
+FULL_RUN = "full"  # what runs_against_full passes its set-up before full's reference answer
+
+
 def runs_against_full(pipe: Any, items: Sequence[Any], method: Any, labels: Sequence[Any], label_key: str,
                       use: Callable[[Any], None], fields: Sequence[str]) -> Iterator[list[dict]]:
     """One request of ``method`` per label on each item, every answer compared with full's,
@@ -308,6 +311,3 @@ def record_item(args: argparse.Namespace, benchmark: str, run: dict[str, Any], r
     print(f"item {item_rows[0]['item']}: answer KL " + ", ".join(
         f"{label(r)} {r['answer_kl']:.4f}" for r in item_rows), flush=True)
     write_script_result(args, benchmark, run=run, **summary())
-
-
-FULL_RUN = "full"  # what runs_against_full passes its set-up before full's reference answer

@@ -59,6 +59,7 @@ from cachecraft import warm_context
 log = logging.getLogger(__name__)
 
 Progress = Callable[[int, int], None]
+Observer = Callable[[PrefillTrace], None]
 
 
 def in_shard(chunk_id: str, shard: tuple[int, int]) -> bool:
@@ -66,7 +67,6 @@ def in_shard(chunk_id: str, shard: tuple[int, int]) -> bool:
     (``shard=(i, n)``) that parallel warm workers take, by its id."""
     index, count = shard
     return int(chunk_id[:12], 16) % count == index
-Observer = Callable[[PrefillTrace], None]
 
 
 @dataclass(frozen=True)
