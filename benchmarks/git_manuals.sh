@@ -8,8 +8,9 @@
 # It gathers 41 files (git's howtos, the first 20 technical notes, four HTML guides and
 # the README) into benchmarks/data/git-docs, ingests them, turns the questions in
 # benchmarks/data/git_questions.txt into a MuSiQue-format file of the chunks `query`
-# retrieves for each (benchmarks/data/git_manuals.json), and runs `bench quality` on it
-# per model, with the chunk-caches made as `warm` makes them.
+# retrieves for each (benchmarks/data/git_manuals.json; git_manuals_document.json with
+# retrieval_order "document"), and runs `bench quality` on both per model, with the
+# chunk-caches made as `warm` makes them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DOC=/usr/share/doc/git
@@ -22,6 +23,9 @@ for page in gittutorial gitcore-tutorial giteveryday user-manual; do cp "$DOC/ht
 cp "$DOC/README.md" "$DOCS"/
 cachecraft ingest "$DOCS"
 cachecraft bench dataset --questions benchmarks/data/git_questions.txt --out benchmarks/data/git_manuals.json
+# the same questions with each file's retrieved chunks side by side, in the file's order
+CACHECRAFT_RETRIEVAL_ORDER=document cachecraft bench dataset --questions benchmarks/data/git_questions.txt \
+  --out benchmarks/data/git_manuals_document.json
 # questions kept apart, for checking a setting before it is reported on the ones above
 cachecraft bench dataset --questions benchmarks/data/git_questions_heldout.txt \
   --out benchmarks/data/git_manuals_heldout.json
@@ -29,4 +33,7 @@ for model in ${MODELS:-smollm2 qwen2.5-coder-0.5b}; do
   cachecraft bench quality --model "$model" --dataset benchmarks/data/git_manuals.json --limit 24 \
     --warm-context builtin --methods full,cachecraft,cacheblend@0.15 \
     --out "benchmarks/results/git_manuals_${model%%-*}.json"
+  cachecraft bench quality --model "$model" --dataset benchmarks/data/git_manuals_document.json --limit 24 \
+    --warm-context builtin --methods full,cachecraft,cacheblend@0.15 \
+    --out "benchmarks/results/git_manuals_document_${model%%-*}.json"
 done

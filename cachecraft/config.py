@@ -41,6 +41,9 @@ _KV_DTYPES = ("float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _EVICTION = ("cachecraft", "lru", "lfu", "pgdsf")
 _CHUNK_ORDERS = ("given", "cache")
+# score: retrieved chunks best first; document: one file's chunks together, in the file's
+# order, where its best chunk ranks (a page cut in two then reads top to bottom)
+RETRIEVAL_ORDERS = ("score", "document")
 # how a drift shift turns its measuring tokens' changes into a chunk's move (the engine's
 # Segment.drift_estimator; policy_drift_estimator)
 DRIFT_ESTIMATORS = ("mean", "median", "shrunk", "pooled")
@@ -158,9 +161,11 @@ class Config:
     chunk_tokens: int = 256  # generator tokens per ingested chunk, title included
     chunk_overlap: int = 0
     top_k: int = 3
+    retrieval_order: str = "score"  # RETRIEVAL_ORDERS: best first, or each file's chunks in its order
     warm_context: str = "builtin"  # text chunk-caches are warmed after: builtin, none, or a text file
     warm_context_tokens: int = 1024
     warm_neighbours: int = 0  # also make each chunk's cache after each of its N nearest chunks in the index
+    warm_previous: bool = False  # also make each chunk's cache after the chunk before it in its file
     # given: a request's chunks stay in the order given (retrieval's, best first); cache: they
     # are chained so that chunks come right after a chunk one of their variants was made after
     chunk_order: str = "given"
@@ -217,6 +222,8 @@ class Config:
         check(0 <= self.chunk_overlap <= self.chunk_tokens // 2,
               f"chunk_overlap must be within [0, chunk_tokens / 2], got {self.chunk_overlap}")
         check(self.top_k >= 1, f"top_k must be >= 1, got {self.top_k}")
+        check(self.retrieval_order in RETRIEVAL_ORDERS,
+              f"retrieval_order must be one of {RETRIEVAL_ORDERS}, got {self.retrieval_order!r}")
         check(self.warm_context in ("builtin", "none") or Path(self.warm_context).expanduser().is_file(),
               f"warm_context must be 'builtin', 'none' or an existing text file, got {self.warm_context!r}")
         check(self.warm_context_tokens >= 0, f"warm_context_tokens must be >= 0, got {self.warm_context_tokens}")

@@ -18,7 +18,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ContextManager, Iterator, Sequence
+from typing import Callable, ContextManager, Iterator, Mapping, Sequence
 
 import torch
 
@@ -80,12 +80,14 @@ class InContext:
     ``warm_neighbours`` makes from the index), labelled ``method+nbN``. Run after the plain
     methods, which therefore never see those variants. The neighbours are found among the
     item's own passages, or, given a ``pool`` (formatted chunk texts: a whole corpus), among
-    the pool's, as ``warm`` finds them in a real index."""
+    the pool's, as ``warm`` finds them in a real index. Given ``previous`` (a chunk text ->
+    the text of the chunk before it in its file), each passage's one variant is made after
+    that chunk instead, as ``warm --previous`` makes it."""
 
     SUFFIX = "+nb"
 
     def __init__(self, method: Method, neighbours: int, embed: Callable[[Sequence[str]], "object"],
-                 pool: Sequence[str] | None = None):
+                 pool: Sequence[str] | None = None, previous: Mapping[str, str] | None = None):
         if neighbours < 1:
             raise ValueError(f"neighbours must be at least 1, got {neighbours}")
         if pool is not None and len(set(pool)) < 2:
@@ -93,6 +95,7 @@ class InContext:
         self.method, self.neighbours, self.embed = method, neighbours, embed
         self.pool = list(dict.fromkeys(pool)) if pool is not None else None
         self._pool_index = None
+        self.previous = previous
 
     @property
     def label(self) -> str:
@@ -107,8 +110,12 @@ class InContext:
 
     def nearest(self, chunks: Sequence[str]) -> list[list[str]]:
         """For each passage, the texts of its ``neighbours`` nearest other passages, most
-        similar first (a copy of its own text is never its neighbour)."""
+        similar first (a copy of its own text is never its neighbour); with ``previous``,
+        the chunk before it in its file (none for a file's first chunk)."""
         from cachecraft.retrieval.index import ChunkIndex
+
+        if self.previous is not None:
+            return [[self.previous[chunk]] if chunk in self.previous else [] for chunk in chunks]
 
         vectors = self.embed(list(chunks))
         if self.pool is None:

@@ -321,6 +321,12 @@ def warm_cmd(
                                                   "config warm_neighbours (0). Costs N more prefills of one "
                                                   "chunk (the neighbour comes from its own cache) and N more "
                                                   "caches per chunk."),
+    previous: Optional[bool] = typer.Option(None, "--previous/--no-previous",
+                                            help="Also make each chunk's cache after the chunk before it in "
+                                                 "its file (an in-context variant that a query in "
+                                                 "--retrieval-order document reuses where it retrieves both). "
+                                                 "Default: config warm_previous (off). Costs one more prefill "
+                                                 "of one chunk and one more cache per chunk."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
@@ -331,11 +337,14 @@ def warm_cmd(
 
     Example: cachecraft warm --workers 2
     Example: cachecraft warm --neighbours 1
+    Example: cachecraft warm --previous
     """
     from .product import count_kept, warm_in_process, warm_in_workers, warm_mark
     config = load_config(ctx, model=model)
     if neighbours is not None:
         config = config.replace(warm_neighbours=neighbours)
+    if previous is not None:
+        config = config.replace(warm_previous=previous)
     _require_corpus(config)  # before the model loads
     mark = warm_mark(config)
     totals = warm_in_process(config) if workers == 1 else warm_in_workers(config, workers)
@@ -344,7 +353,7 @@ def warm_cmd(
     if as_json:
         print(json.dumps(totals.__dict__, indent=2))
     else:
-        extra = f"; in-context variants made {totals.in_context}" if config.warm_neighbours else ""
+        extra = f"; in-context variants made {totals.in_context}" if config.warm_neighbours or config.warm_previous else ""
         console.print(f"chunk-caches made {totals.made}, skipped {totals.skipped} (already cached), "
                       f"of {totals.total} chunks{extra}", highlight=False)
     if totals.kept < made:
@@ -369,6 +378,10 @@ def query_cmd(
                                               "each chunk placed right after a chunk one of its caches was made "
                                               "after, where it has one (see warm --neighbours; default: config "
                                               "chunk_order, given)."),
+    retrieval_order: Optional[str] = typer.Option(None, "--retrieval-order", help="score: the retrieved chunks "
+                                                  "best first; document: each file's chunks together, in the "
+                                                  "file's order, where its best chunk ranks (default: config "
+                                                  "retrieval_order, score)."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (no streaming, no table)."),
     server: Optional[str] = typer.Option(None, help="Ask a running `cachecraft serve` at this URL instead of "
@@ -389,7 +402,8 @@ def query_cmd(
     if not question.strip():
         raise UserError("the question is empty")
     config = load_config(ctx, model=model, **({"server": server} if server is not None else {}),
-                         **({"chunk_order": chunk_order} if chunk_order is not None else {}))
+                         **({"chunk_order": chunk_order} if chunk_order is not None else {}),
+                         **({"retrieval_order": retrieval_order} if retrieval_order is not None else {}))
     if config.server:  # the server has the model, corpus and tiers loaded (and checks the method)
         from .serve import remote_answer, remote_query
         result = remote_query(config, question, method=method, top_k=top_k, max_new_tokens=max_new_tokens,

@@ -53,8 +53,10 @@ def bench_quality_cmd(
                                               "that order, a row full+nbN; default: config chunk_order, given)."),
     neighbour_pool: str = typer.Option("", "--neighbour-pool", help="Where --in-context finds each passage's "
                                        "neighbours: the item's own passages (default), `corpus` (every chunk "
-                                       "ingested in the cache directory, as `warm --neighbours` finds them) or "
-                                       "a MuSiQue-format file (all its passages)."),
+                                       "ingested in the cache directory, as `warm --neighbours` finds them), "
+                                       "a MuSiQue-format file (all its passages), or `previous`: the chunk "
+                                       "before it in its file in the ingested corpus, as `warm --previous` "
+                                       "makes them (one variant per passage)."),
     early_stop: str = typer.Option("", "--early-stop", help="Also run cachecraft with these early-stop layers "
                                    "(layers or depths below 1, as config early_stop_layers, e.g. 0.5 or 12,18), "
                                    "labelled cachecraft@ALPHA/E... and paired with the plain cachecraft run."),
@@ -91,8 +93,14 @@ def bench_quality_cmd(
 
         again = parse_methods(in_context, config.cacheblend_ratio if ratio is None else ratio, config.policy_alpha)
         embed = Embedder(config.embedder).embed
-        pool = _neighbour_pool(neighbour_pool, config)
-        specs += [InContext(m, neighbours, embed, pool) for m in again]
+        if neighbour_pool == "previous":
+            if neighbours != 1:
+                raise UserError("--neighbour-pool previous makes one variant per passage: leave --neighbours at 1")
+            previous = _previous_in_corpus(config)
+            specs += [InContext(m, 1, embed, previous=previous) for m in again]
+        else:
+            pool = _neighbour_pool(neighbour_pool, config)
+            specs += [InContext(m, neighbours, embed, pool) for m in again]
     elif neighbour_pool:
         raise UserError("--neighbour-pool says where --in-context finds neighbours: add --in-context")
     lm = load_model_quietly(config)
@@ -220,7 +228,7 @@ def bench_dataset_cmd(
     k = config.top_k if top_k is None else top_k
     items = [{"question": q, "answers": [],
               "ctxs": [{"title": hit.chunk.title or "", "text": hit.chunk.text, "source": hit.chunk.source}
-                       for hit in corpus.search(q, k)]} for q in asked]
+                       for hit in corpus.search(q, k, config.retrieval_order)]} for q in asked]
     ensure_dir(out.parent)
     out.write_text(json.dumps(items, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     console.print(f"wrote {out}: {len(items)} question(s), top-{k} chunks each from {len(corpus)} in the corpus")
@@ -372,6 +380,18 @@ def bench_eviction_cmd(
                       f"{r['hit_rate']:.3f}", f"{r['compute_saved']:.1%}", str(r["evictions"]))
     console.print(table)
     console.print(f"wrote {out}")
+
+
+def _previous_in_corpus(config) -> dict[str, str]:
+    """Every ingested chunk's text -> the text of the chunk before it in its file."""
+    from cachecraft.retrieval.corpus import Corpus
+
+    corpus = Corpus(config.corpus_dir, config.embedder)
+    if not len(corpus):
+        raise UserError(f"--neighbour-pool previous: the corpus in {config.corpus_dir} is empty; run "
+                        "`cachecraft ingest` first")
+    by_id = {c.id: c for c in corpus.chunks()}
+    return {by_id[chunk_id].prompt_text: before.prompt_text for chunk_id, before in corpus.previous_chunks().items()}
 
 
 def _neighbour_pool(pool: str, config) -> list[str] | None:

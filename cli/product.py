@@ -236,8 +236,9 @@ def print_report(answer, low_relevance: float | None = LOW_RELEVANCE, *, command
     from cachecraft.display import saved, seconds, startup
 
     table = Table(title=f"{answer.method}: {len(answer.sources)} source(s)")
-    # sources come best first; with chunk_order "cache" the prompt held them in another order,
-    # shown where the chunk's key would be (the variant names the cache; 80 columns hold no more)
+    # sources come in retrieval's order (best first, or by file with retrieval_order "document");
+    # with chunk_order "cache" the prompt held them in another order, shown where the chunk's
+    # key would be (the variant names the cache; 80 columns hold no more)
     moved = bool(answer.order)
     columns = ("#", "score", "title", "file", "in prompt" if moved else "cache key", "tier", "variant", "recompute")
     for column in columns:

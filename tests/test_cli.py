@@ -77,6 +77,10 @@ def test_bench_quality_finds_in_context_neighbours_in_a_pool(tiny_dir, dataset, 
                                        str(tmp_path / "none.json")]), "no file at")
     one_line_error(runner.invoke(app, [*common, "--in-context", "reuse", "--neighbour-pool", "corpus"]),
                    "run `cachecraft ingest` first")
+    one_line_error(runner.invoke(app, [*common, "--in-context", "reuse", "--neighbour-pool", "previous"]),
+                   "run `cachecraft ingest` first")
+    one_line_error(runner.invoke(app, [*common, "--in-context", "reuse", "--neighbour-pool", "previous",
+                                       "--neighbours", "2"]), "leave --neighbours at 1")
 
 
 def test_bench_quality_can_make_the_caches_after_the_warm_context(tiny_dir, dataset, tmp_path, cache_dir):

@@ -154,6 +154,18 @@ def test_warm_neighbours_makes_in_context_variants_once(env, docs, cache_dir):
     assert refused.exit_code == 2 and "--neighbours" in refused.output and "less than or equal" in refused.output
 
 
+def test_warm_previous_makes_each_chunk_after_the_one_before_it_in_its_file(env, docs, cache_dir):
+    ingested = json.loads(invoke("ingest", str(docs), "--json").output)
+    chunks, files = ingested["chunks"], ingested["corpus_files"]
+    made = json.loads(invoke("warm", "--previous", "--json").output)
+    # every chunk but each file's first (no text repeats in these files)
+    assert (made["made"], made["in_context"]) == (chunks, chunks - files)
+    with Catalog(cache_dir) as catalog, catalog.read() as tx:
+        prefixes = [len(tx.variant(e.variant_key).prefix) for e in tx.entries(tier="disk")]
+    assert sorted(prefixes) == [0, 1] + [2] * (2 * chunks - files)
+    assert "--previous" in invoke("warm", "--help").output
+
+
 def test_evict_and_clear(env, docs, cache_dir):
     invoke("ingest", str(docs))
     invoke("warm")

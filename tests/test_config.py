@@ -36,7 +36,7 @@ def test_unknown_keys_list_the_known_ones(tmp_path):
                                        ("cpu_budget_bytes", 0), ("disk_budget_bytes", "-5MB"),
                                        ("check_layer", "one"), ("eviction", "random"), ("chunk_tokens", 8),
                                        ("chunk_overlap", 200), ("top_k", 0), ("embedder", " "),
-                                       ("stream_kv", "sometimes")])
+                                       ("stream_kv", "sometimes"), ("retrieval_order", "random")])
 def test_bad_values_are_rejected_with_the_key_named(key, value):
     with pytest.raises(ConfigError, match=key.split("_")[0]):
         Config.from_mapping({key: value})
@@ -83,8 +83,9 @@ def test_config_toml_in_the_cache_dir_is_read_when_no_file_is_given(tmp_path):
 
 def test_retrieval_settings_have_defaults_and_env_overrides(tmp_path):
     config = Config.load(environ={"CACHECRAFT_CACHE_DIR": str(tmp_path), "CACHECRAFT_TOP_K": "5",
-                                  "CACHECRAFT_CHUNK_TOKENS": "128"})
+                                  "CACHECRAFT_CHUNK_TOKENS": "128", "CACHECRAFT_RETRIEVAL_ORDER": "document"})
     assert (config.embedder, config.chunk_tokens, config.chunk_overlap, config.top_k) == ("minilm", 128, 0, 5)
+    assert config.retrieval_order == "document" and Config().retrieval_order == "score"
     assert config.corpus_dir == tmp_path / "corpus"
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from cachecraft.retrieval.chunking import TextChunk
-from cachecraft.retrieval.corpus import Corpus, chunk_id
-from cachecraft.retrieval.snapshot import CorpusBusyError, CorpusError
+from cachecraft.retrieval.corpus import Corpus, SearchHit, chunk_id, document_order
+from cachecraft.retrieval.snapshot import CorpusBusyError, CorpusChunk, CorpusError
 
 
 def bag_of_words(texts):
@@ -90,6 +90,40 @@ def test_empty_corpus_and_bad_questions(corpus):
         corpus.search("alpha", 0)
     corpus.erase()
     assert len(corpus) == 0 and not list(corpus.directory.glob("gen-*"))
+
+
+def test_document_order_keeps_each_files_chunks_together_in_file_order():
+    def hit(source, position, score):
+        return SearchHit(CorpusChunk(f"{source}{position}", "text", "", source, position), score)
+
+    best_first = [hit("a", 7, 0.9), hit("b", 0, 0.8), hit("a", 2, 0.7), hit("c", 5, 0.6), hit("b", 3, 0.5),
+                  hit("a", 6, 0.4)]
+    ordered = document_order(best_first)
+    # a's three chunks where a7 ranked, by position; then b's two; then c
+    assert [h.chunk.id for h in ordered] == ["a2", "a6", "a7", "b0", "b3", "c5"]
+    assert [h.score for h in ordered] == [0.7, 0.4, 0.9, 0.8, 0.5, 0.6]
+    assert document_order([]) == []
+
+
+def test_search_in_document_order(corpus):
+    corpus.ingest({"/d/a.md": chunks("alpha", "zeta", "alpha beta gamma"), "/d/b.md": chunks("alpha beta")})
+    by_score = corpus.search("alpha beta gamma", 3)
+    assert [(h.chunk.source, h.chunk.position) for h in by_score] == [("/d/a.md", 2), ("/d/b.md", 0),
+                                                                       ("/d/a.md", 0)]
+    by_file = corpus.search("alpha beta gamma", 3, order="document")
+    assert [(h.chunk.source, h.chunk.position) for h in by_file] == [("/d/a.md", 0), ("/d/a.md", 2),
+                                                                      ("/d/b.md", 0)]
+    with pytest.raises(CorpusError, match="retrieval order must be one of"):
+        corpus.search("alpha", 1, order="random")
+
+
+def test_previous_chunks_are_the_chunks_right_before_in_the_same_file(corpus):
+    corpus.ingest({"/d/a.md": chunks("alpha", "beta", "gamma"), "/d/b.md": chunks("delta", "alpha", "epsilon")})
+    text = {c.id: c.text for c in corpus.chunks()}
+    previous = {text[chunk_id]: before.text for chunk_id, before in corpus.previous_chunks().items()}
+    # a's second and third; b's "alpha" is a's first chunk, so epsilon's predecessor in b has
+    # no record at b's position 1 and epsilon gets none; delta starts its file
+    assert previous == {"beta": "alpha", "gamma": "beta"}
 
 
 def test_a_second_writer_waits_then_gives_up(tmp_path):

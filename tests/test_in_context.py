@@ -173,6 +173,29 @@ def test_warm_with_neighbours_makes_each_chunk_after_its_nearest_chunks(corpus_p
         assert pipe.catalog.chunk(key_of(chunk.prompt_text)).source == chunk.source
 
 
+def test_warm_previous_makes_each_chunk_after_the_one_before_it_and_a_document_order_query_reuses_it(
+        corpus_pipeline):
+    pipe = corpus_pipeline
+    pipe.config = pipe.config.replace(warm_neighbours=0, warm_previous=True)
+    chunks = pipe.corpus.chunks()
+    previous = pipe.corpus.previous_chunks()
+    firsts = {c.id for c in chunks if c.position == 0}
+    assert set(previous) == {c.id for c in chunks} - firsts  # _write_docs' files hold no repeated text
+    report = pipe.warm_corpus()
+    assert (report.made, report.in_context) == (len(chunks), len(previous))
+    key_of = functools.partial(_chunk_key_of, pipe)
+    prefix_key = chunk_key(pipe.lm.fingerprint, pipe.builder.build([chunks[0].prompt_text], "w").prefix)
+    for chunk_id, before in previous.items():
+        chunk = next(c for c in chunks if c.id == chunk_id)
+        assert pipe.store.contains(variant_key(key_of(chunk.prompt_text), (prefix_key, key_of(before.prompt_text))))
+    # a file's first two chunks, retrieved in the file's order: the second comes right after
+    # the first, so its variant made after it is its exact context and nothing is recomputed
+    first, second = (c for c in chunks if c.source == chunks[0].source and c.position < 2)
+    answer = pipe.answer([first.prompt_text, second.prompt_text], "w1 w2", method="cachecraft", record=False)
+    assert answer.chunks[1].variant == variant_key(key_of(second.prompt_text), (prefix_key, key_of(first.prompt_text)))
+    assert answer.chunks[1].fraction == 0.0
+
+
 def test_sharded_warm_makes_every_variant_after_the_shards_own_caches_and_counts_each_once(corpus_pipeline):
     """Two shards as two workers would run them: shard 0 waits (``between``) until shard 1
     has made its own caches, so no variant of shard 0 makes a neighbour's cache that shard 1
@@ -266,6 +289,9 @@ def test_neighbours_come_from_a_pool_when_one_is_given():
     assert pooled.nearest(["a", "b", "c"]) == [["p", "q"], ["q", "p"], ["r", "b"]]
     with pytest.raises(ValueError, match="at least two different"):
         InContext(method, 1, embed, pool=["p", "p"])
+    # given the chunk before each in its file, that one alone, whatever the embedding says
+    before = InContext(method, 1, embed, previous={"b": "a", "c": "s"})
+    assert before.nearest(["a", "b", "c"]) == [[], ["a"], ["s"]]
 
 
 @pytest.fixture

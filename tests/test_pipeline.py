@@ -297,6 +297,28 @@ def test_ingest_warm_then_query_hits_every_warmed_chunk(corpus_pipeline, tmp_pat
     assert [c.tier for c in record.chunks] == [c.tier for c in answer.chunks]
 
 
+def test_query_in_document_order_puts_each_files_chunks_together_top_to_bottom(corpus_pipeline, tmp_path):
+    pipe = corpus_pipeline
+    pipe.ingest([_write_docs(tmp_path / "docs")])
+    question = "w80 w81 w82 w12 w13"
+    by_score = pipe.query(question, top_k=4, method="full", record=False)
+    pipe.config = pipe.config.replace(retrieval_order="document")
+    traces = []
+    by_file = pipe.query(question, top_k=4, method="full", record=False, observer=traces.append)
+    assert sorted(s.id for s in by_file.sources) == sorted(s.id for s in by_score.sources)
+    position = {c.id: (c.source, c.position) for c in pipe.corpus.chunks()}
+    placed = [position[s.id] for s in by_file.sources]
+    files = [source for source, _ in placed]
+    assert files == sorted(files, key=files.index)  # one file's chunks side by side
+    assert placed == sorted(placed, key=lambda p: (files.index(p[0]), p[1]))  # in the file's order
+    assert files[0] == by_score.sources[0].source  # the best chunk's file first
+    assert placed != [position[s.id] for s in by_score.sources]  # the question mixes the files
+    # and the prompt holds them so
+    texts = {c.id: c.prompt_text for c in pipe.corpus.chunks()}
+    assert traces[0].token_ids.tolist() == pipe.builder.build([texts[s.id] for s in by_file.sources],
+                                                              question).token_ids
+
+
 def test_query_errors_before_ingest_and_on_an_empty_question(corpus_pipeline):
     from cachecraft.prompt import PromptInputError
     from cachecraft.retrieval.snapshot import CorpusError

@@ -283,10 +283,11 @@ class Pipeline:
                     between: Callable[[], None] | None = None) -> WarmReport:
         """Make the chunk-cache of every ingested chunk not cached yet (after the system prefix
         and the warm context), and with ``config.warm_neighbours`` = N also its in-context
-        variants after each of its N nearest chunks in the index (:meth:`warm_after`).
+        variants after each of its N nearest chunks in the index (:meth:`warm_after`), with
+        ``config.warm_previous`` after the chunk before it in its file.
         ``shard=(i, n)`` takes the i-th of n disjoint parts, for parallel workers;
         ``between`` is called once the shard's own caches are made, before its variants
-        (with ``warm_neighbours`` only): a worker waits there for the others, so that every
+        (with in-context variants only): a worker waits there for the others, so that every
         neighbour's cache is made, and counted, by the worker whose shard holds it."""
         index, count = shard
         if not 0 <= index < count:
@@ -294,6 +295,9 @@ class Pipeline:
         self._require_corpus()
         chunks = [c for c in self.corpus.chunks() if in_shard(c.id, shard)]
         near = self.corpus.neighbours(self.config.warm_neighbours) if self.config.warm_neighbours else {}
+        if self.config.warm_previous:  # the file's previous chunk first, then the index's neighbours
+            for chunk_id, before in self.corpus.previous_chunks().items():
+                near[chunk_id] = [before, *(c for c in near.get(chunk_id, ()) if c.id != before.id)]
         made = in_context = 0
         steps = len(chunks) * (2 if near else 1)
         for i, chunk in enumerate(chunks):
@@ -301,7 +305,7 @@ class Pipeline:
             if progress:
                 progress(i + 1, steps)
         # the variants after every chunk's own cache is made: each reuses its neighbour's
-        if self.config.warm_neighbours and between:  # every worker alike, whatever its share holds
+        if (self.config.warm_neighbours or self.config.warm_previous) and between:  # every worker alike
             between()
         for i, chunk in enumerate(chunks if near else ()):
             pairs = [(other.prompt_text, chunk.prompt_text) for other in near.get(chunk.id, ())]
@@ -312,8 +316,9 @@ class Pipeline:
 
     def query(self, question: str, top_k: int | None = None, method: str = "cachecraft", streamer=None,
               **options) -> Answer:
-        """Retrieve the ``top_k`` chunks most similar to ``question`` (best first) and answer
-        over them; ``options`` go to :meth:`answer`. The answer lists its ``sources``."""
+        """Retrieve the ``top_k`` chunks most similar to ``question`` (in the config's
+        ``retrieval_order``: best first by default) and answer over them; ``options`` go to
+        :meth:`answer`. The answer lists its ``sources``."""
         if not question or not question.strip():
             raise PromptInputError("the question is empty")
         self._require_corpus()
@@ -323,7 +328,8 @@ class Pipeline:
             self.corpus.load_embedder()
             self.startup_s["embedder"] = time.perf_counter() - start
         start = time.perf_counter()
-        hits = self.corpus.search(question, self.config.top_k if top_k is None else top_k)
+        hits = self.corpus.search(question, self.config.top_k if top_k is None else top_k,
+                                  self.config.retrieval_order)
         retrieval_s = time.perf_counter() - start
         answer = self.answer([h.chunk.prompt_text for h in hits], question, method=method, streamer=streamer,
                              sources=[h.chunk.source for h in hits], **options)

@@ -33,8 +33,9 @@ class ChunkReport:
 
 @dataclass(frozen=True)
 class Source:
-    """A retrieved corpus chunk that went into the prompt (best first; the chunk reports follow
-    the prompt, the same order unless ``Answer.order`` says otherwise)."""
+    """A retrieved corpus chunk that went into the prompt (in retrieval's order: best first, or
+    by file with ``retrieval_order`` "document"; the chunk reports follow the prompt, the same
+    order unless ``Answer.order`` says otherwise)."""
 
     id: str
     title: str

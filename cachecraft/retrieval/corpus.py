@@ -15,6 +15,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from cachecraft.config import RETRIEVAL_ORDERS
 from cachecraft.retrieval.chunking import TextChunk
 from cachecraft.retrieval.index import ChunkIndex
 from cachecraft.retrieval.snapshot import CorpusChunk, CorpusError, Snapshot, SnapshotStore
@@ -39,6 +40,15 @@ class SearchHit:
 
     chunk: CorpusChunk
     score: float
+
+
+def document_order(hits: Sequence[SearchHit]) -> list[SearchHit]:
+    """``hits`` (best first) with each source file's chunks together and in their order in
+    the file; the files keep the order of their best chunks."""
+    by_source: dict[str, list[SearchHit]] = {}
+    for hit in hits:
+        by_source.setdefault(hit.chunk.source, []).append(hit)
+    return [hit for group in by_source.values() for hit in sorted(group, key=lambda h: h.chunk.position)]
 
 
 @dataclass(frozen=True)
@@ -85,18 +95,29 @@ class Corpus:
         """Every chunk, by source file and position."""
         return sorted(self.snapshot().chunks.values(), key=lambda c: (c.source, c.position, c.id))
 
-    def search(self, question: str, k: int) -> list[SearchHit]:
-        """The ``k`` chunks most similar to ``question``, best first (``k`` capped at the corpus size)."""
+    def search(self, question: str, k: int, order: str = "score") -> list[SearchHit]:
+        """The ``k`` chunks most similar to ``question`` (``k`` capped at the corpus size),
+        best first, or with ``order`` "document" in :func:`document_order`."""
         if not question or not question.strip():
             raise CorpusError("the question is empty")
         if k < 1:
             raise CorpusError(f"top_k must be at least 1, got {k}")
+        if order not in RETRIEVAL_ORDERS:
+            raise CorpusError(f"the retrieval order must be one of {RETRIEVAL_ORDERS}, got {order!r}")
         snap = self.snapshot()
         if not snap.chunks:
             raise CorpusError(f"the corpus in {self.directory} is empty: run `cachecraft ingest PATH` first")
         self._check_embedder(snap)
         hits = snap.index.search(self.embed([question.strip()])[0], min(k, len(snap)))
-        return [SearchHit(snap.chunks[h.source], h.score) for h in hits]
+        found = [SearchHit(snap.chunks[h.source], h.score) for h in hits]
+        return document_order(found) if order == "document" else found
+
+    def previous_chunks(self) -> dict[str, CorpusChunk]:
+        """Every chunk's id -> the chunk right before it in its file (a file's first chunk,
+        and a chunk whose predecessor was the same text as an earlier chunk, have none)."""
+        ordered = self.chunks()
+        return {chunk.id: before for before, chunk in zip(ordered, ordered[1:])
+                if before.source == chunk.source and before.position + 1 == chunk.position}
 
     def neighbours(self, k: int) -> dict[str, list[CorpusChunk]]:
         """Every chunk's ``k`` nearest other chunks in the index (by embedding), most similar

@@ -122,7 +122,8 @@ class Service:
         so is a ``max_tokens`` past what is left unless ``fit``."""
         pipe = self.pipeline
         if chunks is None:
-            hits = pipe.corpus.search(question, self.config.top_k if top_k is None else top_k)
+            hits = pipe.corpus.search(question, self.config.top_k if top_k is None else top_k,
+                                      self.config.retrieval_order)
             chunks = [h.chunk.prompt_text for h in hits]
         try:
             pieces = pipe.builder_with(question_template).build(chunks, question, max_tokens=pipe.lm.max_context)
