@@ -10,7 +10,7 @@
 # benchmarks/data/git_questions.txt into a MuSiQue-format file of the chunks `query`
 # retrieves for each (benchmarks/data/git_manuals.json; git_manuals_document.json with
 # retrieval_order "document"), and runs `bench quality` on both per model, with the
-# chunk-caches made as `warm` makes them.
+# chunk-caches made as `warm` makes them (and, in file order, also as `warm --previous`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DOC=/usr/share/doc/git
@@ -29,6 +29,8 @@ CACHECRAFT_RETRIEVAL_ORDER=document cachecraft bench dataset --questions benchma
 # questions kept apart, for checking a setting before it is reported on the ones above
 cachecraft bench dataset --questions benchmarks/data/git_questions_heldout.txt \
   --out benchmarks/data/git_manuals_heldout.json
+CACHECRAFT_RETRIEVAL_ORDER=document cachecraft bench dataset --questions benchmarks/data/git_questions_heldout.txt \
+  --out benchmarks/data/git_manuals_heldout_document.json
 for model in ${MODELS:-smollm2 qwen2.5-coder-0.5b}; do
   cachecraft bench quality --model "$model" --dataset benchmarks/data/git_manuals.json --limit 24 \
     --warm-context builtin --methods full,cachecraft,cacheblend@0.15 \
@@ -36,4 +38,8 @@ for model in ${MODELS:-smollm2 qwen2.5-coder-0.5b}; do
   cachecraft bench quality --model "$model" --dataset benchmarks/data/git_manuals_document.json --limit 24 \
     --warm-context builtin --methods full,cachecraft,cacheblend@0.15 \
     --out "benchmarks/results/git_manuals_document_${model%%-*}.json"
+  # and with each chunk's cache also made after the chunk before it in its file (warm --previous)
+  cachecraft bench quality --model "$model" --dataset benchmarks/data/git_manuals_document.json --limit 24 \
+    --warm-context builtin --methods full,cachecraft --in-context cachecraft --neighbours 1 \
+    --neighbour-pool previous --out "benchmarks/results/git_manuals_previous_${model%%-*}.json"
 done
