@@ -44,3 +44,18 @@ def test_bad_model_names_are_explained(tmp_path, cache_dir):
     (tmp_path / "file.txt").write_text("x")
     with pytest.raises(ModelLoadError, match="neither a model directory"):
         load_model(str(tmp_path / "file.txt"), config)
+
+
+def test_a_broken_link_for_the_model_cache_is_one_clear_error(tmp_path):
+    from cachecraft.model.loader import convert_gguf
+
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(64))  # never read past its identity: the cache fails first
+    models = tmp_path / "models"
+    models.symlink_to(tmp_path / "gone")
+    with pytest.raises(ModelLoadError, match=r"is a link to .*gone, which does not exist"):
+        convert_gguf(gguf, models)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ModelLoadError, match="cannot create the model cache"):
+        convert_gguf(gguf, blocker / "models")

@@ -79,6 +79,17 @@ def _file_identity(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _make_models_dir(models_dir: Path) -> None:
+    """Create the converted-model cache, or say in one line why it cannot be."""
+    if models_dir.is_symlink() and not models_dir.exists():
+        raise ModelLoadError(f"the model cache {models_dir} is a link to {os.readlink(models_dir)}, which does not "
+                             "exist: create that folder or remove the link")
+    try:
+        models_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot create the model cache {models_dir}: {exc.strerror}") from None
+
+
 def convert_gguf(gguf_path: Path, models_dir: Path) -> Path:
     """Dequantise a GGUF file once into a safetensors model directory; return it.
 
@@ -91,7 +102,7 @@ def convert_gguf(gguf_path: Path, models_dir: Path) -> Path:
     target = models_dir / f"{gguf_path.stem}-{_file_identity(gguf_path)}"
     if (target / "config.json").is_file():
         return target
-    models_dir.mkdir(parents=True, exist_ok=True)
+    _make_models_dir(models_dir)
     log.info("converting %s to safetensors in %s (once)", gguf_path.name, target)
     folder, filename = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
