@@ -381,7 +381,7 @@ def query_cmd(
     retrieval_order: Optional[str] = typer.Option(None, "--retrieval-order", help="score: the retrieved chunks "
                                                   "best first; document: each file's chunks together, in the "
                                                   "file's order, where its best chunk ranks (default: config "
-                                                  "retrieval_order, score)."),
+                                                  "retrieval_order, score; a server retrieves in its own)."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (no streaming, no table)."),
     server: Optional[str] = typer.Option(None, help="Ask a running `cachecraft serve` at this URL instead of "
