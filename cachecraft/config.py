@@ -253,6 +253,11 @@ class Config:
         return tuple(float(x) for x in str(self.early_stop_layers).replace(" ", "").split(",") if x)
 
     @property
+    def warms_in_context(self) -> bool:
+        """Whether ``warm`` also makes in-context variants (``warm_neighbours`` or ``warm_previous``)."""
+        return bool(self.warm_neighbours or self.warm_previous)
+
+    @property
     def models_dir(self) -> Path:
         """Where converted models live (a subfolder of the cache directory)."""
         return self.cache_dir / "models"

@@ -353,8 +353,7 @@ def warm_cmd(
     if as_json:
         print(json.dumps(totals.__dict__, indent=2))
     else:
-        in_context = config.warm_neighbours or config.warm_previous
-        extra = f"; in-context variants made {totals.in_context}" if in_context else ""
+        extra = f"; in-context variants made {totals.in_context}" if config.warms_in_context else ""
         console.print(f"chunk-caches made {totals.made}, skipped {totals.skipped} (already cached), "
                       f"of {totals.total} chunks{extra}", highlight=False)
     if totals.kept < made:

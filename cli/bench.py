@@ -390,8 +390,8 @@ def _previous_in_corpus(config) -> dict[str, str]:
     if not len(corpus):
         raise UserError(f"--neighbour-pool previous: the corpus in {config.corpus_dir} is empty; run "
                         "`cachecraft ingest` first")
-    by_id = {c.id: c for c in corpus.chunks()}
-    return {by_id[chunk_id].prompt_text: before.prompt_text for chunk_id, before in corpus.previous_chunks().items()}
+    chunks = corpus.snapshot().chunks
+    return {chunks[chunk_id].prompt_text: before.prompt_text for chunk_id, before in corpus.previous_chunks().items()}
 
 
 def _neighbour_pool(pool: str, config) -> list[str] | None:

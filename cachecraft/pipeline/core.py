@@ -305,7 +305,7 @@ class Pipeline:
             if progress:
                 progress(i + 1, steps)
         # the variants after every chunk's own cache is made: each reuses its neighbour's
-        if (self.config.warm_neighbours or self.config.warm_previous) and between:  # every worker alike
+        if self.config.warms_in_context and between:  # every worker alike, whatever its share holds
             between()
         for i, chunk in enumerate(chunks if near else ()):
             pairs = [(other.prompt_text, chunk.prompt_text) for other in near.get(chunk.id, ())]
