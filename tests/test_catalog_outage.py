@@ -142,3 +142,21 @@ def test_retry_waits_double_up_to_a_limit():
         outage.failed_again()
         waits.append(outage.wait_s)
     assert waits[0] == 2 * RETRY_FIRST_S and waits[-1] == RETRY_MAX_S and waits == sorted(waits)
+
+
+@pytest.mark.parametrize("error", ["DeadlockDetected", "SerializationFailure"])
+def test_a_writer_rolled_back_by_the_server_is_a_busy_catalog_not_a_lost_one(error):
+    """PostgreSQL answered and rolled one transaction back: retry it, but start no outage
+    (which would send every request row of the next second to the pending file)."""
+    import psycopg.errors
+    from sqlalchemy import exc as sa_exc
+
+    from cachecraft.catalog import CatalogBusyError
+    from cachecraft.catalog.db import translate_server_error
+
+    wrapped = sa_exc.OperationalError("UPDATE entries", {}, getattr(psycopg.errors, error)("two writers"))
+    mapped = translate_server_error(wrapped, "postgresql+psycopg://u:secret@db:5432/c")
+    assert isinstance(mapped, CatalogBusyError) and not isinstance(mapped, CatalogUnavailableError)
+    assert "collided" in str(mapped) and "two writers" in str(mapped) and "secret" not in str(mapped)
+    lost = sa_exc.OperationalError("connect", {}, psycopg.errors.OperationalError("connection refused"))
+    assert isinstance(translate_server_error(lost, "postgresql+psycopg://db/c"), CatalogUnavailableError)

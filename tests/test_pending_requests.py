@@ -6,13 +6,18 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from cachecraft.catalog import CatalogUnavailableError, RequestChunk, RequestRecord
+from cachecraft.catalog import CatalogBusyError, CatalogUnavailableError, RequestChunk, RequestRecord
 from cachecraft.catalog.pending import PENDING_DIR, PendingRequests, request_from_json, request_to_json
 
 
 class Away:
     def record_request(self, rec):
         raise CatalogUnavailableError("cannot reach the catalog at catalog_url postgresql://x")
+
+
+class Collided:
+    def record_request(self, rec):
+        raise CatalogBusyError("catalog at catalog_url postgresql://x: a transaction collided with another's")
 
 
 class Here:
@@ -43,6 +48,14 @@ def test_rows_wait_on_disk_and_are_recorded_in_order_with_the_next_one(tmp_path)
     assert pending.record(here, row(3)) == 3
     assert [r.question_hash for r in here.rows] == ["q1", "q2", "q3"]
     assert not list((tmp_path / PENDING_DIR).iterdir())  # nothing waits: no file
+
+
+def test_a_row_rolled_back_in_a_collision_waits_for_the_next_request(tmp_path):
+    pending = PendingRequests(tmp_path)
+    assert pending.record(Collided(), row(1)) is None
+    here = Here()
+    assert pending.record(here, row(2)) == 2
+    assert [r.question_hash for r in here.rows] == ["q1", "q2"]
 
 
 def test_rows_of_a_process_that_ended_or_died_are_recorded_once_by_the_next(tmp_path):

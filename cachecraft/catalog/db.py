@@ -104,6 +104,9 @@ def translate_error(exc: BaseException, path: Path) -> CatalogError | None:
     return None
 
 
+ROLLED_BACK_STATES = ("40P01", "40001")  # PostgreSQL's deadlock_detected, serialization_failure
+
+
 def translate_server_error(exc: BaseException, url: str) -> CatalogError | None:
     """Map a PostgreSQL error to a one-line :class:`CatalogError` naming ``catalog_url``, or None."""
     orig = getattr(exc, "orig", exc)
@@ -111,6 +114,11 @@ def translate_server_error(exc: BaseException, url: str) -> CatalogError | None:
     name = type(orig).__name__
     if name in ("LockNotAvailable", "QueryCanceled") or "lock timeout" in first.lower():
         return CatalogBusyError(f"catalog at catalog_url {display_url(url)} stayed locked ({first}); retry")
+    # a deadlock or a serialization failure: the server answered and rolled one writer back,
+    # so the catalog is busy, not away (no outage: the next transaction goes ahead)
+    if getattr(orig, "sqlstate", None) in ROLLED_BACK_STATES:
+        return CatalogBusyError(f"catalog at catalog_url {display_url(url)}: a transaction collided with "
+                                f"another's ({first}); retry")
     if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
         return CatalogUnavailableError(f"cannot reach the catalog at catalog_url {display_url(url)} "
                                        f"({first}); start PostgreSQL there or fix catalog_url")

@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 from cachecraft.catalog.db import Catalog
-from cachecraft.catalog.errors import CatalogUnavailableError
+from cachecraft.catalog.errors import CatalogBusyError, CatalogUnavailableError
 from cachecraft.catalog.records import RequestChunk, RequestRecord
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ class PendingRequests:
 
     def record(self, catalog: Catalog, rec: RequestRecord | None = None) -> int | None:
         """Record what waits, then ``rec``; the id of ``rec``, or None when the catalog is
-        away (``rec`` then waits too)."""
+        away or rolled the write back in a collision with another writer (``rec`` then
+        waits too)."""
         if not self._files_checked:
             self._files_checked = True
             self.rows = self._claim_files() + self.rows
@@ -73,7 +74,7 @@ class PendingRequests:
                 recorded += 1
                 if row is rec:
                     rec_id = row_id
-        except CatalogUnavailableError:
+        except (CatalogUnavailableError, CatalogBusyError):  # away, or a collision: the next request tries
             return None
         finally:
             late = recorded - (rec_id is not None)
