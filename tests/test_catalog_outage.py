@@ -145,18 +145,25 @@ def test_retry_waits_double_up_to_a_limit():
 
 
 @pytest.mark.parametrize("error", ["DeadlockDetected", "SerializationFailure"])
-def test_a_writer_rolled_back_by_the_server_is_a_busy_catalog_not_a_lost_one(error):
-    """PostgreSQL answered and rolled one transaction back: retry it, but start no outage
-    (which would send every request row of the next second to the pending file)."""
+def test_a_writer_rolled_back_by_the_server_loses_its_write_but_starts_no_outage(error, tmp_path, lost_pg):
+    """PostgreSQL answered and rolled one transaction back: callers go on without that
+    write as in an outage, but no outage starts (it would send every request row of the
+    next second to the pending file)."""
     import psycopg.errors
     from sqlalchemy import exc as sa_exc
 
-    from cachecraft.catalog import CatalogBusyError
+    from cachecraft.catalog import CatalogCollisionError
     from cachecraft.catalog.db import translate_server_error
 
     wrapped = sa_exc.OperationalError("UPDATE entries", {}, getattr(psycopg.errors, error)("two writers"))
     mapped = translate_server_error(wrapped, "postgresql+psycopg://u:secret@db:5432/c")
-    assert isinstance(mapped, CatalogBusyError) and not isinstance(mapped, CatalogUnavailableError)
+    assert isinstance(mapped, CatalogCollisionError) and isinstance(mapped, CatalogUnavailableError)
     assert "collided" in str(mapped) and "two writers" in str(mapped) and "secret" not in str(mapped)
+    with Catalog(tmp_path, url=lost_pg.create_database()) as catalog:
+        with pytest.raises(CatalogCollisionError):
+            with catalog.write():
+                raise wrapped
+        assert catalog.outage is None  # the next transaction goes ahead
+        assert catalog.available()
     lost = sa_exc.OperationalError("connect", {}, psycopg.errors.OperationalError("connection refused"))
     assert isinstance(translate_server_error(lost, "postgresql+psycopg://db/c"), CatalogUnavailableError)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from cachecraft.catalog import CatalogBusyError, CatalogUnavailableError, RequestChunk, RequestRecord
+from cachecraft.catalog import CatalogCollisionError, CatalogUnavailableError, RequestChunk, RequestRecord
 from cachecraft.catalog.pending import PENDING_DIR, PendingRequests, request_from_json, request_to_json
 
 
@@ -17,7 +17,7 @@ class Away:
 
 class Collided:
     def record_request(self, rec):
-        raise CatalogBusyError("catalog at catalog_url postgresql://x: a transaction collided with another's")
+        raise CatalogCollisionError("catalog at catalog_url postgresql://x: a transaction collided with another's")
 
 
 class Here:

@@ -2,8 +2,8 @@
 
 from cachecraft.catalog.db import (CATALOG_FILE, Catalog, CatalogTx, catalog_path, display_url,
                                    remove_catalog)
-from cachecraft.catalog.errors import (CatalogBusyError, CatalogCorruptError, CatalogError,
-                                       CatalogUnavailableError, CatalogWriteError,
+from cachecraft.catalog.errors import (CatalogBusyError, CatalogCollisionError, CatalogCorruptError,
+                                       CatalogError, CatalogUnavailableError, CatalogWriteError,
                                        SchemaVersionError)
 from cachecraft.catalog.models import SCHEMA_VERSION
 from cachecraft.catalog.records import (EVENT_KINDS, MISS, TIERS, ChunkRecord, EntryRecord,
@@ -12,7 +12,7 @@ from cachecraft.catalog.records import (EVENT_KINDS, MISS, TIERS, ChunkRecord, E
 
 __all__ = [
     "CATALOG_FILE", "Catalog", "CatalogTx", "catalog_path", "display_url", "remove_catalog",
-    "CatalogError", "CatalogUnavailableError", "CatalogBusyError", "CatalogCorruptError", "CatalogWriteError", "SchemaVersionError",
+    "CatalogError", "CatalogUnavailableError", "CatalogCollisionError", "CatalogBusyError", "CatalogCorruptError", "CatalogWriteError", "SchemaVersionError",
     "SCHEMA_VERSION", "EVENT_KINDS", "MISS", "TIERS", "ChunkRecord", "EntryRecord",
     "RequestChunk", "RequestRecord", "TierEventRecord", "VariantRecord", "question_hash",
 ]

@@ -28,8 +28,8 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from cachecraft.catalog.errors import (CatalogBusyError, CatalogCorruptError, CatalogError,
-                                       CatalogUnavailableError, CatalogWriteError,
+from cachecraft.catalog.errors import (CatalogBusyError, CatalogCollisionError, CatalogCorruptError,
+                                       CatalogError, CatalogUnavailableError, CatalogWriteError,
                                        SchemaVersionError)
 from cachecraft.catalog.models import (NODE_PREFIX, SCHEMA_VERSION, UPGRADES, Base, Chunk, Entry, ModelProfile, Request,
                                        RequestChunkRow, SchemaInfo, TierEvent, Variant)
@@ -114,10 +114,9 @@ def translate_server_error(exc: BaseException, url: str) -> CatalogError | None:
     name = type(orig).__name__
     if name in ("LockNotAvailable", "QueryCanceled") or "lock timeout" in first.lower():
         return CatalogBusyError(f"catalog at catalog_url {display_url(url)} stayed locked ({first}); retry")
-    # a deadlock or a serialization failure: the server answered and rolled one writer back,
-    # so the catalog is busy, not away (no outage: the next transaction goes ahead)
+    # a deadlock or a serialization failure: the server answered and rolled one writer back
     if getattr(orig, "sqlstate", None) in ROLLED_BACK_STATES:
-        return CatalogBusyError(f"catalog at catalog_url {display_url(url)}: a transaction collided with "
+        return CatalogCollisionError(f"catalog at catalog_url {display_url(url)}: a transaction collided with "
                                 f"another's ({first}); retry")
     if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
         return CatalogUnavailableError(f"cannot reach the catalog at catalog_url {display_url(url)} "
@@ -695,7 +694,8 @@ class Catalog:
                       else translate_server_error(exc, self.url))
             if mapped is None:
                 raise
-            if isinstance(mapped, CatalogUnavailableError) and self.opened:
+            if isinstance(mapped, CatalogUnavailableError) and not isinstance(mapped, CatalogCollisionError) \
+                    and self.opened:
                 self._lost(mapped)
             raise mapped from exc
         if outage is not None:

@@ -25,3 +25,10 @@ class CatalogWriteError(CatalogError):
 
 class CatalogUnavailableError(CatalogError):
     """The catalog's server (``catalog_url``) cannot be reached."""
+
+
+class CatalogCollisionError(CatalogUnavailableError):
+    """The catalog's server rolled this transaction back in a collision with another writer
+    (a deadlock, a serialization failure). Its write is lost as in an outage, so every
+    caller that goes on without the catalog goes on without it here too; but the server
+    answered, so no outage starts and the next transaction goes ahead."""

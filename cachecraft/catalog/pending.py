@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 from cachecraft.catalog.db import Catalog
-from cachecraft.catalog.errors import CatalogBusyError, CatalogUnavailableError
+from cachecraft.catalog.errors import CatalogUnavailableError
 from cachecraft.catalog.records import RequestChunk, RequestRecord
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,7 @@ class PendingRequests:
                 recorded += 1
                 if row is rec:
                     rec_id = row_id
-        except (CatalogUnavailableError, CatalogBusyError):  # away, or a collision: the next request tries
+        except CatalogUnavailableError:  # away, or rolled back in a collision: the next request tries
             return None
         finally:
             late = recorded - (rec_id is not None)
