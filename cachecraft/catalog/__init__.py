@@ -12,7 +12,8 @@ from cachecraft.catalog.records import (EVENT_KINDS, MISS, TIERS, ChunkRecord, E
 
 __all__ = [
     "CATALOG_FILE", "Catalog", "CatalogTx", "catalog_path", "display_url", "remove_catalog",
-    "CatalogError", "CatalogUnavailableError", "CatalogCollisionError", "CatalogBusyError", "CatalogCorruptError", "CatalogWriteError", "SchemaVersionError",
+    "CatalogError", "CatalogUnavailableError", "CatalogCollisionError", "CatalogBusyError", "CatalogCorruptError",
+    "CatalogWriteError", "SchemaVersionError",
     "SCHEMA_VERSION", "EVENT_KINDS", "MISS", "TIERS", "ChunkRecord", "EntryRecord",
     "RequestChunk", "RequestRecord", "TierEventRecord", "VariantRecord", "question_hash",
 ]

@@ -116,8 +116,8 @@ def translate_server_error(exc: BaseException, url: str) -> CatalogError | None:
         return CatalogBusyError(f"catalog at catalog_url {display_url(url)} stayed locked ({first}); retry")
     # a deadlock or a serialization failure: the server answered and rolled one writer back
     if getattr(orig, "sqlstate", None) in ROLLED_BACK_STATES:
-        return CatalogCollisionError(f"catalog at catalog_url {display_url(url)}: a transaction collided with "
-                                f"another's ({first}); retry")
+        return CatalogCollisionError(f"catalog at catalog_url {display_url(url)}: a transaction collided "
+                                     f"with another's ({first}); retry")
     if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
         return CatalogUnavailableError(f"cannot reach the catalog at catalog_url {display_url(url)} "
                                        f"({first}); start PostgreSQL there or fix catalog_url")
@@ -694,8 +694,9 @@ class Catalog:
                       else translate_server_error(exc, self.url))
             if mapped is None:
                 raise
-            if isinstance(mapped, CatalogUnavailableError) and not isinstance(mapped, CatalogCollisionError) \
-                    and self.opened:
+            # a collision loses its write as an outage does, but the server answered
+            lost = isinstance(mapped, CatalogUnavailableError) and not isinstance(mapped, CatalogCollisionError)
+            if lost and self.opened:
                 self._lost(mapped)
             raise mapped from exc
         if outage is not None:
