@@ -195,7 +195,7 @@ def test_the_queue_refuses_past_its_length_and_times_out(tmp_path):
         service.close()
 
 
-def test_ingest_query_stats_health_and_metrics(client, tmp_path):
+def test_ingest_query_stats_health_and_metrics(client, service, tmp_path, monkeypatch):
     docs = tmp_path / "docs"
     docs.mkdir()
     for i, chunk in enumerate(CHUNKS):
@@ -203,8 +203,13 @@ def test_ingest_query_stats_health_and_metrics(client, tmp_path):
     ingested = client.post("/v1/ingest", json={"paths": [str(docs)]})
     assert ingested.status_code == 200 and ingested.json()["skipped"] == []
     assert client.post("/v1/warm", json={}).json()["total"] >= len(CHUNKS)
+    corpus, searches = service.pipeline.corpus, []
+    search = corpus.search
+    monkeypatch.setattr(corpus, "search", lambda *args: searches.append(args) or search(*args))
     answer = chat(client, messages=[{"role": "user", "content": CHUNKS[1]}], top_k=2).json()
+    assert len(searches) == 1  # one search: the answer is made over the chunks its room was measured on
     assert len(answer["cachecraft"]["sources"]) == 2
+    assert answer["cachecraft"]["retrieval_s"] > 0
     assert set(answer["cachecraft"]["hits_by_tier"]) <= {"cpu", "disk"}  # warmed
     assert client.get("/healthz").json()["status"] == "ok"
     assert client.get("/v1/models").json()["data"][0]["object"] == "model"

@@ -6,11 +6,12 @@ pipeline itself is imported on first use.
 
 from cachecraft.pipeline.reports import Answer, ChunkReport, PrefillTrace, Source, WarmReport
 
-__all__ = ["Answer", "ChunkReport", "Pipeline", "PrefillTrace", "PreparedRequest", "Source", "WarmReport"]
+__all__ = ["Answer", "ChunkReport", "Pipeline", "PrefillTrace", "PreparedRequest", "Retrieved", "Source",
+           "WarmReport"]
 
 
 def __getattr__(name: str):
-    if name in ("Pipeline", "PreparedRequest"):
+    if name in ("Pipeline", "PreparedRequest", "Retrieved"):
         from cachecraft.pipeline import core
         return getattr(core, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -48,7 +48,7 @@ from cachecraft.policy.planner import (FITTED_KEYS, PolicyParams, RecomputePlan,
 from cachecraft.prefix_cache import PrefixCache
 from cachecraft.prompt import PromptBuilder, PromptInputError, PromptPieces, builder_for
 from cachecraft.retrieval.chunking import Chunker
-from cachecraft.retrieval.corpus import Corpus
+from cachecraft.retrieval.corpus import Corpus, SearchHit
 from cachecraft.retrieval.ingest import IngestOutcome, StageProgress, ingest_paths
 from cachecraft.retrieval.snapshot import CorpusError
 from cachecraft.selection import ChunkStatistics
@@ -67,6 +67,20 @@ def in_shard(chunk_id: str, shard: tuple[int, int]) -> bool:
     (``shard=(i, n)``) that parallel warm workers take, by its id."""
     index, count = shard
     return int(chunk_id[:12], 16) % count == index
+
+
+@dataclass(frozen=True)
+class Retrieved:
+    """What one question retrieved: its chunks (in the config's retrieval order) and the
+    seconds the search took."""
+
+    hits: tuple[SearchHit, ...]
+    seconds: float
+
+    @property
+    def chunks(self) -> list[str]:
+        """The retrieved chunks' texts as the prompt holds them."""
+        return [hit.chunk.prompt_text for hit in self.hits]
 
 
 @dataclass(frozen=True)
@@ -314,15 +328,13 @@ class Pipeline:
                 progress(len(chunks) + i + 1, steps)
         return WarmReport(made, len(chunks) - made, len(chunks), in_context)
 
-    def query(self, question: str, top_k: int | None = None, method: str = "cachecraft", streamer=None,
-              **options) -> Answer:
-        """Retrieve the ``top_k`` chunks most similar to ``question`` (in the config's
-        ``retrieval_order``: best first by default) and answer over them; ``options`` go to
-        :meth:`answer`. The answer lists its ``sources``."""
+    def retrieve(self, question: str, top_k: int | None = None) -> Retrieved:
+        """The ``top_k`` chunks most similar to ``question``, in the config's
+        ``retrieval_order`` (best first by default), and the time the search took (loading
+        the embedding model left out)."""
         if not question or not question.strip():
             raise PromptInputError("the question is empty")
         self._require_corpus()
-        self.ensure_cost_model()  # read or measured here, outside the TTFT clock; it also estimates savings
         if self.corpus._embed is None:  # retrieval time excludes loading the embedding model
             start = time.perf_counter()
             self.corpus.load_embedder()
@@ -330,11 +342,21 @@ class Pipeline:
         start = time.perf_counter()
         hits = self.corpus.search(question, self.config.top_k if top_k is None else top_k,
                                   self.config.retrieval_order)
-        retrieval_s = time.perf_counter() - start
-        answer = self.answer([h.chunk.prompt_text for h in hits], question, method=method, streamer=streamer,
+        return Retrieved(tuple(hits), time.perf_counter() - start)
+
+    def query(self, question: str, top_k: int | None = None, method: str = "cachecraft", streamer=None, *,
+              retrieved: Retrieved | None = None, **options) -> Answer:
+        """Retrieve the ``top_k`` chunks most similar to ``question`` (:meth:`retrieve`, or
+        ``retrieved`` where the caller already did) and answer over them; ``options`` go to
+        :meth:`answer`. The answer lists its ``sources``."""
+        if retrieved is None:
+            retrieved = self.retrieve(question, top_k)
+        self.ensure_cost_model()  # read or measured here, outside the TTFT clock; it also estimates savings
+        hits = retrieved.hits
+        answer = self.answer(retrieved.chunks, question, method=method, streamer=streamer,
                              sources=[h.chunk.source for h in hits], **options)
         answer.sources = [Source(h.chunk.id, h.chunk.title, h.chunk.source, h.score, h.chunk.text) for h in hits]
-        answer.retrieval_s = retrieval_s
+        answer.retrieval_s = retrieved.seconds
         return answer
 
     def _require_corpus(self) -> None:

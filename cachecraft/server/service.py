@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 from cachecraft.config import Config
 from cachecraft.engine import GenerationOptions
-from cachecraft.pipeline import Answer, Pipeline
+from cachecraft.pipeline import Answer, Pipeline, Retrieved
 from cachecraft.prompt import PromptInputError
 
 
@@ -46,8 +46,8 @@ class Job:
     top_k: int | None
     max_new_tokens: int
     generation: GenerationOptions
-    sources: list[str] | None = None
     question_template: str | None = None  # None: the server's
+    retrieved: Retrieved | None = None  # what retrieval found, where chunks is None
 
 
 @dataclass
@@ -110,21 +110,19 @@ class Service:
             self.pipeline.method(name)
         except ValueError as exc:
             raise BadRequest(f"method: {exc}") from None
-        return Job(question, chunks, name, top_k,
-                   self._answer_room(chunks, question, top_k, max_tokens, question_template, fit_max_tokens),
-                   generation,
-                   question_template=question_template)
+        # retrieved once: the answer is made over the chunks its room was measured on
+        retrieved = self.pipeline.retrieve(question, top_k) if chunks is None else None
+        room = self._answer_room(chunks if retrieved is None else retrieved.chunks, question, max_tokens,
+                                 question_template, fit_max_tokens)
+        return Job(question, chunks, name, top_k, room, generation, question_template=question_template,
+                   retrieved=retrieved)
 
-    def _answer_room(self, chunks: list[str] | None, question: str, top_k: int | None,
-                     max_tokens: int | None, question_template: str | None = None, fit: bool = False) -> int:
+    def _answer_room(self, chunks: list[str], question: str, max_tokens: int | None,
+                     question_template: str | None = None, fit: bool = False) -> int:
         """The answer length: ``max_tokens`` (default: the config's), within what the
         context window leaves after the prompt; a prompt that does not fit is refused, and
         so is a ``max_tokens`` past what is left unless ``fit``."""
         pipe = self.pipeline
-        if chunks is None:
-            hits = pipe.corpus.search(question, self.config.top_k if top_k is None else top_k,
-                                      self.config.retrieval_order)
-            chunks = [h.chunk.prompt_text for h in hits]
         try:
             pieces = pipe.builder_with(question_template).build(chunks, question, max_tokens=pipe.lm.max_context)
         except PromptInputError as exc:
@@ -145,7 +143,8 @@ class Service:
         options: dict[str, Any] = {"max_new_tokens": job.max_new_tokens, "generation": job.generation,
                                    "streamer": streamer, "question_template": job.question_template}
         if job.chunks is None:
-            answer = pipe.query(job.question, top_k=job.top_k, method=job.method, **options)
+            answer = pipe.query(job.question, top_k=job.top_k, method=job.method, retrieved=job.retrieved,
+                                **options)
         else:
             answer = pipe.answer(job.chunks, job.question, method=job.method, **options)
         if self.on_answer is not None:
