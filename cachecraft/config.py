@@ -40,7 +40,7 @@ _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_DTYPES = ("float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
 _EVICTION = ("cachecraft", "lru", "lfu", "pgdsf")
-_CHUNK_ORDERS = ("given", "cache")
+CHUNK_ORDERS = ("given", "cache")
 # score: retrieved chunks best first; document: one file's chunks together, in the file's
 # order, where its best chunk ranks (a page cut in two then reads top to bottom)
 RETRIEVAL_ORDERS = ("score", "document")
@@ -228,8 +228,8 @@ class Config:
               f"warm_context must be 'builtin', 'none' or an existing text file, got {self.warm_context!r}")
         check(self.warm_context_tokens >= 0, f"warm_context_tokens must be >= 0, got {self.warm_context_tokens}")
         check(0 <= self.warm_neighbours <= 8, f"warm_neighbours must be 0 to 8, got {self.warm_neighbours}")
-        check(self.chunk_order in _CHUNK_ORDERS,
-              f"chunk_order must be one of {_CHUNK_ORDERS}, got {self.chunk_order!r}")
+        check(self.chunk_order in CHUNK_ORDERS,
+              f"chunk_order must be one of {CHUNK_ORDERS}, got {self.chunk_order!r}")
         check(not self.catalog_url or self.catalog_url.startswith(_CATALOG_SCHEMES),
               f"catalog_url must be empty (SQLite in cache_dir) or start with one of {_CATALOG_SCHEMES}, "
               f"got {hide_password(self.catalog_url)!r}")

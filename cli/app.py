@@ -377,11 +377,11 @@ def query_cmd(
     chunk_order: Optional[str] = typer.Option(None, "--chunk-order", help="given: the chunks best first; cache: "
                                               "each chunk placed right after a chunk one of its caches was made "
                                               "after, where it has one (see warm --neighbours; default: config "
-                                              "chunk_order, given)."),
+                                              "chunk_order, given; with --server, the server's)."),
     retrieval_order: Optional[str] = typer.Option(None, "--retrieval-order", help="score: the retrieved chunks "
                                                   "best first; document: each file's chunks together, in the "
                                                   "file's order, where its best chunk ranks (default: config "
-                                                  "retrieval_order, score; a server retrieves in its own)."),
+                                                  "retrieval_order, score; with --server, the server's)."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document (no streaming, no table)."),
     server: Optional[str] = typer.Option(None, help="Ask a running `cachecraft serve` at this URL instead of "
@@ -407,7 +407,7 @@ def query_cmd(
     if config.server:  # the server has the model, corpus and tiers loaded (and checks the method)
         from .serve import remote_answer, remote_query
         result = remote_query(config, question, method=method, top_k=top_k, max_new_tokens=max_new_tokens,
-                              as_json=as_json)
+                              as_json=as_json, retrieval_order=retrieval_order, chunk_order=chunk_order)
         command_s = time.perf_counter() - STARTED
         if as_json:
             print(json.dumps({**result, "command_s": command_s, "server": config.server}, indent=2))

@@ -81,12 +81,15 @@ def _client(config):
 
 
 def remote_query(config, question: str, *, method: str, top_k: Optional[int], max_new_tokens: Optional[int],
-                 as_json: bool) -> dict[str, Any]:
+                 as_json: bool, retrieval_order: Optional[str] = None,
+                 chunk_order: Optional[str] = None) -> dict[str, Any]:
     """Ask a running server; the answer streams to stdout unless ``as_json``. Returns the
-    final payload: ``text``, ``usage`` and the cache report ``cachecraft``."""
+    final payload: ``text``, ``usage`` and the cache report ``cachecraft``. The orders
+    given go with the request (None: the server's own)."""
     from cachecraft.server.client import ServerError, chat_body, message_text
 
-    body = chat_body(question, method=method, top_k=top_k, max_tokens=max_new_tokens)
+    body = chat_body(question, method=method, top_k=top_k, max_tokens=max_new_tokens,
+                     retrieval_order=retrieval_order, chunk_order=chunk_order)
     client = _client(config)
     try:
         if as_json:

@@ -329,6 +329,8 @@ def test_query_errors_before_ingest_and_on_an_empty_question(corpus_pipeline):
         corpus_pipeline.query("w1 w2")
     with pytest.raises(CorpusError, match="cachecraft ingest"):
         corpus_pipeline.warm_corpus()
+    with pytest.raises(PromptInputError, match="chunk order must be one of"):
+        corpus_pipeline.answer(CHUNKS, QUESTION, chunk_order="by date")
 
 
 def test_full_prefill_keeps_nothing_and_matches_the_first_miss(pipeline):

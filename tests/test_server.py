@@ -138,6 +138,8 @@ def test_stop_strings_end_the_answer_before_them(client, reference):
     ({"messages": [{"role": "user", "content": "q"}]}, 400, "corpus is empty"),
     ({"messages": [{"role": "user", "content": "w1 " * 3000}], "documents": ["a"]}, 400, "context window"),
     ({"messages": [{"role": "user", "content": "q"}], "documents": ["a"], "max_tokens": 10**6}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "q"}], "retrieval_order": "date"}, 400, "score, document"),
+    ({"messages": [{"role": "user", "content": "q"}], "documents": ["a"], "chunk_order": "x"}, 400, "given, cache"),
 ])
 def test_bad_requests_are_one_line_json_errors(client, body, status, words):
     if isinstance(body, str):
@@ -219,6 +221,30 @@ def test_ingest_query_stats_health_and_metrics(client, service, tmp_path, monkey
     assert 'cachecraft_chunk_lookups_total{tier="' in metrics
     assert 'cachecraft_http_requests_total{path="/v1/chat/completions",status="200"} 1.0' in metrics
     assert "cachecraft_tier_bytes{tier=\"cpu\"}" in metrics and "cachecraft_ttft_seconds_bucket" in metrics
+
+
+def test_a_request_may_ask_for_its_own_retrieval_and_chunk_order(tmp_path):
+    from tests.test_pipeline import _write_docs
+
+    service = make_service(tmp_path / "server", chunk_tokens=24, top_k=4)
+    try:
+        with TestClient(create_app(service)) as client:
+            assert client.post("/v1/ingest", json={"paths": [str(_write_docs(tmp_path / "docs"))]}).status_code == 200
+            position = {c.id: (c.source, c.position) for c in service.pipeline.corpus.chunks()}
+            asked = {"messages": [{"role": "user", "content": "w80 w81 w82 w12 w13"}], "method": "full"}
+            placed = {}
+            for order in ("score", "document", None):
+                extra = {} if order is None else {"retrieval_order": order}
+                report = chat(client, **asked, **extra).json()["cachecraft"]
+                placed[order] = [position[s["id"]] for s in report["sources"]]
+                assert report["order"] is None
+            assert placed[None] == placed["score"] != placed["document"]  # the server's own: score
+            files = [source for source, _ in placed["document"]]
+            assert placed["document"] == sorted(placed["document"], key=lambda p: (files.index(p[0]), p[1]))
+            chained = chat(client, **asked, chunk_order="cache").json()["cachecraft"]
+            assert sorted(chained["order"]) == list(range(4))  # chained: the prompt's order is reported
+    finally:
+        service.close()
 
 
 def test_stop_cutter_holds_back_a_possible_stop_string():

@@ -106,10 +106,13 @@ def test_query_and_stats_ask_the_running_server(server, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     data = json.loads(done.stdout)
     assert data["server"] == server.url and len(data["cachecraft"]["sources"]) == 2
+    assert data["cachecraft"]["order"] is None  # the server's own chunk order: as given
+    chained = server.cli("query", CHUNKS[2], "--json", "--top-k", "2", "--chunk-order", "cache")
+    assert chained.returncode == 0 and sorted(json.loads(chained.stdout)["cachecraft"]["order"]) == [0, 1]
     shown = server.cli("query", CHUNKS[2], "--top-k", "2")
     assert shown.returncode == 0 and "TTFT" in shown.stdout and f"answered by the server at {server.url}" in shown.stdout
     stats = server.cli("stats", "--json")
-    assert stats.returncode == 0 and json.loads(stats.stdout)["counts"]["requests"] == 2
+    assert stats.returncode == 0 and json.loads(stats.stdout)["counts"]["requests"] == 3
 
 
 def test_query_with_no_server_there_is_one_line(tmp_path):

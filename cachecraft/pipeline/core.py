@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Sequence
 
 from cachecraft.catalog import MISS, CatalogError, RequestChunk, RequestRecord, question_hash
 from cachecraft.catalog.pending import PendingRequests
-from cachecraft.config import Config
+from cachecraft.config import CHUNK_ORDERS, Config
 from cachecraft.engine import (BlendResult, GenerationOptions, LayerSource, Segment, blended_prefill, generate_from,
                                sampled_layers)
 from cachecraft.kv import ChunkKV, chunk_key, kv_bytes_per_token, variant_key
@@ -149,17 +149,21 @@ class Pipeline:
                ratio: float | None = None, max_new_tokens: int | None = None, streamer=None,
                record: bool = True, sources: Sequence[str] | None = None,
                observer: Observer | None = None, generation: GenerationOptions | None = None,
-               question_template: str | None = None) -> Answer:
+               question_template: str | None = None, chunk_order: str | None = None) -> Answer:
         """Answer ``question`` over ``chunk_texts`` (formatted chunk texts, in order) with
         ``method``: plan, load, blend, generate, record. ``sources`` (one per chunk) names
         where each chunk came from in the catalog; ``observer`` receives the prefill's
         :class:`PrefillTrace` before generation (benchmarks read logits and work there);
         ``generation``: sampling, stop strings, cancellation (default: greedy);
         ``question_template``: this request's instead of the config's (``"{question}"``: the
-        question as given, for a client that wrote its own prompt)."""
+        question as given, for a client that wrote its own prompt); ``chunk_order``: this
+        request's instead of the config's ``chunk_order``."""
+        if chunk_order is not None and chunk_order not in CHUNK_ORDERS:
+            raise PromptInputError(f"the chunk order must be one of {CHUNK_ORDERS}, got {chunk_order!r}")
         chosen = self.method(method, ratio)
         start = time.perf_counter()
-        request = self._request(chunk_texts, question, sources, question_template)
+        request = self._request(chunk_texts, question, sources, question_template,
+                                chunk_order or self.config.chunk_order)
         prepared, result = self._prefill(chosen, request)
         int(result.logits.argmax())  # the first token is decided here
         decided = time.perf_counter()
@@ -328,10 +332,10 @@ class Pipeline:
                 progress(len(chunks) + i + 1, steps)
         return WarmReport(made, len(chunks) - made, len(chunks), in_context)
 
-    def retrieve(self, question: str, top_k: int | None = None) -> Retrieved:
-        """The ``top_k`` chunks most similar to ``question``, in the config's
-        ``retrieval_order`` (best first by default), and the time the search took (loading
-        the embedding model left out)."""
+    def retrieve(self, question: str, top_k: int | None = None, order: str | None = None) -> Retrieved:
+        """The ``top_k`` chunks most similar to ``question``, in ``order`` (default: the
+        config's ``retrieval_order``, best first), and the time the search took (loading the
+        embedding model left out)."""
         if not question or not question.strip():
             raise PromptInputError("the question is empty")
         self._require_corpus()
@@ -341,16 +345,16 @@ class Pipeline:
             self.startup_s["embedder"] = time.perf_counter() - start
         start = time.perf_counter()
         hits = self.corpus.search(question, self.config.top_k if top_k is None else top_k,
-                                  self.config.retrieval_order)
+                                  order or self.config.retrieval_order)
         return Retrieved(tuple(hits), time.perf_counter() - start)
 
     def query(self, question: str, top_k: int | None = None, method: str = "cachecraft", streamer=None, *,
-              retrieved: Retrieved | None = None, **options) -> Answer:
-        """Retrieve the ``top_k`` chunks most similar to ``question`` (:meth:`retrieve`, or
-        ``retrieved`` where the caller already did) and answer over them; ``options`` go to
-        :meth:`answer`. The answer lists its ``sources``."""
+              retrieved: Retrieved | None = None, retrieval_order: str | None = None, **options) -> Answer:
+        """Retrieve the ``top_k`` chunks most similar to ``question`` (:meth:`retrieve` in
+        ``retrieval_order``, or ``retrieved`` where the caller already did) and answer over
+        them; ``options`` go to :meth:`answer`. The answer lists its ``sources``."""
         if retrieved is None:
-            retrieved = self.retrieve(question, top_k)
+            retrieved = self.retrieve(question, top_k, retrieval_order)
         self.ensure_cost_model()  # read or measured here, outside the TTFT clock; it also estimates savings
         hits = retrieved.hits
         answer = self.answer(retrieved.chunks, question, method=method, streamer=streamer,
@@ -404,8 +408,8 @@ class Pipeline:
             raise PromptInputError("question_template needs a {question} placeholder")
         return PromptBuilder(self.lm.tokenizer, self.config.system_prompt, question_template)
 
-    def _request(self, chunk_texts: Sequence[str], question: str,
-                 sources: Sequence[str] | None, question_template: str | None = None) -> RequestContext:
+    def _request(self, chunk_texts: Sequence[str], question: str, sources: Sequence[str] | None,
+                 question_template: str | None = None, chunk_order: str = "given") -> RequestContext:
         pieces = self.builder_with(question_template).build(chunk_texts, question, max_tokens=self.lm.max_context)
         keys = tuple(chunk_key(self.lm.fingerprint, ids) for ids in pieces.chunks)
         self._note_sources(keys, sources)
@@ -414,7 +418,7 @@ class Pipeline:
                                lambda tier: self.ensure_cost_model().r_hide(tier))
         prefix_key = chunk_key(self.lm.fingerprint, pieces.prefix)
         order = None
-        if self.config.chunk_order == "cache" and len(keys) > 1:
+        if chunk_order == "cache" and len(keys) > 1:
             order = cache_order(*lookup.links(keys, prefix_key))
             pieces = replace(pieces, chunks=tuple(pieces.chunks[i] for i in order))
             keys = tuple(keys[i] for i in order)

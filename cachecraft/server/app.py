@@ -196,7 +196,8 @@ def _job_factory(service: Service, body: Generation, question: str,
                                 cancel=cancel)
     return lambda: service.job(question, documents=body.documents, method=body.method, top_k=body.top_k,
                                max_tokens=body.answer_tokens, generation=options,
-                               question_template=body.question_template, fit_max_tokens=body.fit_max_tokens)
+                               question_template=body.question_template, fit_max_tokens=body.fit_max_tokens,
+                               retrieval_order=body.retrieval_order, chunk_order=body.chunk_order)
 
 
 async def _complete(service: Service, metrics: Metrics, body: Generation, question: str, *, chat: bool,

@@ -1,5 +1,6 @@
 """The request bodies the server accepts: OpenAI's chat and text completions, plus the
-fields cachecraft adds (``documents``, ``method``, ``top_k``, ``question_template``), ingest and warm.
+fields cachecraft adds (``documents``, ``method``, ``top_k``, ``question_template``,
+``retrieval_order``, ``chunk_order``), ingest and warm.
 
 Fields OpenAI defines that change nothing here (``user``, ``n`` of 1, zero penalties,
 ``stream_options``) are accepted; any other field is refused by name, so a typo is never
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from cachecraft.config import CHUNK_ORDERS, RETRIEVAL_ORDERS
 
 
 class _Strict(BaseModel):
@@ -72,6 +75,13 @@ class Generation(_Strict):
                                                                "\"{question}\": as sent (a client that "
                                                                "wrote its own prompt)")
 
+    retrieval_order: Optional[str] = Field(None, description="score: the retrieved chunks best first; "
+                                                             "document: each file's chunks together, in the "
+                                                             "file's order (default: the server's config)")
+    chunk_order: Optional[str] = Field(None, description="given: the chunks as retrieved or sent; cache: each "
+                                                         "right after a chunk one of its caches was made after "
+                                                         "(default: the server's config)")
+
     fit_max_tokens: bool = Field(False, description="Cap max_tokens at what the context window leaves after "
                                                     "the prompt instead of refusing the request")
 
@@ -80,6 +90,20 @@ class Generation(_Strict):
     def _has_placeholder(cls, value: Optional[str]) -> Optional[str]:
         if value is not None and "{question}" not in value:
             raise ValueError("needs a {question} placeholder")
+        return value
+
+    @field_validator("retrieval_order")
+    @classmethod
+    def _known_retrieval_order(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and value not in RETRIEVAL_ORDERS:
+            raise ValueError(f"must be one of {', '.join(RETRIEVAL_ORDERS)}")
+        return value
+
+    @field_validator("chunk_order")
+    @classmethod
+    def _known_chunk_order(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and value not in CHUNK_ORDERS:
+            raise ValueError(f"must be one of {', '.join(CHUNK_ORDERS)}")
         return value
 
     @property

@@ -48,6 +48,7 @@ class Job:
     generation: GenerationOptions
     question_template: str | None = None  # None: the server's
     retrieved: Retrieved | None = None  # what retrieval found, where chunks is None
+    chunk_order: str | None = None  # None: the server's
 
 
 @dataclass
@@ -87,10 +88,12 @@ class Service:
 
     def job(self, question: str, *, documents: Sequence[str] | None, method: str | None, top_k: int | None,
             max_tokens: int | None, generation: GenerationOptions, question_template: str | None = None,
-            fit_max_tokens: bool = False) -> Job:
+            fit_max_tokens: bool = False, retrieval_order: str | None = None,
+            chunk_order: str | None = None) -> Job:
         """A :class:`Job` for one question, chunk boundaries taken from ``documents`` or, when
         the question holds the chunk separator, from the question itself (the last part is
-        the question); otherwise the corpus is searched. Raises :class:`BadRequest`."""
+        the question); otherwise the corpus is searched (in ``retrieval_order``; None: the
+        config's). Raises :class:`BadRequest`."""
         separator = self.config.chunk_separator
         chunks = list(documents) if documents is not None else None
         if chunks is None and separator in question:
@@ -111,11 +114,11 @@ class Service:
         except ValueError as exc:
             raise BadRequest(f"method: {exc}") from None
         # retrieved once: the answer is made over the chunks its room was measured on
-        retrieved = self.pipeline.retrieve(question, top_k) if chunks is None else None
+        retrieved = self.pipeline.retrieve(question, top_k, retrieval_order) if chunks is None else None
         room = self._answer_room(chunks if retrieved is None else retrieved.chunks, question, max_tokens,
                                  question_template, fit_max_tokens)
         return Job(question, chunks, name, top_k, room, generation, question_template=question_template,
-                   retrieved=retrieved)
+                   retrieved=retrieved, chunk_order=chunk_order)
 
     def _answer_room(self, chunks: list[str], question: str, max_tokens: int | None,
                      question_template: str | None = None, fit: bool = False) -> int:
@@ -141,7 +144,8 @@ class Service:
         """Answer one job on the calling thread (the worker): the one request path."""
         pipe = self.pipeline
         options: dict[str, Any] = {"max_new_tokens": job.max_new_tokens, "generation": job.generation,
-                                   "streamer": streamer, "question_template": job.question_template}
+                                   "streamer": streamer, "question_template": job.question_template,
+                                   "chunk_order": job.chunk_order}
         if job.chunks is None:
             answer = pipe.query(job.question, top_k=job.top_k, method=job.method, retrieved=job.retrieved,
                                 **options)
