@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import threading
 import weakref
 from dataclasses import asdict
@@ -46,8 +47,10 @@ from cachecraft.config import Config
 from cachecraft.methods import parse_method
 from cachecraft.pipeline import Answer, Pipeline
 from cachecraft.prompt import PromptBuilder
+from cachecraft.retrieval.corpus import grouped_by_document
 
-__all__ = ["CacheCraftQueryEngine", "CacheCraftEmbedding", "CacheCraftLLM", "content_hash", "node_chunk_text"]
+__all__ = ["CacheCraftQueryEngine", "CacheCraftEmbedding", "CacheCraftLLM", "DocumentOrder", "content_hash",
+           "in_document_order", "node_chunk_text"]
 
 log = logging.getLogger(__name__)
 dispatcher = instrument.get_dispatcher(__name__)
@@ -83,6 +86,31 @@ def node_chunk_text(node) -> str | None:
     title = (node.metadata or {}).get("title")
     title = str(title) if title is not None and str(title).strip() else None
     return PromptBuilder.chunk_text(body, title)
+
+
+def in_document_order(nodes: Sequence[NodeWithScore]) -> list[NodeWithScore]:
+    """``nodes`` (best first) with each source document's nodes together, in the
+    document's order (their start offsets), where the document's best node ranks:
+    ``retrieval_order = "document"`` for a LlamaIndex retriever. A node with no source
+    document stays a group of its own; one with no offset goes after its document's others."""
+    return grouped_by_document(
+        list(nodes), lambda n: n.node.ref_doc_id or ("node", n.node.node_id),
+        lambda n: math.inf if getattr(n.node, "start_char_idx", None) is None else n.node.start_char_idx)
+
+
+class DocumentOrder(BaseNodePostprocessor):
+    """A node postprocessor that puts the retrieved nodes in :func:`in_document_order`, for
+    any LlamaIndex engine (``CacheCraftQueryEngine`` does it itself when the pipeline's
+    config says ``retrieval_order = "document"``). A page cut into several nodes then reads
+    top to bottom, and ``warm --previous`` variants find the node before them."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "CacheCraftDocumentOrder"
+
+    def _postprocess_nodes(self, nodes: list[NodeWithScore],
+                           query_bundle: QueryBundle | None = None) -> list[NodeWithScore]:
+        return in_document_order(nodes)
 
 
 class CacheCraftQueryEngine(BaseQueryEngine):
@@ -181,18 +209,22 @@ class CacheCraftQueryEngine(BaseQueryEngine):
 
     # -- retrieval ---------------------------------------------------------------------
     def retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        """Nodes from the retriever (its own events fire), then the postprocessors."""
+        """Nodes from the retriever (its own events fire), then the postprocessors, then
+        the config's ``retrieval_order`` ("document": :func:`in_document_order`)."""
         nodes = self._retriever.retrieve(query_bundle)
         for postprocessor in self._node_postprocessors:
             nodes = postprocessor.postprocess_nodes(nodes, query_bundle=query_bundle)
-        return nodes
+        return self._ordered(nodes)
 
     async def aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         """Async :meth:`retrieve`."""
         nodes = await self._retriever.aretrieve(query_bundle)
         for postprocessor in self._node_postprocessors:
             nodes = await postprocessor.apostprocess_nodes(nodes, query_bundle=query_bundle)
-        return nodes
+        return self._ordered(nodes)
+
+    def _ordered(self, nodes: list[NodeWithScore]) -> list[NodeWithScore]:
+        return in_document_order(nodes) if self.pipeline.config.retrieval_order == "document" else nodes
 
     # -- synthesis -----------------------------------------------------------------------
     @dispatcher.span

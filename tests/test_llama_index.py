@@ -18,11 +18,13 @@ from llama_index.core.base.response.schema import (AsyncStreamingResponse, Respo
 from llama_index.core.callbacks import CallbackManager, CBEventType, LlamaDebugHandler  # noqa: E402
 from llama_index.core.instrumentation import get_dispatcher  # noqa: E402
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler  # noqa: E402
-from llama_index.core.schema import TextNode  # noqa: E402
+from llama_index.core.schema import (NodeRelationship, NodeWithScore, QueryBundle,  # noqa: E402
+                                     RelatedNodeInfo, TextNode)
 from llama_index.vector_stores.faiss import FaissVectorStore  # noqa: E402
 
 from cachecraft.integrations.llama_index import (CacheCraftEmbedding, CacheCraftQueryEngine,  # noqa: E402
-                                                 content_hash, pipeline_lock)
+                                                 DocumentOrder, content_hash, in_document_order,
+                                                 pipeline_lock)
 from cachecraft.methods import UnknownMethod  # noqa: E402
 from cachecraft.prompt import PromptBuilder  # noqa: E402
 
@@ -213,6 +215,40 @@ def test_bad_arguments_are_refused(engine, tiny_dir):
         CacheCraftQueryEngine(engine.retriever, pipeline=engine.pipeline, method="magic")
     with pytest.raises(TypeError, match="BaseRetriever"):
         CacheCraftQueryEngine(object(), pipeline=engine.pipeline)
+
+
+def _node(name: str, document: str | None, start: int | None, score: float) -> NodeWithScore:
+    node = TextNode(id_=name, text=name, start_char_idx=start)
+    if document is not None:
+        node.relationships[NodeRelationship.SOURCE] = RelatedNodeInfo(node_id=document)
+    return NodeWithScore(node=node, score=score)
+
+
+# best first: b's later part, a's later part, an unplaced node, a's start, b's start, a's node with no offset
+RETRIEVED = [_node("b2", "b", 900, 0.9), _node("a2", "a", 500, 0.8), _node("x", None, None, 0.7),
+             _node("a1", "a", 0, 0.6), _node("b1", "b", 100, 0.5), _node("a?", "a", None, 0.4)]
+IN_DOCUMENT_ORDER = ["b1", "b2", "a1", "a2", "a?", "x"]  # worked out by hand
+
+
+def test_document_order_groups_each_documents_nodes_in_its_order():
+    assert [n.node.node_id for n in in_document_order(RETRIEVED)] == IN_DOCUMENT_ORDER
+    got = DocumentOrder().postprocess_nodes(RETRIEVED, query_str="q")
+    assert [n.node.node_id for n in got] == IN_DOCUMENT_ORDER
+    assert [n.node.node_id for n in RETRIEVED][:2] == ["b2", "a2"]  # the input is left as it was
+
+
+def test_the_engine_retrieves_in_the_configs_order(tiny_dir, cache_dir):
+    from llama_index.core.retrievers import BaseRetriever
+
+    class Fixed(BaseRetriever):
+        def _retrieve(self, query_bundle):
+            return list(RETRIEVED)
+
+    for order, want in (("score", [n.node.node_id for n in RETRIEVED]), ("document", IN_DOCUMENT_ORDER)):
+        with CacheCraftQueryEngine(Fixed(), model=str(tiny_dir), cache_dir=cache_dir,
+                                   config={**SETTINGS, "retrieval_order": order}) as engine:
+            assert [n.node.node_id for n in engine.retrieve(QueryBundle("q"))] == want
+            assert [n.node.node_id for n in asyncio.run(engine.aretrieve(QueryBundle("q")))] == want
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Callable, Hashable, Iterable, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -19,6 +19,8 @@ from cachecraft.config import RETRIEVAL_ORDERS
 from cachecraft.retrieval.chunking import TextChunk
 from cachecraft.retrieval.index import ChunkIndex
 from cachecraft.retrieval.snapshot import CorpusChunk, CorpusError, Snapshot, SnapshotStore
+
+T = TypeVar("T")
 
 Progress = Callable[[int, int], None]
 EMBED_BATCH = 256  # chunks embedded per call (and per progress update)
@@ -42,13 +44,21 @@ class SearchHit:
     score: float
 
 
+def grouped_by_document(items: Sequence[T], document: Callable[[T], Hashable],
+                        position: Callable[[T], float]) -> list[T]:
+    """``items`` (best first) with each ``document``'s items together, in ``position``
+    order (equal positions keep their order); the documents keep the order of their best
+    items."""
+    by_document: dict[Hashable, list[T]] = {}
+    for item in items:
+        by_document.setdefault(document(item), []).append(item)
+    return [item for group in by_document.values() for item in sorted(group, key=position)]
+
+
 def document_order(hits: Sequence[SearchHit]) -> list[SearchHit]:
     """``hits`` (best first) with each source file's chunks together and in their order in
     the file; the files keep the order of their best chunks."""
-    by_source: dict[str, list[SearchHit]] = {}
-    for hit in hits:
-        by_source.setdefault(hit.chunk.source, []).append(hit)
-    return [hit for group in by_source.values() for hit in sorted(group, key=lambda h: h.chunk.position)]
+    return grouped_by_document(hits, lambda h: h.chunk.source, lambda h: h.chunk.position)
 
 
 @dataclass(frozen=True)
