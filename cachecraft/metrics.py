@@ -69,12 +69,26 @@ def exact_match(prediction: str, reference: str) -> bool:
     return normalize_answer(first_line(prediction)) == normalize_answer(first_line(reference))
 
 
+# A line of at least this many words said again right after itself (blank lines between
+# aside) is a loop's start: cut short by the answer length, such a loop never reaches a
+# third copy. Shorter lines may repeat in a list ("Yes", "- [ ]").
+REPEATED_LINE_WORDS = 4
+
+
+def _said_again(line: str, before: str | None) -> bool:
+    """Whether ``line`` repeats the non-empty line ``before`` it and is long enough to count."""
+    return line == before and len(line.split()) >= REPEATED_LINE_WORDS
+
+
 def degenerate_repetition(text: str) -> bool:
     """Whether an answer has degenerated into repetition: a non-empty line three times or
-    more, or a run of words repeated back to back (one word four times in a row, a phrase
-    of two to eight words three times)."""
+    more, a line of :data:`REPEATED_LINE_WORDS` words or more twice in a row (blank lines
+    between aside), or a run of words repeated back to back (one word four times in a row,
+    a phrase of two to eight words three times)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if any(lines.count(line) >= 3 for line in set(lines)):
+        return True
+    if any(_said_again(line, before) for before, line in zip(lines, lines[1:])):
         return True
     words = text.split()
     return any(_run_ends_at(words, end) for end in range(1, len(words) + 1))
@@ -101,6 +115,7 @@ class RepetitionWatch:
 
     def __init__(self) -> None:
         self.words_checked = self.lines_checked = 0
+        self.last_line: str | None = None  # the last non-empty line checked
 
     def __call__(self, text: str) -> bool:
         words = text.split()
@@ -113,7 +128,11 @@ class RepetitionWatch:
         if parts and parts[-1].splitlines()[0] == parts[-1]:  # no line break after it yet
             parts.pop()
         lines = [part.strip() for part in parts]
-        if any(lines[i] and lines[:i + 1].count(lines[i]) >= 3 for i in range(self.lines_checked, len(lines))):
-            return True
+        for i in range(self.lines_checked, len(lines)):
+            if not lines[i]:
+                continue
+            if lines[:i + 1].count(lines[i]) >= 3 or _said_again(lines[i], self.last_line):
+                return True
+            self.last_line = lines[i]
         self.lines_checked = len(lines)
         return False

@@ -47,6 +47,11 @@ def test_degenerate_repetition_by_hand():
     assert not degenerate_repetition("a a a b")  # three is not yet a degenerate run of one word
     assert not degenerate_repetition("The command `git bisect` is used to find which commit introduced a bug.")
     assert not degenerate_repetition("")
+    # a line of four words or more said again right after itself, blank lines between aside
+    assert degenerate_repetition("How to clone?\n\nQuestion: How do I clone?\n\nQuestion: How do I clone?\n\nQ")
+    assert degenerate_repetition("- a b c d\n- a b c d")
+    assert not degenerate_repetition("- a b\n- a b")  # three words: a short list line may repeat
+    assert not degenerate_repetition("one two three four\nsomething else\none two three four")  # not in a row
 
 
 def test_repetition_watch_by_hand():
@@ -61,6 +66,9 @@ def test_repetition_watch_by_hand():
     assert watch("a b a b a b c") == [True]  # 'a b' three times, ending at the last finished word
     assert watch("git bisect, then", "git bisect, then git bisect good") == [False, False]
     assert watch("a\nb\n\n\n\nc\n") == [False]  # empty lines are not a repeated line
+    # a four-word line twice in a row fires once the second copy's line ends
+    assert watch("w x y z\n\nw x y z", "w x y z\n\nw x y z\n") == [False, True]
+    assert watch("w x y z\nw x y\n", "w x y z\nw x y\nw x y\n") == [False, False]  # three words
 
 
 def test_repetition_watch_agrees_with_the_whole_text_check():
