@@ -71,7 +71,7 @@ def in_shard(chunk_id: str, shard: tuple[int, int]) -> bool:
 
 @dataclass(frozen=True)
 class Retrieved:
-    """What one question retrieved: its chunks (in the config's retrieval order) and the
+    """What one question retrieved: its chunks (in the retrieval order asked for) and the
     seconds the search took."""
 
     hits: tuple[SearchHit, ...]
