@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from cachecraft.config import CHUNK_ORDERS, RETRIEVAL_ORDERS
+
+_ORDERS = {"retrieval_order": RETRIEVAL_ORDERS, "chunk_order": CHUNK_ORDERS}  # a request's own orders
 
 
 class _Strict(BaseModel):
@@ -92,18 +94,12 @@ class Generation(_Strict):
             raise ValueError("needs a {question} placeholder")
         return value
 
-    @field_validator("retrieval_order")
+    @field_validator("retrieval_order", "chunk_order")
     @classmethod
-    def _known_retrieval_order(cls, value: Optional[str]) -> Optional[str]:
-        if value is not None and value not in RETRIEVAL_ORDERS:
-            raise ValueError(f"must be one of {', '.join(RETRIEVAL_ORDERS)}")
-        return value
-
-    @field_validator("chunk_order")
-    @classmethod
-    def _known_chunk_order(cls, value: Optional[str]) -> Optional[str]:
-        if value is not None and value not in CHUNK_ORDERS:
-            raise ValueError(f"must be one of {', '.join(CHUNK_ORDERS)}")
+    def _known_order(cls, value: Optional[str], info: ValidationInfo) -> Optional[str]:
+        choices = _ORDERS[info.field_name]
+        if value is not None and value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
         return value
 
     @property
