@@ -61,5 +61,6 @@ def main() -> None:
     args.out.write_text(json.dumps({"read": [p.name for p in sorted(args.results)], "more_repeating": found},
                                    indent=1) + "\n")
 
+
 if __name__ == "__main__":
     main()
