@@ -510,3 +510,45 @@ def test_only_a_long_blended_prefill_on_a_gpu_that_outlasted_its_loads_teaches_t
     assert learned("cpu", 2048, 0.5) is None  # the reading thread shares a CPU's cores
     assert learned("cuda", 2047, 0.5) is None  # shorter than the GPU's longest probe
     assert learned("cuda", 2048, 0.29) is None  # under 1.5x the 0.2 s its loads were expected to take
+
+
+def test_a_looping_answer_keeps_the_full_prefills_chunks_exactly_for_the_next_ask(pipeline, tmp_path, monkeypatch):
+    import cachecraft.pipeline.core as core
+
+    # the first three chunks warmed, the last one not: the first tries compute it after
+    # three reused (so not exact) chunks
+    pipeline.warm(CHUNKS[:3])
+    pieces = pipeline.builder.build(CHUNKS, QUESTION)
+    prefix = chunk_key(pipeline.lm.fingerprint, pieces.prefix)
+    keys = [chunk_key(pipeline.lm.fingerprint, ids) for ids in pieces.chunks]
+    chained = [variant_key(key, (prefix, *keys[:i])) for i, key in enumerate(keys)]
+    pipeline.answer(CHUNKS, QUESTION, method="reuse")  # no loop: its computed last chunk is kept
+    made_after_reused = pipeline.store.get(chained[3])
+    assert [pipeline.store.contains(name) for name in chained] == [False, False, False, True]
+    full = traced(pipeline, CHUNKS, QUESTION, method="full")
+
+    monkeypatch.setattr(core, "degenerate_repetition", lambda text: True)
+    monkeypatch.setattr(core, "RepetitionWatch", lambda: (lambda text: True))
+    looped = pipeline.answer(CHUNKS[1:] + CHUNKS[:1], QUESTION, method="reuse")
+    assert looped.escalated
+    # the loop's own prefill kept nothing: the first chunk, computed there after the other
+    # three, has no variant made after them
+    moved = [chunk_key(pipeline.lm.fingerprint, ids) for ids in pipeline.builder.build(CHUNKS[1:], "q").chunks]
+    first_after = variant_key(keys[0], (prefix, *moved))
+    assert pipeline.store.contains(first_after)  # the second try's, from a full prefill
+    assert pipeline.answer(CHUNKS, QUESTION, method="reuse").escalated
+    assert all(pipeline.store.contains(name) for name in chained)
+    # the last chunk's variant, made after reused chunks, was replaced by the exact one
+    exact = pipeline.store.get(chained[3])
+    assert not torch.equal(exact.values, made_after_reused.values)
+    config = Config.load(overrides={"cache_dir": tmp_path / "fresh", "kv_dtype": "float32"}, environ={})
+    with TieredStore(config, tiers=("cpu",)) as store:  # every chunk a miss: computed exactly
+        Pipeline(config, lm=pipeline.lm, store=store).answer(CHUNKS, QUESTION, method="reuse")
+        reference = store.get(chained[3])
+    assert (exact.keys - reference.keys).abs().max() < 1e-5 and (exact.values - reference.values).abs().max() < 1e-5
+
+    monkeypatch.undo()
+    again = traced(pipeline, CHUNKS, QUESTION)
+    assert not again.escalated and again.recompute_fraction == 0.0
+    assert [c.variant for c in again.chunks] == chained
+    assert (again.logits - full.logits).abs().max() < 1e-4 and again.text == full.text

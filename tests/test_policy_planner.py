@@ -31,6 +31,19 @@ def test_lowest_cfo_variant_wins_and_exact_needs_nothing():
     assert info.variant == "v-half"
 
 
+def test_the_exact_variant_wins_a_tie_at_cfo_zero():
+    params = PolicyParams(alpha=0.5, order_weight=1.0, floor=0.5)
+    # made after y alone: all its inter mass went to y, which the request has before it too,
+    # in the same order -> beta' 1 -> cfo 0, like the exact one; stored first
+    candidates = [variant("v-after-y", ["y"], torch.tensor([[1.0]]), sizes=(4,)), variant("v-exact", ["x", "y"])]
+    info, score = choose_variant(candidates, ["x", "y"], params)
+    assert info.variant == "v-exact" and score.exact
+    plan = plan_request(["x", "y", "c"], [2, 4, 10], {"c": candidates}, params)
+    assert plan.chunks[2].variant == "v-exact" and plan.chunks[2].count == 0  # no floor: exact
+    assert choose_variant(candidates[:1], ["x", "y"], params)[1].cfo == 0.0
+    assert plan_request(["x", "y", "c"], [2, 4, 10], {"c": candidates[:1]}, params).chunks[2].count == 5  # floor
+
+
 def test_plan_counts_by_hand():
     params = PolicyParams(alpha=0.5, order_weight=1.0, cci_prior=0.6)
     plan = plan_request(["a", "b", "c"], [10, 10, 10],

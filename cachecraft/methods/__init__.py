@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from cachecraft.methods.base import (LoadPlan, Method, PrefillHooks, RequestContext, UnknownMethod,
                                      VariantLookup, plain_segments)
-from cachecraft.methods.baselines import CacheBlend, Full, Prefix, Reuse, prefix_segments, remember_prefix
+from cachecraft.methods.baselines import CacheBlend, Full, KeptFull, Prefix, Reuse, prefix_segments, remember_prefix
 from cachecraft.methods.experimental import FirstK, Inter, QuestionGuided, Spread
 from cachecraft.methods.policy import CacheCraft, variant_info
 

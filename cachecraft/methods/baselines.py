@@ -23,6 +23,17 @@ class Full(Method):
         return plain_segments(request, None, [None] * len(request.keys), keep=False)
 
 
+class KeptFull(Full):
+    """A full prefill that keeps each chunk it computes as a variant made after the exact
+    chunks before it (while the chunk has room for one): what a looping answer is made
+    again with, so that the same chunks asked in the same order later are reused exactly,
+    nothing recomputed, and answer as this prefill did. Not a method to name: it is
+    ``full`` in every report."""
+
+    def segments(self, request, prefix_kv, kvs) -> list[Segment]:
+        return plain_segments(request, None, [None] * len(request.keys), keep=True)
+
+
 class Prefix(Method):
     """Exact prefix reuse of earlier requests' token blocks, as vLLM's prefix caching."""
 

@@ -32,7 +32,7 @@ from cachecraft.config import CHUNK_ORDERS, Config
 from cachecraft.engine import (BlendResult, GenerationOptions, LayerSource, Segment, blended_prefill, generate_from,
                                sampled_layers)
 from cachecraft.kv import ChunkKV, chunk_key, kv_bytes_per_token, variant_key
-from cachecraft.methods import Full, Method, PrefillHooks, RequestContext, parse_method, variant_info
+from cachecraft.methods import Full, KeptFull, Method, PrefillHooks, RequestContext, parse_method, variant_info
 from cachecraft.metrics import RepetitionWatch, degenerate_repetition
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.pipeline.lookup import PlannerStatsMemo, RequestLookup
@@ -184,26 +184,34 @@ class Pipeline:
         if trace is not None:
             trace.answer_ids = new_ids
         reports = self._report(request, prepared, recomputed)
-        if self.keep_new_variants:
-            result.complete()  # the new chunk-caches' statistics, measured once the answer is out
-            self._save(list(result.saved.values()))  # chunks computed here, and the prefix where it was too
-            self._learn_use(reports)
         text = self.lm.tokenizer.decode(new_ids, skip_special_tokens=True)
-        abandoned = first_try_ttft = None
         cancelled = generation is not None and generation.cancel is not None and generation.cancel.is_set()
-        if fallback and not cancelled and degenerate_repetition(text):
+        loops = fallback and not cancelled and degenerate_repetition(text)
+        if self.keep_new_variants:
+            if not loops:  # a prefill that looped keeps nothing: its second try keeps exact chunks
+                result.complete()  # the new chunk-caches' statistics, measured once the answer is out
+                self._save(list(result.saved.values()))  # chunks computed here, and the prefix where it was too
+            self._learn_use(reports)
+        abandoned = first_try_ttft = None
+        if loops:
             # A loop full prefill may not share: answer again from exact KV, and say so
             abandoned, first_try_ttft = text, ttft
             log.info("the %s answer degenerated into repetition; answering again from a full prefill",
                      chosen.label)
             if streamer is not None:
                 streamer.restart("the answer repeated itself; answering again from a full prefill")
-            _, again = self._prefill(Full(), request)
+            # the full prefill keeps its chunks under their exact prefixes: asked again in this
+            # order, they are reused exactly, nothing recomputed, and answer as this one does
+            _, again = self._prefill(KeptFull() if self.keep_new_variants else Full(), request)
             int(again.logits.argmax())
             ttft, recompute = time.perf_counter() - start, 1.0
             new_ids = generate_from(self.lm.model, self.lm.tokenizer, again, max_new_tokens=limit,
                                     streamer=streamer, options=generation)
             text = self.lm.tokenizer.decode(new_ids, skip_special_tokens=True)
+            if self.keep_new_variants:
+                again.complete()
+                # exact, so they replace a variant of the same prefix made after reused chunks
+                self._save(list(again.saved.values()), replace=True)
         answer = Answer(generation.cut(text) if generation is not None else text, chosen.label, ttft,
                         request.pieces.num_tokens, len(new_ids), recompute, reports,
                         full_prefill_estimate_s=self._estimate_full(request.pieces.num_tokens),
@@ -705,9 +713,14 @@ class Pipeline:
             raise ValueError(f"got {len(sources)} sources for {len(keys)} chunks")
         self._sources.update(zip(keys, sources))
 
-    def _save(self, kvs: Sequence[ChunkKV]) -> None:
+    def _save(self, kvs: Sequence[ChunkKV], replace: bool = False) -> None:
+        """Store the chunk-caches (and system prefix) a prefill computed that are not stored
+        yet; with ``replace``, a chunk's stored variant of the same prefix is replaced."""
         for kv in kvs:
-            if not self.store.contains(kv.variant):
+            if replace and kv.prefix and self.store.contains(kv.variant):
+                self.planner_stats.forget(kv.variant)
+                self._put(kv)
+            elif not self.store.contains(kv.variant):
                 self._put(kv)
 
     def _learn_use(self, reports: Sequence[ChunkReport]) -> None:

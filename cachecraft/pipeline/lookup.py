@@ -6,7 +6,7 @@ queries and a disk read per chunk: 0.1 s of host time for 16 chunks from the dis
 on the development CPU, which a GPU's prefill of the same prompt does not hide. A
 :class:`RequestLookup` asks the catalog once, for every chunk of the request, on the
 first question; a variant's statistics are read once per pipeline (a variant's key names
-its content, so what was read stays true while it is stored).
+its content, so what was read stays true while it is stored, unless the pipeline replaces it).
 """
 
 from __future__ import annotations
@@ -50,6 +50,10 @@ class PlannerStatsMemo:
         if len(self._memo) > self._capacity:
             self._memo.popitem(last=False)
         return found
+
+    def forget(self, variant: str) -> None:
+        """Drop what was read of ``variant`` (it was replaced by one of the same key)."""
+        self._memo.pop(variant, None)
 
 
 class RequestLookup:

@@ -151,14 +151,17 @@ def params_from_config(config, num_layers: int, fitted: dict | None = None) -> P
 
 def choose_variant(variants: Sequence[VariantInfo], new_prefix: Sequence[str],
                    params: PolicyParams) -> tuple[VariantInfo, VariantScore] | None:
-    """The variant with the lowest CFO for a chunk preceded by ``new_prefix``."""
+    """The variant with the lowest CFO for a chunk preceded by ``new_prefix``; the exact
+    one (made after ``new_prefix`` itself) wherever it is stored, even where another's CFO
+    is 0 too (one made after some of those chunks, whose attention went to them alone):
+    only the exact one needs no fixing, and no floor applies to it."""
     best = None
     for info in variants:
         score = score_variant(inter=info.inter, intra=info.intra, chunk_tokens=info.chunk_tokens,
                               prefix_tokens=info.prefix_tokens, old_prefix=info.prefix,
                               new_prefix=new_prefix, alpha=params.alpha,
                               order_weight=params.order_weight, cci_prior=params.cci_prior)
-        if best is None or score.cfo < best[1].cfo:
+        if best is None or (score.cfo, not score.exact) < (best[1].cfo, not best[1].exact):
             best = (info, score)
         if score.exact:
             break
