@@ -524,6 +524,7 @@ def test_a_looping_answer_keeps_the_full_prefills_chunks_exactly_for_the_next_as
     chained = [variant_key(key, (prefix, *keys[:i])) for i, key in enumerate(keys)]
     pipeline.answer(CHUNKS, QUESTION, method="reuse")  # no loop: its computed last chunk is kept
     made_after_reused = pipeline.store.get(chained[3])
+    assert pipeline.store.info(chained[3]).stats is None  # not made after a full prefill's KV
     assert [pipeline.store.contains(name) for name in chained] == [False, False, False, True]
     full = traced(pipeline, CHUNKS, QUESTION, method="full")
 
@@ -537,7 +538,10 @@ def test_a_looping_answer_keeps_the_full_prefills_chunks_exactly_for_the_next_as
     first_after = variant_key(keys[0], (prefix, *moved))
     assert pipeline.store.contains(first_after)  # the second try's, from a full prefill
     assert pipeline.answer(CHUNKS, QUESTION, method="reuse").escalated
-    assert all(pipeline.store.contains(name) for name in chained)
+    assert all(pipeline.store.info(name).stats == {"made_exactly": 1.0} for name in chained)
+    # every chunk exact: the prefill is a full prefill's, so a loop is full's own, not answered again
+    assert not pipeline.answer(CHUNKS, QUESTION).escalated
+    assert pipeline.answer(CHUNKS, QUESTION, method="reuse").escalated  # warm's variants: not exact
     # the last chunk's variant, made after reused chunks, was replaced by the exact one
     exact = pipeline.store.get(chained[3])
     assert not torch.equal(exact.values, made_after_reused.values)
@@ -545,6 +549,7 @@ def test_a_looping_answer_keeps_the_full_prefills_chunks_exactly_for_the_next_as
     with TieredStore(config, tiers=("cpu",)) as store:  # every chunk a miss: computed exactly
         Pipeline(config, lm=pipeline.lm, store=store).answer(CHUNKS, QUESTION, method="reuse")
         reference = store.get(chained[3])
+        assert all(store.info(name).stats == {"made_exactly": 1.0} for name in chained)
     assert (exact.keys - reference.keys).abs().max() < 1e-5 and (exact.values - reference.values).abs().max() < 1e-5
 
     monkeypatch.undo()
@@ -552,3 +557,20 @@ def test_a_looping_answer_keeps_the_full_prefills_chunks_exactly_for_the_next_as
     assert not again.escalated and again.recompute_fraction == 0.0
     assert [c.variant for c in again.chunks] == chained
     assert (again.logits - full.logits).abs().max() < 1e-4 and again.text == full.text
+
+
+def test_a_chunk_warmed_after_the_system_prefix_alone_is_exact_as_the_first_chunk(cache_dir, monkeypatch):
+    import cachecraft.pipeline.core as core
+
+    config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 4, "kv_dtype": "float32",
+                                    "warm_context": "none"}, environ={})
+    with TieredStore(config, tiers=("cpu",)) as store:
+        pipe = Pipeline(config, lm=tiny_model("llama"), store=store, policy=PolicyParams(alpha=0.5, check_layer=2))
+        pipe.warm(CHUNKS)
+        with store.catalog.read() as tx:
+            stored = [r for r in tx.stored_variants() if r.prefix != ()]  # the chunks, not the prefix
+        assert len(stored) == len(CHUNKS) and all(r.stats == {"made_exactly": 1.0} for r in stored)
+        monkeypatch.setattr(core, "degenerate_repetition", lambda text: True)
+        monkeypatch.setattr(core, "RepetitionWatch", lambda: (lambda text: True))
+        assert not pipe.answer(CHUNKS[:1], QUESTION).escalated  # one chunk, right after the prefix: exact
+        assert pipe.answer(CHUNKS[:2], QUESTION).escalated  # the second was made after the prefix, not the first

@@ -35,7 +35,7 @@ from cachecraft.kv import ChunkKV, chunk_key, kv_bytes_per_token, variant_key
 from cachecraft.methods import Full, KeptFull, Method, PrefillHooks, RequestContext, parse_method, variant_info
 from cachecraft.metrics import RepetitionWatch, degenerate_repetition
 from cachecraft.model.loader import LoadedModel, load_model
-from cachecraft.pipeline.lookup import PlannerStatsMemo, RequestLookup
+from cachecraft.pipeline.lookup import MADE_EXACTLY, PlannerStatsMemo, RequestLookup
 from cachecraft.pipeline.cost import (COST_PROFILE, cost_model_from_profile, cost_profile, device_label,
                                      measure_cost_model, probe_sizes, teaches_rate)
 from cachecraft.pipeline.reports import Answer, ChunkReport, PrefillTrace, Source, WarmReport
@@ -186,11 +186,13 @@ class Pipeline:
         reports = self._report(request, prepared, recomputed)
         text = self.lm.tokenizer.decode(new_ids, skip_special_tokens=True)
         cancelled = generation is not None and generation.cancel is not None and generation.cancel.is_set()
-        loops = fallback and not cancelled and degenerate_repetition(text)
+        exact = self._exact_chunks(request, prepared)
+        # a prefill whose every chunk is a full prefill's answers as full does: no second try
+        loops = fallback and not cancelled and not all(exact) and degenerate_repetition(text)
         if self.keep_new_variants:
             if not loops:  # a prefill that looped keeps nothing: its second try keeps exact chunks
                 result.complete()  # the new chunk-caches' statistics, measured once the answer is out
-                self._save(list(result.saved.values()))  # chunks computed here, and the prefix where it was too
+                self._save(result.saved, exact)  # chunks computed here, and the prefix where it was too
             self._learn_use(reports)
         abandoned = first_try_ttft = None
         if loops:
@@ -211,7 +213,7 @@ class Pipeline:
             if self.keep_new_variants:
                 again.complete()
                 # exact, so they replace a variant of the same prefix made after reused chunks
-                self._save(list(again.saved.values()), replace=True)
+                self._save(again.saved, [True] * len(request.keys), replace=True)
         answer = Answer(generation.cut(text) if generation is not None else text, chosen.label, ttft,
                         request.pieces.num_tokens, len(new_ids), recompute, reports,
                         full_prefill_estimate_s=self._estimate_full(request.pieces.num_tokens),
@@ -259,7 +261,7 @@ class Pipeline:
                     Segment(ids, "chunk", save=True, collect_stats=True, key=key)]
         kv = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint,
                              hooks=[ChunkStatistics(self.stats_layers)]).saved[len(segments) - 1]
-        self._put(kv)
+        self._put(kv, made_exactly=len(segments) == 2)  # after the system prefix alone: exact as first chunk
         return kv
 
     def warm_after(self, pairs: Sequence[tuple[str, str]], sources: Sequence[str] | None = None) -> int:
@@ -713,15 +715,34 @@ class Pipeline:
             raise ValueError(f"got {len(sources)} sources for {len(keys)} chunks")
         self._sources.update(zip(keys, sources))
 
-    def _save(self, kvs: Sequence[ChunkKV], replace: bool = False) -> None:
-        """Store the chunk-caches (and system prefix) a prefill computed that are not stored
-        yet; with ``replace``, a chunk's stored variant of the same prefix is replaced."""
-        for kv in kvs:
+    def _save(self, saved: dict[int, ChunkKV], exact: Sequence[bool], replace: bool = False) -> None:
+        """Store the chunk-caches (and system prefix) a prefill computed (``saved``, by
+        segment: the prefix first, then the chunks) that are not stored yet; ``exact``: per
+        chunk, whether its KV in that prefill was a full prefill's (a chunk computed there
+        is, when every chunk before it is: recorded with it). With ``replace``, a chunk's
+        stored variant of the same prefix is replaced."""
+        for index, kv in sorted(saved.items()):
+            made_exactly = all(exact[:index - 1]) if kv.prefix else True
             if replace and kv.prefix and self.store.contains(kv.variant):
                 self.planner_stats.forget(kv.variant)
-                self._put(kv)
+                self._put(kv, made_exactly)
             elif not self.store.contains(kv.variant):
-                self._put(kv)
+                self._put(kv, made_exactly)
+
+    def _exact_chunks(self, request: RequestContext, prepared: PreparedRequest) -> list[bool]:
+        """Per chunk, whether its KV in this prefill is a full prefill's: every chunk before
+        it is, and it was computed here, or reused from a variant made after exactly the
+        chunks before it in a prefill where they were a full prefill's too."""
+        chunks = [s for s in prepared.segments if s.role == "chunk"]
+        if len(chunks) != len(request.keys):  # a method that cuts chunks up: not known
+            return [False] * len(request.keys)
+        exact, so_far = [], True
+        for index, (key, segment) in enumerate(zip(request.keys, chunks)):
+            if segment.cached is not None:
+                chained = variant_key(key, (request.prefix_key, *request.keys[:index]))
+                so_far = so_far and prepared.used[index] == chained and request.lookup.made_exactly(chained)
+            exact.append(so_far)
+        return exact
 
     def _learn_use(self, reports: Sequence[ChunkReport]) -> None:
         """Tell the store what each reused variant saved this request (``1 -`` the share of
@@ -735,12 +756,15 @@ class Pipeline:
         except CatalogError as exc:  # advice for eviction: the answer stands without it
             log.warning("could not record what the reused variants saved: %s", exc)
 
-    def _put(self, kv: ChunkKV) -> None:
+    def _put(self, kv: ChunkKV, made_exactly: bool = False) -> None:
+        """Store ``kv``; ``made_exactly``: computed after a full prefill's KV of its prefix
+        (recorded in the catalog: see :meth:`RequestLookup.made_exactly`)."""
         text = self.lm.tokenizer.decode(list(kv.token_ids[:48]), skip_special_tokens=True)
         value = quality = None
         if kv.stats is not None:  # a chunk with the statistics the policy reads
             value, quality = expected_reuse(variant_info(kv), self.policy)
         self.store.put(kv, cost_s=self._estimate_full(kv.num_tokens), quality=quality, cci=value,
+                       stats={MADE_EXACTLY: 1.0} if made_exactly else None,
                        source=self._sources.get(kv.chunk), preview=text)
 
     def _report(self, request: RequestContext, prepared: PreparedRequest, recomputed) -> list[ChunkReport]:

@@ -23,6 +23,10 @@ from cachecraft.policy.planner import VariantInfo
 # chunks before it), so 8192 take tens of MB at most.
 PLANNER_STATS_ENTRIES = 8192
 
+# The catalog statistic a variant carries when it was computed after a full prefill's KV of
+# its whole prefix: reused after exactly that prefix, it is a full prefill's KV too.
+MADE_EXACTLY = "made_exactly"
+
 # What the planner reads of a variant's statistics: inter-attention per earlier segment
 # (the system prefix left out), intra-attention per layer, and the token count.
 PlannerStats = tuple[torch.Tensor, torch.Tensor, int]
@@ -142,6 +146,15 @@ class RequestLookup:
                 elif record.prefix[-1] in position:
                     after[j].add(position[record.prefix[-1]])
         return after, starts
+
+    def made_exactly(self, variant: str) -> bool:
+        """Whether ``variant`` (of one of this request's chunks) was computed after a full
+        prefill's KV of its prefix (its catalog statistics say so)."""
+        for records in (self._records or {}).values():
+            for record in records:
+                if record.key == variant:
+                    return bool(record.stats and record.stats.get(MADE_EXACTLY))
+        return False
 
     def tier_of(self, variant: str) -> str | None:
         """The tier ``variant`` would load from, or None: the one its record names where
