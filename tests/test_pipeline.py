@@ -462,8 +462,11 @@ def test_a_looping_answer_is_answered_again_from_a_full_prefill(pipeline, monkey
     first_try = pipeline.answer(CHUNKS, QUESTION, method="reuse", max_new_tokens=1)
     monkeypatch.setattr(core, "degenerate_repetition", lambda text: True)  # every answer "loops",
     monkeypatch.setattr(core, "RepetitionWatch", lambda: (lambda text: True))  # from its first token
+    before = {c.variant: pipeline.store.info(c.variant).quality for c in first_try.chunks}
     answer = pipeline.answer(CHUNKS, QUESTION, method="reuse")
     assert answer.escalated and answer.abandoned_text == first_try.text  # the first try stopped at its first token
+    for variant, quality in before.items():  # a reuse answered again saved nothing: halfway to 0
+        assert pipeline.store.info(variant).quality == pytest.approx(quality / 2)
     assert answer.text == full.text and answer.new_tokens == full.new_tokens
     assert answer.recompute_fraction == 1.0 and 0 < answer.first_try_ttft_s < answer.ttft_s
     assert answer.saved_s <= 0  # two prefills: nothing saved

@@ -193,7 +193,7 @@ class Pipeline:
             if not loops:  # a prefill that looped keeps nothing: its second try keeps exact chunks
                 result.complete()  # the new chunk-caches' statistics, measured once the answer is out
                 self._save(result.saved, exact)  # chunks computed here, and the prefix where it was too
-            self._learn_use(reports)
+            self._learn_use(reports, saved_nothing=loops)
         abandoned = first_try_ttft = None
         if loops:
             # A loop full prefill may not share: answer again from exact KV, and say so
@@ -744,11 +744,13 @@ class Pipeline:
             exact.append(so_far)
         return exact
 
-    def _learn_use(self, reports: Sequence[ChunkReport]) -> None:
+    def _learn_use(self, reports: Sequence[ChunkReport], saved_nothing: bool = False) -> None:
         """Tell the store what each reused variant saved this request (``1 -`` the share of
-        its chunk recomputed: a variant found but computed in full saved nothing), so that
-        eviction keeps the variants requests reuse nearly exactly."""
-        saved = {c.variant: 1.0 - c.fraction for c in reports if c.variant is not None and c.tier != MISS}
+        its chunk recomputed: a variant found but computed in full saved nothing, and so did
+        every variant of a request answered again from a full prefill, ``saved_nothing``),
+        so that eviction keeps the variants requests reuse nearly exactly."""
+        saved = {c.variant: 0.0 if saved_nothing else 1.0 - c.fraction
+                 for c in reports if c.variant is not None and c.tier != MISS}
         if not saved:
             return
         try:
