@@ -722,12 +722,11 @@ class Pipeline:
         is, when every chunk before it is: recorded with it). With ``replace``, a chunk's
         stored variant of the same prefix is replaced."""
         for index, kv in sorted(saved.items()):
-            made_exactly = all(exact[:index - 1]) if kv.prefix else True
-            if replace and kv.prefix and self.store.contains(kv.variant):
+            if self.store.contains(kv.variant):
+                if not (replace and kv.prefix):
+                    continue
                 self.planner_stats.forget(kv.variant)
-                self._put(kv, made_exactly)
-            elif not self.store.contains(kv.variant):
-                self._put(kv, made_exactly)
+            self._put(kv, made_exactly=all(exact[:index - 1]) if kv.prefix else True)
 
     def _exact_chunks(self, request: RequestContext, prepared: PreparedRequest) -> list[bool]:
         """Per chunk, whether its KV in this prefill is a full prefill's: every chunk before
@@ -736,13 +735,14 @@ class Pipeline:
         chunks = [s for s in prepared.segments if s.role == "chunk"]
         if len(chunks) != len(request.keys):  # a method that cuts chunks up: not known
             return [False] * len(request.keys)
-        exact, so_far = [], True
+        exact = []
         for index, (key, segment) in enumerate(zip(request.keys, chunks)):
             if segment.cached is not None:
                 chained = variant_key(key, (request.prefix_key, *request.keys[:index]))
-                so_far = so_far and prepared.used[index] == chained and request.lookup.made_exactly(chained)
-            exact.append(so_far)
-        return exact
+                if prepared.used[index] != chained or not request.lookup.made_exactly(key, chained):
+                    break  # this chunk is not full's KV, so no chunk after it is
+            exact.append(True)
+        return exact + [False] * (len(request.keys) - len(exact))
 
     def _learn_use(self, reports: Sequence[ChunkReport], saved_nothing: bool = False) -> None:
         """Tell the store what each reused variant saved this request (``1 -`` the share of

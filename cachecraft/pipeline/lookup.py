@@ -147,14 +147,11 @@ class RequestLookup:
                     after[j].add(position[record.prefix[-1]])
         return after, starts
 
-    def made_exactly(self, variant: str) -> bool:
-        """Whether ``variant`` (of one of this request's chunks) was computed after a full
-        prefill's KV of its prefix (its catalog statistics say so)."""
-        for records in (self._records or {}).values():
-            for record in records:
-                if record.key == variant:
-                    return bool(record.stats and record.stats.get(MADE_EXACTLY))
-        return False
+    def made_exactly(self, key: str, variant: str) -> bool:
+        """Whether ``variant`` of chunk ``key`` was computed after a full prefill's KV of its
+        prefix (its catalog statistics say so)."""
+        return any(record.key == variant and bool(record.stats and record.stats.get(MADE_EXACTLY))
+                   for record in self.records(key))
 
     def tier_of(self, variant: str) -> str | None:
         """The tier ``variant`` would load from, or None: the one its record names where
