@@ -146,7 +146,8 @@ def _ensure_wal(cur: sqlite3.Cursor, timeout_s: float) -> None:
 
 
 class CatalogOutage:
-    """The catalog's server lost mid-run: when, why, and when to try it again."""
+    """The catalog's server lost mid-run (or its write lock held past the timeout): when,
+    why, and when to try it again."""
 
     def __init__(self, message: str) -> None:
         self.message, self.since = message, time.monotonic()
@@ -544,16 +545,24 @@ class Catalog:
     SQLite file in ``cache_dir``. ``postgresql+psycopg://user:pass@host:port/db`` puts
     the catalog in PostgreSQL (the same tables); an unreachable server raises
     :class:`CatalogUnavailableError`, one line naming ``catalog_url``.
+
+    A writer waits ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`) for another's lock,
+    then raises :class:`CatalogBusyError`; from then until a retry is due writes raise it
+    at once, so what writes as it goes (a request) waits once and goes on without them.
     """
 
     def __init__(self, cache_dir: str | Path, *, url: str | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float | None = None) -> None:
         self.cache_dir = Path(cache_dir)
         self.url = url or None
         self.created = False  # set when this open created the tables
         self.upgraded_from: int | None = None  # set when this open upgraded an older schema
         self.path = catalog_path(self.cache_dir)
         self.outage: CatalogOutage | None = None  # set while the server is lost (mid-run)
+        # set while another process holds the write lock past the timeout: writes fail at
+        # once until the next retry (reads go on), so a request waits for it once, not per write
+        self.busy: CatalogOutage | None = None
+        timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
         if self.url is None:
             self.dialect = "sqlite"
             self._open_sqlite(timeout_s)
@@ -668,12 +677,18 @@ class Catalog:
         ``exclusive=False`` it does not (for statements that are atomic on their own, such
         as :meth:`CatalogTx.touch`). SQLite always takes its write lock.
         """
+        busy = self.busy
+        if busy is not None and not busy.due():  # still locked, most likely: fail at once
+            raise CatalogBusyError(busy.message)
         with self._translated():
             with Session(self._engine, expire_on_commit=False) as session, session.begin():
                 conn = session.connection()  # BEGIN IMMEDIATE now: the write lock is held for the whole block
                 if exclusive and self.dialect == "postgresql":
                     conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": WRITE_LOCK_ID})
                 yield CatalogTx(session)
+        if busy is not None:
+            self.busy = None
+            log.warning("catalog at %s is writable again after %.0f s", self.where, time.monotonic() - busy.since)
 
     @contextmanager
     def read(self) -> Iterator[CatalogTx]:
@@ -694,10 +709,13 @@ class Catalog:
                       else translate_server_error(exc, self.url))
             if mapped is None:
                 raise
-            # a collision loses its write as an outage does, but the server answered
-            lost = isinstance(mapped, CatalogUnavailableError) and not isinstance(mapped, CatalogCollisionError)
+            # a collision or a held lock loses its write as an outage does, but the server answered
+            lost = (isinstance(mapped, CatalogUnavailableError)
+                    and not isinstance(mapped, (CatalogCollisionError, CatalogBusyError)))
             if lost and self.opened:
                 self._lost(mapped)
+            elif isinstance(mapped, CatalogBusyError) and self.opened:
+                self._locked(mapped)
             raise mapped from exc
         if outage is not None:
             self.outage = None
@@ -714,6 +732,13 @@ class Catalog:
             log.warning("%s; answering without it, retrying in %.0f s", error, self.outage.wait_s)
         else:
             self.outage.failed_again()
+
+    def _locked(self, error: CatalogBusyError) -> None:
+        if self.busy is None:
+            self.busy = CatalogOutage(str(error))
+            log.warning("%s; going on without writing it, retrying in %.0f s", error, self.busy.wait_s)
+        else:
+            self.busy.failed_again()
 
     def available(self) -> bool:
         """Whether the catalog answers now (after an outage, tried again only when a retry is due)."""

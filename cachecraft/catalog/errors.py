@@ -15,16 +15,20 @@ class CatalogCorruptError(CatalogError):
     """The catalog database file is damaged."""
 
 
-class CatalogBusyError(CatalogError):
-    """Another process held the catalog's write lock for longer than the timeout."""
-
-
 class CatalogWriteError(CatalogError):
     """The catalog could not be written (disk full, read-only file or directory)."""
 
 
 class CatalogUnavailableError(CatalogError):
     """The catalog's server (``catalog_url``) cannot be reached."""
+
+
+class CatalogBusyError(CatalogUnavailableError):
+    """Another process held the catalog's write lock for longer than the timeout.
+
+    The write is lost as in an outage, so every caller that goes on without the catalog
+    (a request's hit counts, new chunk-caches, its row) goes on without it here too; reads
+    go on, and writes fail at once until a retry is due (see :class:`Catalog`)."""
 
 
 class CatalogCollisionError(CatalogUnavailableError):
