@@ -204,3 +204,30 @@ def test_a_variant_is_worth_loading_only_while_its_recompute_would_hide_less_tha
 
     assert worth_loading(0.0) and worth_loading(0.999)
     assert not worth_loading(1.0) and not worth_loading(3.3) and not worth_loading(None)
+
+
+def test_at_the_cap_an_exact_variant_replaces_the_one_used_least():
+    from cachecraft.policy.rules import variant_to_replace
+
+    def made(key, hits, last_used, created_at):
+        return VariantRecord(key, "c", ("sys", "x"), 100, "float16", hits=hits, last_used=last_used,
+                             created_at=created_at)
+
+    assert variant_to_replace([]) is None
+    # fewest hits first, whatever their age
+    assert variant_to_replace([made("a", 3, 10.0, 1.0), made("b", 1, 50.0, 2.0), made("c", 2, 5.0, 3.0)]) == "b"
+    # equal hits: the one used longest ago; one never used counts from when it was made
+    assert variant_to_replace([made("a", 1, 40.0, 1.0), made("b", 1, 20.0, 2.0)]) == "b"
+    assert variant_to_replace([made("a", 0, None, 30.0), made("b", 0, None, 7.0), made("c", 0, 9.0, 1.0)]) == "b"
+
+
+def test_only_variants_neither_independent_nor_exact_may_give_way():
+    from cachecraft.pipeline.lookup import MADE_EXACTLY
+
+    exact = VariantRecord("c3", "c", ("sys", "a", "b"), 100, "float16", stats={MADE_EXACTLY: 1.0})
+    records = {"c": [record("c1", "c", ("sys", "warm"), "cpu"), record("c2", "c", ("sys", "a"), "disk"), exact,
+                     record("c4", "c", ("sys", "b"), "cpu"), record("c5", "c", ("other", "a"), "cpu")]}
+    lookup = RequestLookup(FakeStore(records, {}), ["c"], PlannerStatsMemo(lambda v: None),
+                           warm_prefix=lambda p: (p, "warm"), chunk_tokens=lambda k: 5, r_load=lambda t: 0.0)
+    # warm's (c1) is the fallback for every order, c3 is exact, c5 is another system prompt's
+    assert [r.key for r in lookup.replaceable_variants("c", "sys")] == ["c2", "c4"]

@@ -577,3 +577,39 @@ def test_a_chunk_warmed_after_the_system_prefix_alone_is_exact_as_the_first_chun
         monkeypatch.setattr(core, "RepetitionWatch", lambda: (lambda text: True))
         assert not pipe.answer(CHUNKS[:1], QUESTION).escalated  # one chunk, right after the prefix: exact
         assert pipe.answer(CHUNKS[:2], QUESTION).escalated  # the second was made after the prefix, not the first
+
+
+def test_a_looping_answer_keeps_its_exact_chunks_past_the_cap_in_place_of_the_variant_used_least(pipeline,
+                                                                                              monkeypatch):
+    import cachecraft.pipeline.core as core
+    from cachecraft.policy.rules import MAX_VARIANTS_PER_CHUNK
+
+    pipeline.warm(CHUNKS)
+    # the last chunk also after each of the others: four variants, at the cap
+    pipeline.warm_after([(before, CHUNKS[3]) for before in CHUNKS[:3]])
+    pieces = pipeline.builder.build(CHUNKS, QUESTION)
+    prefix = chunk_key(pipeline.lm.fingerprint, pieces.prefix)
+    keys = [chunk_key(pipeline.lm.fingerprint, ids) for ids in pieces.chunks]
+    after = [variant_key(keys[3], (prefix, keys[i])) for i in range(3)]
+
+    def variants_of_last() -> set[str]:
+        return {r.key for r in pipeline.store.variants_of(keys[3]) if r.prefix and r.prefix[0] == prefix}
+
+    before = variants_of_last()
+    assert len(before) == MAX_VARIANTS_PER_CHUNK and set(after) < before
+    for name, reads in zip(after, (2, 0, 1)):  # hits 2, 0 and 1: the second is used least
+        for _ in range(reads):
+            pipeline.store.get(name)
+    chained = [variant_key(key, (prefix, *keys[:i])) for i, key in enumerate(keys)]
+
+    monkeypatch.setattr(core, "degenerate_repetition", lambda text: True)
+    monkeypatch.setattr(core, "RepetitionWatch", lambda: (lambda text: True))
+    assert pipeline.answer(CHUNKS, QUESTION, method="reuse").escalated
+    # the second try's exact variant took the place of the one used least; warm's stays
+    assert variants_of_last() == before - {after[1]} | {chained[3]}
+    assert not pipeline.store.contains(after[1])
+    assert all(pipeline.store.info(name).stats == {"made_exactly": 1.0} for name in chained)
+    assert not pipeline.answer(CHUNKS, QUESTION).escalated  # every chunk exact: answered once
+    monkeypatch.undo()
+    again = pipeline.answer(CHUNKS, QUESTION)
+    assert again.recompute_fraction == 0.0 and [c.variant for c in again.chunks] == chained

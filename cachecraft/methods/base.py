@@ -125,18 +125,19 @@ class Method:
 
 
 def plain_segments(request: RequestContext, prefix_kv: LayerSource | None, kvs: Sequence[LayerSource | None],
-                   keep: bool) -> list[Segment]:
+                   keep: bool, past_cap: bool = False) -> list[Segment]:
     """System prefix, chunks (cached where ``kvs`` has one) and question. With ``keep``,
     an uncached chunk is saved with its statistics, to be kept as a variant, while its
-    chunk has room for one (:func:`cachecraft.policy.rules.room_for_variant`), and an
-    uncached prefix is saved too."""
+    chunk has room for one (:func:`cachecraft.policy.rules.room_for_variant`; with
+    ``past_cap`` also beyond, for the caller to make room), and an uncached prefix is saved too."""
     pieces = request.pieces
     segments = [Segment(pieces.prefix, "prefix", cached=prefix_kv, key=request.prefix_key,
                         save=keep and prefix_kv is None)]
     for ids, key, kv in zip(pieces.chunks, request.keys, kvs):
         # a chunk computed here although variants of it are stored (none worth loading
         # from its tier) is not kept past the cap: only eviction would bound them
-        fresh = keep and kv is None and room_for_variant(request.lookup.variant_count(key, request.prefix_key))
+        fresh = keep and kv is None and (past_cap or room_for_variant(
+            request.lookup.variant_count(key, request.prefix_key)))
         segments.append(Segment(ids, "chunk", cached=kv, key=key, save=fresh, collect_stats=fresh))
     segments.append(Segment(pieces.question, "question"))
     return segments

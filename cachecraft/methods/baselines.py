@@ -25,13 +25,13 @@ class Full(Method):
 
 class KeptFull(Full):
     """A full prefill that keeps each chunk it computes as a variant made after the exact
-    chunks before it (while the chunk has room for one): what a looping answer is made
-    again with, so that the same chunks asked in the same order later are reused exactly,
-    nothing recomputed, and answer as this prefill did. Not a method to name: it is
-    ``full`` in every report."""
+    chunks before it (at the cap, in place of one used least: see the pipeline's
+    ``_save``): what a looping answer is made again with, so that the same chunks asked in
+    the same order later are reused exactly, nothing recomputed, and answer as this
+    prefill did. Not a method to name: it is ``full`` in every report."""
 
     def segments(self, request, prefix_kv, kvs) -> list[Segment]:
-        return plain_segments(request, None, [None] * len(request.keys), keep=True)
+        return plain_segments(request, None, [None] * len(request.keys), keep=True, past_cap=True)
 
 
 class Prefix(Method):

@@ -42,6 +42,7 @@ from cachecraft.pipeline.reports import Answer, ChunkReport, PrefillTrace, Sourc
 from cachecraft.policy.loading import DEFAULT_BANDWIDTHS, CostModel
 from cachecraft.policy.calibrate import ANY_DEVICE, POLICY_PROFILE
 from cachecraft.policy.ordering import cache_order
+from cachecraft.policy.rules import room_for_variant, variant_to_replace
 from cachecraft.policy.shipped import shipped_fit
 from cachecraft.policy.planner import (FITTED_KEYS, PolicyParams, RecomputePlan, expected_reuse,
                                        params_from_config, policy_settings)
@@ -52,7 +53,7 @@ from cachecraft.retrieval.corpus import Corpus, SearchHit
 from cachecraft.retrieval.ingest import IngestOutcome, StageProgress, ingest_paths
 from cachecraft.retrieval.snapshot import CorpusError
 from cachecraft.selection import ChunkStatistics
-from cachecraft.store import CorruptEntryError, LayerReader, LayerStream, TieredStore
+from cachecraft.store import CorruptEntryError, LayerReader, LayerStream, StoreError, TieredStore
 from cachecraft.store.streaming import host_copy_bandwidth
 from cachecraft import warm_context
 
@@ -192,7 +193,7 @@ class Pipeline:
         if self.keep_new_variants:
             if not loops:  # a prefill that looped keeps nothing: its second try keeps exact chunks
                 result.complete()  # the new chunk-caches' statistics, measured once the answer is out
-                self._save(result.saved, exact)  # chunks computed here, and the prefix where it was too
+                self._save(request, result.saved, exact)  # chunks computed here, and the prefix where it was too
             self._learn_use(reports, saved_nothing=loops)
         abandoned = first_try_ttft = None
         if loops:
@@ -213,7 +214,7 @@ class Pipeline:
             if self.keep_new_variants:
                 again.complete()
                 # exact, so they replace a variant of the same prefix made after reused chunks
-                self._save(again.saved, [True] * len(request.keys), replace=True)
+                self._save(request, again.saved, [True] * len(request.keys), replace=True)
         answer = Answer(generation.cut(text) if generation is not None else text, chosen.label, ttft,
                         request.pieces.num_tokens, len(new_ids), recompute, reports,
                         full_prefill_estimate_s=self._estimate_full(request.pieces.num_tokens),
@@ -715,18 +716,43 @@ class Pipeline:
             raise ValueError(f"got {len(sources)} sources for {len(keys)} chunks")
         self._sources.update(zip(keys, sources))
 
-    def _save(self, saved: dict[int, ChunkKV], exact: Sequence[bool], replace: bool = False) -> None:
-        """Store the chunk-caches (and system prefix) a prefill computed (``saved``, by
-        segment: the prefix first, then the chunks) that are not stored yet; ``exact``: per
-        chunk, whether its KV in that prefill was a full prefill's (a chunk computed there
-        is, when every chunk before it is: recorded with it). With ``replace``, a chunk's
-        stored variant of the same prefix is replaced."""
+    def _save(self, request: RequestContext, saved: dict[int, ChunkKV], exact: Sequence[bool],
+              replace: bool = False) -> None:
+        """Store the chunk-caches (and system prefix) a prefill of ``request`` computed
+        (``saved``, by segment: the prefix first, then the chunks) that are not stored yet;
+        ``exact``: per chunk, whether its KV in that prefill was a full prefill's (a chunk
+        computed there is, when every chunk before it is: recorded with it). With
+        ``replace`` (a second try's exact chunks), a chunk's stored variant of the same
+        prefix is replaced, and a chunk at the cap makes room (:meth:`_make_room`)."""
         for index, kv in sorted(saved.items()):
             if self.store.contains(kv.variant):
                 if not (replace and kv.prefix):
                     continue
                 self.planner_stats.forget(kv.variant)
+            elif replace and kv.prefix and not self._make_room(request, kv.chunk):
+                continue
             self._put(kv, made_exactly=all(exact[:index - 1]) if kv.prefix else True)
+
+    def _make_room(self, request: RequestContext, chunk: str) -> bool:
+        """Whether ``chunk`` may keep one more variant under the request's system prompt:
+        it has room, or it is at the cap and the variant requests used least of those that
+        are neither ``warm``'s nor exact (:func:`variant_to_replace`) was deleted. An exact
+        variant is the only one that makes its chunk order's answer full's without
+        recomputing; without it, that order would be answered twice on every ask."""
+        lookup = request.lookup
+        if room_for_variant(lookup.variant_count(chunk, request.prefix_key)):
+            return True
+        victim = variant_to_replace(lookup.replaceable_variants(chunk, request.prefix_key))
+        if victim is None:
+            return False
+        try:
+            self.store.delete(victim)
+        except (StoreError, CatalogError) as exc:  # the cap holds: the exact variant is not kept
+            log.warning("could not make room for an exact chunk-cache (%s)", exc)
+            return False
+        self.planner_stats.forget(victim)
+        log.info("chunk %s at its cap of variants: %s gave way to one made exactly", chunk, victim)
+        return True
 
     def _exact_chunks(self, request: RequestContext, prepared: PreparedRequest) -> list[bool]:
         """Per chunk, whether its KV in this prefill is a full prefill's: every chunk before

@@ -129,6 +129,14 @@ class RequestLookup:
             return len(records)
         return sum(1 for r in records if r.prefix and r.prefix[0] == prefix_key)
 
+    def replaceable_variants(self, key: str, prefix_key: str) -> list[VariantRecord]:
+        """The variants of chunk ``key`` made after the system prefix ``prefix_key`` that an
+        exact one may replace at the cap: all but the independent one (:meth:`independent_variant`,
+        the fallback for any order) and those made exactly."""
+        independent = self.independent_variant(key, prefix_key)
+        return [r for r in self.records(key) if r.prefix and r.prefix[0] == prefix_key
+                and r.key != independent and not self.made_exactly(key, r.key)]
+
     def links(self, keys: Sequence[str], prefix_key: str) -> tuple[list[set[int]], set[int]]:
         """What :func:`cachecraft.policy.ordering.cache_order` reads of the stored variants of
         ``keys`` (a request's chunks, as given) made after the system prefix ``prefix_key``:

@@ -7,6 +7,9 @@
   chunk (``r_load >= 1``) is not loaded, nor planned with: its chunk is computed in full.
 - :func:`room_for_variant`: a chunk keeps a new variant while it has fewer than
   :data:`MAX_VARIANTS_PER_CHUNK` under the request's system prompt.
+- :func:`variant_to_replace`: at the cap, a variant made exactly (a looping answer's
+  second try) replaces the variant requests used least among those that are neither
+  ``warm``'s nor exact.
 - :func:`keep_in_full`: a chunk the plan would recompute mostly is computed in full
   instead, nothing loaded, while it has room for another variant; made in this
   request's context, it is then kept as a new variant.
@@ -42,6 +45,15 @@ def room_for_variant(stored: int, cap: int = MAX_VARIANTS_PER_CHUNK) -> bool:
     """Whether a chunk with ``stored`` variants (under this system prompt) may keep
     another one made in this request: while it has fewer than ``cap``."""
     return stored < cap
+
+
+def variant_to_replace(candidates: Sequence) -> str | None:
+    """The key of the variant a new exact one replaces at the cap, of ``candidates``
+    (variant records the caller may replace): the one with the fewest hits, then the one
+    used longest ago (never used: the oldest made); None without candidates."""
+    if not candidates:
+        return None
+    return min(candidates, key=lambda r: (r.hits, r.last_used if r.last_used is not None else r.created_at)).key
 
 
 def hide_loading(plan: RecomputePlan, r_loads: Sequence[float | None]) -> RecomputePlan:
