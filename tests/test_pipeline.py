@@ -613,3 +613,47 @@ def test_a_looping_answer_keeps_its_exact_chunks_past_the_cap_in_place_of_the_va
     monkeypatch.undo()
     again = pipeline.answer(CHUNKS, QUESTION)
     assert again.recompute_fraction == 0.0 and [c.variant for c in again.chunks] == chained
+
+
+def test_a_full_disk_costs_the_new_chunk_caches_not_the_answer(cache_dir, tmp_path, monkeypatch, caplog):
+    import errno
+
+    import diskcache
+
+    from cachecraft.store import verify
+
+    def configured(where):
+        return Config.load(overrides={"cache_dir": where, "max_new_tokens": 6, "kv_dtype": "float32"}, environ={})
+
+    def full_write(self, full_path, iterator, mode, encoding=None):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    lm = tiny_model("llama")
+    policy = PolicyParams(alpha=0.5, check_layer=2)
+    with TieredStore(configured(cache_dir), tiers=("disk",)) as store, \
+            TieredStore(configured(tmp_path / "control"), tiers=("disk",)) as control_store:
+        pipe = Pipeline(configured(cache_dir), lm=lm, store=store, policy=policy)
+        control = Pipeline(configured(tmp_path / "control"), lm=lm, store=control_store, policy=policy)
+        monkeypatch.setattr(diskcache.Disk, "_write", full_write)
+        # every chunk a miss, each to be kept after the answer: the first put fails
+        answer = pipe.answer(CHUNKS, QUESTION, method="reuse")
+        assert answer.text == control.answer(CHUNKS, QUESTION, method="reuse").text
+        assert answer.request_id is not None
+        assert f"{len(CHUNKS) + 1} new chunk-cache(s) of this request not kept" in caplog.text
+        assert "free disk space" in caplog.text
+        with store.catalog.read() as tx:
+            assert tx.stored_variants() == []
+        monkeypatch.undo()
+        pipe.warm(CHUNKS)
+        control.warm(CHUNKS)
+        # the chunks stored, the system prompt's cache gone: made before the prefill, not kept
+        prefix = variant_key(chunk_key(lm.fingerprint, pipe.builder.build(CHUNKS, QUESTION).prefix), ())
+        assert store.delete(prefix)
+        monkeypatch.setattr(diskcache.Disk, "_write", full_write)
+        caplog.clear()
+        again = pipe.answer(CHUNKS, QUESTION)
+        assert again.text == control.answer(CHUNKS, QUESTION).text
+        assert all(c.tier == "disk" for c in again.chunks)
+        assert "the system prompt's cache was not kept" in caplog.text
+        monkeypatch.undo()
+    assert verify(cache_dir).ok

@@ -471,7 +471,7 @@ class Pipeline:
         # With every chunk computed here, a missing system prefix is computed with them (and
         # saved) rather than in a prefill of its own first
         prefix_kv = self._prefix_kv(request.pieces, request.prefix_key, count_hit=count_hits,
-                                    make=any(name is not None for name in load.wanted))
+                                    make=any(name is not None for name in load.wanted), best_effort=True)
         kvs, tiers = self._load_variants(load.wanted, loading, count_hits)
         used = [name if kv is not None else None for name, kv in zip(load.wanted, kvs)]
         for i, (found, wanted) in enumerate(zip(load.found or (), load.wanted)):
@@ -667,15 +667,21 @@ class Pipeline:
         return Segment(ids, "chunk", cached=kv, key=key)
 
     def _prefix_kv(self, pieces: PromptPieces, prefix_key: str, count_hit: bool = True,
-                   make: bool = True) -> ChunkKV | None:
+                   make: bool = True, best_effort: bool = False) -> ChunkKV | None:
         """The system prefix's KV (exact: it always comes first); made once and stored.
-        Without ``make``, None when it is not stored yet."""
+        Without ``make``, None when it is not stored yet. With ``best_effort`` (a request,
+        which can answer without it stored), a store that cannot take it is a warning."""
         name = variant_key(prefix_key, ())
         kv, _ = self._load(name, count_hit)
         if kv is None and make:
             kv = blended_prefill(self.lm.adapter, [Segment(pieces.prefix, "chunk", save=True, key=prefix_key)],
                                  fingerprint=self.lm.fingerprint).saved[0]
-            self._put(kv)
+            try:
+                self._put(kv)
+            except StoreError as exc:
+                if not best_effort:
+                    raise
+                log.warning("the system prompt's cache was not kept: %s", exc)
         return kv
 
     def _load(self, name: str | None, count_hit: bool = True) -> tuple[ChunkKV | None, str]:
@@ -723,15 +729,22 @@ class Pipeline:
         ``exact``: per chunk, whether its KV in that prefill was a full prefill's (a chunk
         computed there is, when every chunk before it is: recorded with it). With
         ``replace`` (a second try's exact chunks), a chunk's stored variant of the same
-        prefix is replaced, and a chunk at the cap makes room (:meth:`_make_room`)."""
-        for index, kv in sorted(saved.items()):
+        prefix is replaced, and a chunk at the cap makes room (:meth:`_make_room`). Best
+        effort: the answer is out, so a store that cannot take them (a full disk) costs
+        the caches not kept, with a warning, not the answer."""
+        pending = sorted(saved.items())
+        for done, (index, kv) in enumerate(pending):
             if self.store.contains(kv.variant):
                 if not (replace and kv.prefix):
                     continue
                 self.planner_stats.forget(kv.variant)
             elif replace and kv.prefix and not self._make_room(request, kv.chunk):
                 continue
-            self._put(kv, made_exactly=all(exact[:index - 1]) if kv.prefix else True)
+            try:
+                self._put(kv, made_exactly=all(exact[:index - 1]) if kv.prefix else True)
+            except StoreError as exc:  # the next ones would fail the same way
+                log.warning("%d new chunk-cache(s) of this request not kept: %s", len(pending) - done, exc)
+                return
 
     def _make_room(self, request: RequestContext, chunk: str) -> bool:
         """Whether ``chunk`` may keep one more variant under the request's system prompt:
