@@ -6,7 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from cachecraft.catalog import CatalogCollisionError, CatalogUnavailableError, RequestChunk, RequestRecord
+from cachecraft.catalog import (CatalogCollisionError, CatalogUnavailableError, CatalogWriteError, RequestChunk,
+                                RequestRecord)
 from cachecraft.catalog.pending import PENDING_DIR, PendingRequests, request_from_json, request_to_json
 
 
@@ -89,3 +90,35 @@ def test_an_unreadable_file_is_set_aside_with_a_warning(tmp_path, caplog):
     assert PendingRequests(tmp_path).record(here, row(1)) == 1
     assert "could not read kept request rows" in caplog.text
     assert [p.suffix for p in (tmp_path / PENDING_DIR).iterdir()] == [".unreadable"]
+
+
+class FullAfterOne(Here):
+    """Takes one row, then its disk is full."""
+
+    def record_request(self, rec):
+        if self.rows:
+            raise CatalogWriteError("no space left on device writing the catalog x; free disk space")
+        return super().record_request(rec)
+
+
+def test_on_a_full_disk_rows_wait_in_memory_and_are_recorded_once_there_is_room(tmp_path, monkeypatch, caplog):
+    from pathlib import Path
+
+    pending = PendingRequests(tmp_path)
+    assert pending.record(Away(), row(1)) is None  # q1 waits in this process's file
+    assert len(list((tmp_path / PENDING_DIR).iterdir())) == 1
+
+    def no_space(self, data, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", no_space)
+    filling = FullAfterOne()
+    assert pending.record(filling, row(2)) is None  # q1 recorded, then neither the catalog nor the file takes q2
+    assert [r.question_hash for r in filling.rows] == ["q1"]
+    assert [r.question_hash for r in pending.rows] == ["q2"]
+    assert "1 request row(s) wait in memory only" in caplog.text
+    assert not list((tmp_path / PENDING_DIR).iterdir())  # not the old file, which still named q1
+    monkeypatch.undo()
+    here = Here()
+    assert pending.record(here, row(3)) == 2
+    assert [r.question_hash for r in here.rows] == ["q2", "q3"]

@@ -620,6 +620,7 @@ def test_a_full_disk_costs_the_new_chunk_caches_not_the_answer(cache_dir, tmp_pa
 
     import diskcache
 
+    from cachecraft.catalog import CatalogWriteError
     from cachecraft.store import verify
 
     def configured(where):
@@ -655,5 +656,16 @@ def test_a_full_disk_costs_the_new_chunk_caches_not_the_answer(cache_dir, tmp_pa
         assert again.text == control.answer(CHUNKS, QUESTION).text
         assert all(c.tier == "disk" for c in again.chunks)
         assert "the system prompt's cache was not kept" in caplog.text
+        monkeypatch.undo()
+
+        def catalog_full(*args, **kwargs):
+            raise CatalogWriteError("no space left on device writing the catalog; free disk space")
+
+        monkeypatch.setattr(store, "put", catalog_full)  # the catalog's disk, rather than the store's
+        caplog.clear()
+        other = [chunk.replace("w", "v") for chunk in CHUNKS]
+        assert pipe.answer(other, QUESTION).text == control.answer(other, QUESTION).text
+        # the system prompt's too: the disk took none of it before
+        assert f"{len(CHUNKS) + 1} new chunk-cache(s) of this request not kept" in caplog.text
         monkeypatch.undo()
     assert verify(cache_dir).ok

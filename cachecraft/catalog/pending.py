@@ -20,7 +20,7 @@ import uuid
 from pathlib import Path
 
 from cachecraft.catalog.db import Catalog
-from cachecraft.catalog.errors import CatalogUnavailableError
+from cachecraft.catalog.errors import CatalogUnavailableError, CatalogWriteError
 from cachecraft.catalog.records import RequestChunk, RequestRecord
 
 log = logging.getLogger(__name__)
@@ -74,7 +74,8 @@ class PendingRequests:
                 recorded += 1
                 if row is rec:
                     rec_id = row_id
-        except CatalogUnavailableError:  # away, or rolled back in a collision: the next request tries
+        # away, locked, rolled back in a collision, or its disk full: the next request tries
+        except (CatalogUnavailableError, CatalogWriteError):
             return None
         finally:
             late = recorded - (rec_id is not None)
@@ -98,10 +99,17 @@ class PendingRequests:
         """Make this process's file hold exactly the rows that wait (none: no file), written
         under a temporary name and renamed, so a crash leaves the old file or the new one."""
         if self.rows:
-            self.directory.mkdir(parents=True, exist_ok=True)
             tmp = self._own.with_suffix(".tmp")
-            tmp.write_text(json.dumps([request_to_json(r) for r in self.rows]))
-            os.replace(tmp, self._own)
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                tmp.write_text(json.dumps([request_to_json(r) for r in self.rows]))
+                os.replace(tmp, self._own)
+            except OSError as exc:  # a full disk: they wait in memory, and the next save tries again
+                tmp.unlink(missing_ok=True)
+                self._own.unlink(missing_ok=True)  # it may hold rows recorded since
+                log.warning("%d request row(s) wait in memory only: cannot write %s (%s)",
+                            len(self.rows), self._own, exc)
+                return  # earlier processes' files are kept: they hold rows that may still wait
         else:
             self._own.unlink(missing_ok=True)
         for path in self._claimed:  # their rows are in this process's file, or recorded

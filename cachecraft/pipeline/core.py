@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from cachecraft.catalog import MISS, CatalogError, RequestChunk, RequestRecord, question_hash
+from cachecraft.catalog import MISS, CatalogError, CatalogWriteError, RequestChunk, RequestRecord, question_hash
 from cachecraft.catalog.pending import PendingRequests
 from cachecraft.config import CHUNK_ORDERS, Config
 from cachecraft.engine import (BlendResult, GenerationOptions, LayerSource, Segment, blended_prefill, generate_from,
@@ -678,7 +678,7 @@ class Pipeline:
                                  fingerprint=self.lm.fingerprint).saved[0]
             try:
                 self._put(kv)
-            except StoreError as exc:
+            except (StoreError, CatalogWriteError) as exc:
                 if not best_effort:
                     raise
                 log.warning("the system prompt's cache was not kept: %s", exc)
@@ -742,7 +742,7 @@ class Pipeline:
                 continue
             try:
                 self._put(kv, made_exactly=all(exact[:index - 1]) if kv.prefix else True)
-            except StoreError as exc:  # the next ones would fail the same way
+            except (StoreError, CatalogWriteError) as exc:  # the next ones would fail the same way
                 log.warning("%d new chunk-cache(s) of this request not kept: %s", len(pending) - done, exc)
                 return
 
