@@ -117,3 +117,18 @@ def test_a_write_outside_a_request_still_says_the_lock_is_held(tmp_path, short_w
         catalog.busy.retry_at = 0.0
         catalog.save_profile("fp", "cpu", "cost", {"a": 1})
         assert catalog.busy is None and catalog.profile("fp", "cpu", "cost") == {"a": 1}
+
+
+def test_warm_stops_with_the_error_rather_than_make_caches_it_cannot_keep(tmp_path, short_wait):
+    pipeline = node(tmp_path / "node")
+    pipeline.warm(CHUNKS[:1])  # the system prompt's and the warm context's caches are stored
+    holder = hold_write_lock(tmp_path / "node")
+    with pytest.raises(CatalogBusyError, match="stayed locked by another process"):
+        pipeline.warm(CHUNKS[1:])
+    assert not pipeline.store.unrecorded.variants_not_kept  # nothing computed and silently dropped
+    holder.rollback()
+    holder.close()
+    pipeline.catalog.busy.retry_at = 0.0
+    assert pipeline.warm(CHUNKS[1:]) == len(CHUNKS) - 1
+    assert all(pipeline.store.variants_of(c.chunk) for c in pipeline.answer(CHUNKS, QUESTION).chunks)
+    pipeline.close()

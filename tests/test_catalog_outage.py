@@ -167,3 +167,18 @@ def test_a_writer_rolled_back_by_the_server_loses_its_write_but_starts_no_outage
         assert catalog.available()
     lost = sa_exc.OperationalError("connect", {}, psycopg.errors.OperationalError("connection refused"))
     assert isinstance(translate_server_error(lost, "postgresql+psycopg://db/c"), CatalogUnavailableError)
+
+
+def test_warm_stops_with_the_error_rather_than_make_caches_it_cannot_keep(tmp_path, lost_pg):
+    url = lost_pg.create_database()
+    pipeline = node(tmp_path / "node", url)
+    pipeline.warm(CHUNKS[:1])
+    lost_pg.halt()
+    with pytest.raises(CatalogUnavailableError, match="catalog"):
+        pipeline.warm(CHUNKS[1:])
+    assert not pipeline.store.unrecorded.variants_not_kept
+    lost_pg.resume()
+    pipeline.catalog.outage.retry_at = 0.0
+    assert pipeline.warm(CHUNKS[1:]) == len(CHUNKS) - 1
+    pipeline.close()
+    assert verify(tmp_path / "node", catalog_url=url).ok

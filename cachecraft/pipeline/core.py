@@ -262,7 +262,7 @@ class Pipeline:
                     Segment(ids, "chunk", save=True, collect_stats=True, key=key)]
         kv = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint,
                              hooks=[ChunkStatistics(self.stats_layers)]).saved[len(segments) - 1]
-        self._put(kv, made_exactly=len(segments) == 2)  # after the system prefix alone: exact as first chunk
+        self._put(kv, made_exactly=len(segments) == 2, strict=True)  # after the system prefix alone: exact
         return kv
 
     def warm_after(self, pairs: Sequence[tuple[str, str]], sources: Sequence[str] | None = None) -> int:
@@ -293,7 +293,7 @@ class Pipeline:
                         Segment(ids, "chunk", save=True, collect_stats=True, key=key)]
             kv = blended_prefill(self.lm.adapter, segments, fingerprint=self.lm.fingerprint,
                                  hooks=[ChunkStatistics(self.stats_layers)]).saved[2]
-            self._put(kv)
+            self._put(kv, strict=True)
             made += 1
         return made
 
@@ -663,7 +663,7 @@ class Pipeline:
                                    fingerprint=self.lm.fingerprint)
             kv = made.saved[1]
             self._sources[key] = warm_context.SOURCE
-            self._put(kv)
+            self._put(kv, strict=True)
         return Segment(ids, "chunk", cached=kv, key=key)
 
     def _prefix_kv(self, pieces: PromptPieces, prefix_key: str, count_hit: bool = True,
@@ -677,7 +677,7 @@ class Pipeline:
             kv = blended_prefill(self.lm.adapter, [Segment(pieces.prefix, "chunk", save=True, key=prefix_key)],
                                  fingerprint=self.lm.fingerprint).saved[0]
             try:
-                self._put(kv)
+                self._put(kv, strict=not best_effort)
             except (StoreError, CatalogWriteError) as exc:
                 if not best_effort:
                     raise
@@ -797,16 +797,18 @@ class Pipeline:
         except CatalogError as exc:  # advice for eviction: the answer stands without it
             log.warning("could not record what the reused variants saved: %s", exc)
 
-    def _put(self, kv: ChunkKV, made_exactly: bool = False) -> None:
+    def _put(self, kv: ChunkKV, made_exactly: bool = False, strict: bool = False) -> None:
         """Store ``kv``; ``made_exactly``: computed after a full prefill's KV of its prefix
-        (recorded in the catalog: see :meth:`RequestLookup.made_exactly`)."""
+        (recorded in the catalog: see :meth:`RequestLookup.made_exactly`). ``strict`` (for
+        ``warm``, which makes caches to keep them): a catalog away or locked is an error,
+        not a cache left out of the local tiers."""
         text = self.lm.tokenizer.decode(list(kv.token_ids[:48]), skip_special_tokens=True)
         value = quality = None
         if kv.stats is not None:  # a chunk with the statistics the policy reads
             value, quality = expected_reuse(variant_info(kv), self.policy)
         self.store.put(kv, cost_s=self._estimate_full(kv.num_tokens), quality=quality, cci=value,
                        stats={MADE_EXACTLY: 1.0} if made_exactly else None,
-                       source=self._sources.get(kv.chunk), preview=text)
+                       source=self._sources.get(kv.chunk), preview=text, lost_ok=not strict)
 
     def _report(self, request: RequestContext, prepared: PreparedRequest, recomputed) -> list[ChunkReport]:
         stops, plan = prepared.hooks.stops, prepared.plan

@@ -178,7 +178,7 @@ class TieredStore:
 
     def put(self, kv: ChunkKV, *, cost_s: float | None = None, quality: float | None = None,
             cci: float | None = None, stats: Mapping[str, float] | None = None,
-            source: str | None = None, preview: str | None = None) -> str | None:
+            source: str | None = None, preview: str | None = None, lost_ok: bool = True) -> str | None:
         """Store a variant (replacing one with the same key); returns the tier it went to.
 
         ``cost_s``: measured prefill seconds a reuse saves (estimated from size if None);
@@ -187,6 +187,10 @@ class TieredStore:
         where the chunk came from, for the catalog. Returns None (and caches nothing)
         when the entry is larger than every tier's budget. Raises :class:`DiskFullError`
         and other :class:`StoreError` on I/O failure, leaving what was stored intact.
+        A catalog that cannot take the row (away, or locked by another process: see
+        :class:`CatalogUnavailableError`) leaves the variant out of the local tiers, noted
+        in ``unrecorded``; without ``lost_ok`` its error is raised instead (for a job whose
+        point is to keep it, such as ``warm``).
         """
         if kv.chunk != chunk_key(kv.fingerprint, kv.token_ids):
             raise ValueError("ChunkKV.chunk does not match its fingerprint and tokens; build it "
@@ -210,6 +214,8 @@ class TieredStore:
                                                     cci=cci, stats=stats, cost_s=cost_s, quality=quality))
                 tier = placement.place_new(self, placement.Move(key, stored, info))
             except CatalogUnavailableError:  # local tiers need their rows; the shared tier does not
+                if not lost_ok:
+                    raise
                 self.unrecorded.variants_not_kept.append(key)
                 lost = True
                 tier = None
