@@ -80,18 +80,25 @@ def _said_again(line: str, before: str | None) -> bool:
     return line == before and len(line.split()) >= REPEATED_LINE_WORDS
 
 
+def _subwords(text: str) -> list[str]:
+    """The runs of letters and digits of ``text``: ``git-git-git`` is three of them, where
+    whitespace alone sees one word."""
+    return re.findall(r"[^\W_]+", text)
+
+
 def degenerate_repetition(text: str) -> bool:
     """Whether an answer has degenerated into repetition: a non-empty line three times or
     more, a line of :data:`REPEATED_LINE_WORDS` words or more twice in a row (blank lines
     between aside), or a run of words repeated back to back (one word four times in a row,
-    a phrase of two to eight words three times)."""
+    a phrase of two to eight words three times), words split at whitespace (``+ + + +``)
+    or at every other character that is not a letter or digit (``git-git-git-git``)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if any(lines.count(line) >= 3 for line in set(lines)):
         return True
     if any(_said_again(line, before) for before, line in zip(lines, lines[1:])):
         return True
-    words = text.split()
-    return any(_run_ends_at(words, end) for end in range(1, len(words) + 1))
+    return any(any(_run_ends_at(words, end) for end in range(1, len(words) + 1))
+               for words in (text.split(), _subwords(text)))
 
 
 def _run_ends_at(words: list[str], end: int) -> bool:
@@ -114,7 +121,7 @@ class RepetitionWatch:
     :func:`degenerate_repetition` also counts its last word and line."""
 
     def __init__(self) -> None:
-        self.words_checked = self.lines_checked = 0
+        self.words_checked = self.subwords_checked = self.lines_checked = 0
         self.last_line: str | None = None  # the last non-empty line checked
 
     def __call__(self, text: str) -> bool:
@@ -124,6 +131,12 @@ class RepetitionWatch:
         if any(_run_ends_at(words, end) for end in range(self.words_checked + 1, len(words) + 1)):
             return True
         self.words_checked = len(words)
+        subwords = _subwords(text)
+        if subwords and _subwords(text[-1]):  # the last one may yet grow
+            subwords.pop()
+        if any(_run_ends_at(subwords, end) for end in range(self.subwords_checked + 1, len(subwords) + 1)):
+            return True
+        self.subwords_checked = len(subwords)
         parts = text.splitlines(keepends=True)
         if parts and parts[-1].splitlines()[0] == parts[-1]:  # no line break after it yet
             parts.pop()
