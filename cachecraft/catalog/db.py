@@ -164,6 +164,17 @@ class CatalogOutage:
         self.retry_at = time.monotonic() + self.wait_s
 
 
+def _failed_again(state: CatalogOutage | None, error: CatalogError, doing: str) -> CatalogOutage:
+    """``state`` after one more failure: a new one (with a warning that says what goes on
+    ``doing``) when there was none, else the same with its next retry further off."""
+    if state is None:
+        state = CatalogOutage(str(error))
+        log.warning("%s; %s, retrying in %.0f s", error, doing, state.wait_s)
+    else:
+        state.failed_again()
+    return state
+
+
 class CatalogTx:
     """Operations inside one catalog transaction (from :meth:`Catalog.write`/:meth:`read`)."""
 
@@ -727,18 +738,10 @@ class Catalog:
         return getattr(self, "_opened", False)
 
     def _lost(self, error: CatalogUnavailableError) -> None:
-        if self.outage is None:
-            self.outage = CatalogOutage(str(error))
-            log.warning("%s; answering without it, retrying in %.0f s", error, self.outage.wait_s)
-        else:
-            self.outage.failed_again()
+        self.outage = _failed_again(self.outage, error, "answering without it")
 
     def _locked(self, error: CatalogBusyError) -> None:
-        if self.busy is None:
-            self.busy = CatalogOutage(str(error))
-            log.warning("%s; going on without writing it, retrying in %.0f s", error, self.busy.wait_s)
-        else:
-            self.busy.failed_again()
+        self.busy = _failed_again(self.busy, error, "going on without writing it")
 
     def available(self) -> bool:
         """Whether the catalog answers now (after an outage, tried again only when a retry is due)."""
