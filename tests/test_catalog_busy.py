@@ -132,3 +132,53 @@ def test_warm_stops_with_the_error_rather_than_make_caches_it_cannot_keep(tmp_pa
     assert pipeline.warm(CHUNKS[1:]) == len(CHUNKS) - 1
     assert all(pipeline.store.variants_of(c.chunk) for c in pipeline.answer(CHUNKS, QUESTION).chunks)
     pipeline.close()
+
+
+def test_a_catalog_is_opened_while_another_process_holds_its_lock(tmp_path, short_wait):
+    Catalog(tmp_path).close()  # made, and at this version
+    holder = hold_write_lock(tmp_path)
+    with Catalog(tmp_path) as catalog:  # the schema is read, not written: no wait, no error
+        assert catalog.last_request_id() is None
+    assert not short_wait
+    holder.rollback()
+    holder.close()
+
+
+def test_a_new_process_answers_while_another_holds_the_lock_and_the_next_one_records_its_row(tmp_path, short_wait):
+    first = node(tmp_path / "node")
+    first.warm(CHUNKS)
+    first.close()
+    holder = hold_write_lock(tmp_path / "node")
+    late = node(tmp_path / "node")  # opened under the lock, as `cachecraft query` would be
+    answer = late.answer(CHUNKS, QUESTION)
+    assert answer.request_id is None and all(c.tier == "disk" for c in answer.chunks)
+    late.close()  # the row is left in pending-requests/ for a later process
+    holder.rollback()
+    holder.close()
+    after = node(tmp_path / "node")
+    newest = after.answer(CHUNKS, QUESTION)
+    with after.catalog.read() as tx:
+        rows = [tx.request(i) for i in reversed(tx.request_ids())]
+    assert [r.ttft_s for r in rows] == [answer.ttft_s, newest.ttft_s]
+    after.close()
+    assert verify(tmp_path / "node").ok
+
+
+def test_a_retry_waits_briefly_for_a_lock_still_held_not_the_whole_timeout_again(tmp_path, short_wait):
+    from sqlalchemy import event
+
+    with Catalog(tmp_path) as catalog:
+        waits = []
+        event.listen(catalog._engine, "before_cursor_execute",
+                     lambda conn, cursor, statement, *rest: waits.append(statement)
+                     if statement.startswith("PRAGMA busy_timeout") else None)
+        holder = hold_write_lock(tmp_path)
+        with pytest.raises(CatalogBusyError):
+            catalog.save_profile("fp", "cpu", "cost", {"a": 1})
+        catalog.busy.retry_at = 0.0  # due: tried again
+        with pytest.raises(CatalogBusyError):
+            catalog.save_profile("fp", "cpu", "cost", {"a": 1})
+        assert waits == ["PRAGMA busy_timeout=300", f"PRAGMA busy_timeout={db.RETRY_WAIT_MS}"]
+        assert catalog.busy.wait_s == 2 * db.RETRY_FIRST_S  # and the next retry is further off
+        holder.rollback()
+        holder.close()

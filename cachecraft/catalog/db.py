@@ -46,6 +46,9 @@ CONNECT_TIMEOUT_S = 5
 # each) until the next retry; the wait doubles from the first to the last value.
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 30.0
+# A write retried while another process held the lock waits this long for it, not the
+# whole timeout again: a request answered meanwhile pays the timeout once.
+RETRY_WAIT_MS = 250
 MAX_EVENTS = 200_000
 WRITE_LOCK_ID = 0x63616368  # the advisory lock PostgreSQL writers queue on ("cach")
 # Keys per IN list in one query (SQLite allows 32766 bound parameters; a prompt of 500
@@ -626,7 +629,9 @@ class Catalog:
 
         @event.listens_for(self._engine, "begin")
         def _on_begin(conn) -> None:
-            conn.exec_driver_sql("BEGIN " + conn.get_execution_options().get("cachecraft_begin", "IMMEDIATE"))
+            options = conn.get_execution_options()
+            conn.exec_driver_sql(f"PRAGMA busy_timeout={options.get('cachecraft_wait_ms', timeout_ms)}")
+            conn.exec_driver_sql("BEGIN " + options.get("cachecraft_begin", "IMMEDIATE"))
 
         self._read_engine = self._engine.execution_options(cachecraft_begin="DEFERRED")
 
@@ -646,7 +651,19 @@ class Catalog:
         # reads: one REPEATABLE READ snapshot per transaction, as SQLite's deferred reads
         self._read_engine = self._engine.execution_options(isolation_level="REPEATABLE READ")
 
+    def _schema_current(self) -> bool:
+        """Whether the catalog holds this version's schema already: read, so that opening a
+        catalog another process is writing (or holds locked) does not wait for its lock."""
+        with self.read() as tx:
+            tables = set(inspect(tx.session.connection()).get_table_names())
+            if "schema_info" not in tables or set(Base.metadata.tables) - tables:
+                return False
+            row = tx.session.get(SchemaInfo, "schema_version")
+            return row is not None and row.value == str(SCHEMA_VERSION)
+
     def _init_schema(self) -> None:
+        if self._schema_current():
+            return
         # schema changes live in one place: the models (cachecraft.catalog.models), with
         # SCHEMA_VERSION and the UPGRADES from older versions there
         with self.write() as tx:
@@ -691,11 +708,16 @@ class Catalog:
         busy = self.busy
         if busy is not None and not busy.due():  # still locked, most likely: fail at once
             raise CatalogBusyError(busy.message)
+        # a retry of a held lock waits briefly for it (the timeout was paid once already)
+        engine = self._engine if busy is None else self._engine.execution_options(cachecraft_wait_ms=RETRY_WAIT_MS)
         with self._translated():
-            with Session(self._engine, expire_on_commit=False) as session, session.begin():
+            with Session(engine, expire_on_commit=False) as session, session.begin():
                 conn = session.connection()  # BEGIN IMMEDIATE now: the write lock is held for the whole block
-                if exclusive and self.dialect == "postgresql":
-                    conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": WRITE_LOCK_ID})
+                if self.dialect == "postgresql":
+                    if busy is not None:
+                        conn.execute(text(f"SET LOCAL lock_timeout = {RETRY_WAIT_MS}"))
+                    if exclusive:
+                        conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": WRITE_LOCK_ID})
                 yield CatalogTx(session)
         if busy is not None:
             self.busy = None

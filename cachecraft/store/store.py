@@ -36,8 +36,8 @@ from typing import Mapping, Sequence
 
 import torch
 
-from cachecraft.catalog import (TIERS, Catalog, CatalogUnavailableError, ChunkRecord, EntryRecord, VariantRecord,
-                                catalog_path)
+from cachecraft.catalog import (TIERS, Catalog, CatalogBusyError, CatalogUnavailableError, ChunkRecord, EntryRecord,
+                                VariantRecord, catalog_path)
 from cachecraft.config import Config
 from cachecraft.kv import AttentionStats, ChunkKV, chunk_key
 from cachecraft.store import disk_reads, maintenance, placement
@@ -151,9 +151,12 @@ class TieredStore:
             # a catalog deleted by hand must not make the disk tier look like orphans
             if catalog_missing and not maintenance.recover_catalog(self):
                 reconcile = False  # never treat un-rebuilt blobs as orphans
-            if reconcile:
-                self.reconcile()
-            maintenance.fit_disk_budget(self)  # a budget lowered since the last run takes effect now
+            try:
+                if reconcile:
+                    self.reconcile()
+                maintenance.fit_disk_budget(self)  # a budget lowered since the last run takes effect now
+            except CatalogBusyError as exc:  # upkeep the next open does again: no reason to fail this one
+                log.warning("%s; the cache's upkeep on open is left to the next open", exc)
         except BaseException:
             self._release()
             raise
