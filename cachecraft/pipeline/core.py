@@ -676,11 +676,12 @@ class Pipeline:
         if kv is None and make:
             kv = blended_prefill(self.lm.adapter, [Segment(pieces.prefix, "chunk", save=True, key=prefix_key)],
                                  fingerprint=self.lm.fingerprint).saved[0]
+            if not best_effort:
+                self._put(kv, strict=True)
+                return kv
             try:
-                self._put(kv, strict=not best_effort)
+                self._put(kv)
             except (StoreError, CatalogWriteError) as exc:
-                if not best_effort:
-                    raise
                 log.warning("the system prompt's cache was not kept: %s", exc)
         return kv
 

@@ -27,6 +27,11 @@ PLANNER_STATS_ENTRIES = 8192
 # its whole prefix: reused after exactly that prefix, it is a full prefill's KV too.
 MADE_EXACTLY = "made_exactly"
 
+
+def _made_exactly(record: VariantRecord) -> bool:
+    return bool(record.stats and record.stats.get(MADE_EXACTLY))
+
+
 # What the planner reads of a variant's statistics: inter-attention per earlier segment
 # (the system prefix left out), intra-attention per layer, and the token count.
 PlannerStats = tuple[torch.Tensor, torch.Tensor, int]
@@ -135,7 +140,7 @@ class RequestLookup:
         the fallback for any order) and those made exactly."""
         independent = self.independent_variant(key, prefix_key)
         return [r for r in self.records(key) if r.prefix and r.prefix[0] == prefix_key
-                and r.key != independent and not self.made_exactly(key, r.key)]
+                and r.key != independent and not _made_exactly(r)]
 
     def links(self, keys: Sequence[str], prefix_key: str) -> tuple[list[set[int]], set[int]]:
         """What :func:`cachecraft.policy.ordering.cache_order` reads of the stored variants of
@@ -158,8 +163,7 @@ class RequestLookup:
     def made_exactly(self, key: str, variant: str) -> bool:
         """Whether ``variant`` of chunk ``key`` was computed after a full prefill's KV of its
         prefix (its catalog statistics say so)."""
-        return any(record.key == variant and bool(record.stats and record.stats.get(MADE_EXACTLY))
-                   for record in self.records(key))
+        return any(record.key == variant and _made_exactly(record) for record in self.records(key))
 
     def tier_of(self, variant: str) -> str | None:
         """The tier ``variant`` would load from, or None: the one its record names where
