@@ -144,7 +144,8 @@ def test_a_catalog_is_opened_while_another_process_holds_its_lock(tmp_path, shor
     holder.close()
 
 
-def test_a_new_process_answers_while_another_holds_the_lock_and_the_next_one_records_its_row(tmp_path, short_wait):
+def test_a_new_process_answers_while_another_holds_the_lock_and_the_next_one_records_its_row(tmp_path, short_wait,
+                                                                                             caplog):
     first = node(tmp_path / "node")
     first.warm(CHUNKS)
     first.close()
@@ -153,6 +154,7 @@ def test_a_new_process_answers_while_another_holds_the_lock_and_the_next_one_rec
     answer = late.answer(CHUNKS, QUESTION)
     assert answer.request_id is None and all(c.tier == "disk" for c in answer.chunks)
     late.close()  # the row is left in pending-requests/ for a later process
+    assert "is locked by another process: 1 request row(s) kept in" in caplog.text  # not "away"
     holder.rollback()
     holder.close()
     after = node(tmp_path / "node")
@@ -182,3 +184,19 @@ def test_a_retry_waits_briefly_for_a_lock_still_held_not_the_whole_timeout_again
         assert catalog.busy.wait_s == 2 * db.RETRY_FIRST_S  # and the next retry is further off
         holder.rollback()
         holder.close()
+
+
+def test_messages_say_why_the_catalog_took_no_writes(tmp_path, short_wait):
+    with Catalog(tmp_path) as catalog:
+        assert catalog.why_unwritten == "could not take them"  # a collision or a full disk
+        holder = hold_write_lock(tmp_path)
+        with pytest.raises(CatalogBusyError):
+            catalog.save_profile("fp", "cpu", "cost", {"a": 1})
+        assert catalog.why_unwritten == "is locked by another process"
+        holder.rollback()
+        holder.close()
+        catalog.busy.retry_at = 0.0
+        catalog.save_profile("fp", "cpu", "cost", {"a": 1})  # released: written, and no longer locked
+        assert catalog.why_unwritten == "could not take them"
+        catalog.outage = db.CatalogOutage("the server is gone")
+        assert catalog.why_unwritten == "is away"

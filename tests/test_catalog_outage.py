@@ -104,7 +104,7 @@ def test_rows_still_waiting_at_exit_are_kept_on_disk_and_recorded_by_the_next_pr
     pipeline.close()
     kept = list((tmp_path / "node" / PENDING_DIR).glob("*.json"))
     assert len(kept) == 1 and json.loads(kept[0].read_text())[0]["ttft_s"] == waiting.ttft_s
-    assert "1 request row(s) kept in" in caplog.text
+    assert "is away: 1 request row(s) kept in" in caplog.text
     assert "not persisted to disk" in caplog.text  # memory tiers cannot be persisted without their rows
 
     lost_pg.resume()

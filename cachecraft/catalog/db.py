@@ -765,6 +765,17 @@ class Catalog:
     def _locked(self, error: CatalogBusyError) -> None:
         self.busy = _failed_again(self.busy, error, "going on without writing it")
 
+    @property
+    def why_unwritten(self) -> str:
+        """Why writes are failing now, for messages: "is locked by another process" while
+        its write lock is held past the timeout, "is away" while its server is lost, and
+        "could not take them" otherwise (a collision, a full disk)."""
+        if self.busy is not None:
+            return "is locked by another process"
+        if self.outage is not None:
+            return "is away"
+        return "could not take them"
+
     def available(self) -> bool:
         """Whether the catalog answers now (after an outage, tried again only when a retry is due)."""
         try:

@@ -80,7 +80,7 @@ class PendingRequests:
         finally:
             late = recorded - (rec_id is not None)
             if late:
-                log.warning("recorded %d request row(s) kept while the catalog was away", late)
+                log.warning("recorded %d request row(s) kept while the catalog could not take them", late)
             del self.rows[:recorded]
             self._save()
         return rec_id

@@ -388,8 +388,8 @@ class Pipeline:
             if self.pending.rows:
                 kept = len(self.pending.rows)
                 path = self.pending.keep_on_disk()
-                log.warning("the catalog at %s is away: %d request row(s) kept in %s, recorded by the next "
-                            "request that reaches it", self.catalog.where, kept, path)
+                log.warning("the catalog at %s %s: %d request row(s) kept in %s, recorded by the next "
+                            "request that reaches it", self.catalog.where, self.catalog.why_unwritten, kept, path)
         finally:
             self.store.close()
 
