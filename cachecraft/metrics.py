@@ -80,6 +80,32 @@ def _said_again(line: str, before: str | None) -> bool:
     return line == before and len(line.split()) >= REPEATED_LINE_WORDS
 
 
+# So many runs of letters and digits in a row with at most so few different ones are
+# garbage even when no run repeats back to back: "K7: K7: K7-CS-CS-K7-CS-CS-K7-CS-K7-".
+# Only letters and digits count, so a Markdown table's "| --- | --- |" is not such a run.
+FEW_WORDS_WINDOW, FEW_WORDS_MOST = 10, 2
+
+
+def _few_words_end_at(subwords: list[str], end: int) -> bool:
+    """Whether the :data:`FEW_WORDS_WINDOW` subwords ending at ``end`` hold at most
+    :data:`FEW_WORDS_MOST` different ones, none a number (addresses and versions
+    repeat theirs: "0.0.0.0/0 and 0.0.0.0/0")."""
+    window = subwords[max(0, end - FEW_WORDS_WINDOW):end]
+    return (len(window) == FEW_WORDS_WINDOW and len(set(window)) <= FEW_WORDS_MOST
+            and not any(word.isdigit() for word in window))
+
+
+def _table_row(line: str) -> bool:
+    """Whether ``line`` is a Markdown table row: its cells ("| --- | --- | --- |", or
+    empty ones) repeat by design, so its words are not checked for runs."""
+    return line.lstrip().startswith("|")
+
+
+def _prose_words(text: str) -> list[str]:
+    """The words of ``text`` split at whitespace, outside Markdown table rows."""
+    return [word for line in text.splitlines() if not _table_row(line) for word in line.split()]
+
+
 def _subwords(text: str) -> list[str]:
     """The runs of letters and digits of ``text``: ``git-git-git`` is three of them, where
     whitespace alone sees one word."""
@@ -90,21 +116,28 @@ def degenerate_repetition(text: str) -> bool:
     """Whether an answer has degenerated into repetition: a non-empty line three times or
     more, a line of :data:`REPEATED_LINE_WORDS` words or more twice in a row (blank lines
     between aside), or a run of words repeated back to back (one word four times in a row,
-    a phrase of two to eight words three times), words split at whitespace (``+ + + +``)
-    or at every other character that is not a letter or digit (``git-git-git-git``)."""
+    a phrase of two to eight words three times), words split at whitespace (``+ + + +``,
+    outside Markdown table rows) or at every other character that is not a letter or
+    digit (``git-git-git-git``); or
+    ten runs of letters and digits in a row with at most two different ones
+    (``K7: K7: K7-CS-CS-K7-CS-CS-K7-CS``)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if any(lines.count(line) >= 3 for line in set(lines)):
         return True
     if any(_said_again(line, before) for before, line in zip(lines, lines[1:])):
         return True
+    subwords = _subwords(text)
+    if any(_few_words_end_at(subwords, end) for end in range(1, len(subwords) + 1)):
+        return True
     return any(any(_run_ends_at(words, end) for end in range(1, len(words) + 1))
-               for words in (text.split(), _subwords(text)))
+               for words in (_prose_words(text), subwords))
 
 
 def _run_ends_at(words: list[str], end: int) -> bool:
     """Whether ``words[:end]`` ends in a degenerate run (as :func:`degenerate_repetition` counts one)."""
     for n in range(1, 9):
-        needed = 4 if n == 1 else 3
+        # a number four or five times is an address or a version ("0.0.0.0/0"), not a loop
+        needed = 3 if n > 1 else 6 if end and words[end - 1].isdigit() else 4
         start = end - n * needed
         if start >= 0 and all(words[start + k * n:start + (k + 1) * n] == words[start:start + n]
                               for k in range(1, needed)):
@@ -125,16 +158,17 @@ class RepetitionWatch:
         self.last_line: str | None = None  # the last non-empty line checked
 
     def __call__(self, text: str) -> bool:
-        words = text.split()
-        if text and not text[-1].isspace():
-            words.pop()
+        words = _prose_words(text)
+        if text and not text[-1].isspace() and not _table_row(text.splitlines()[-1]):
+            words.pop()  # the last one may yet grow
         if any(_run_ends_at(words, end) for end in range(self.words_checked + 1, len(words) + 1)):
             return True
         self.words_checked = len(words)
         subwords = _subwords(text)
         if subwords and _subwords(text[-1]):  # the last one may yet grow
             subwords.pop()
-        if any(_run_ends_at(subwords, end) for end in range(self.subwords_checked + 1, len(subwords) + 1)):
+        if any(_run_ends_at(subwords, end) or _few_words_end_at(subwords, end)
+               for end in range(self.subwords_checked + 1, len(subwords) + 1)):
             return True
         self.subwords_checked = len(subwords)
         parts = text.splitlines(keepends=True)

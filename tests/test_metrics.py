@@ -55,6 +55,22 @@ def test_degenerate_repetition_by_hand():
     assert not degenerate_repetition("git-rebase-rebase, then git-rebase")  # 'rebase' twice is not yet a run
     assert not degenerate_repetition("Connect to 127.0.0.1 on port 8080 (a-b-c-d).")
     assert not degenerate_repetition("The Kestrel K7: K7: K7-CS-CS-K7-CS")  # 'K7' three times, then 'CS' twice
+    # ten runs of letters and digits in a row of at most two different ones, none back to back
+    assert degenerate_repetition("The Kestrel K7: K7: K7-CS-CS-K7-CS-CS-K7-CS-K7-")  # K7 K7 K7 CS CS K7 CS CS K7 CS
+    assert not degenerate_repetition("The Kestrel K7: K7: K7-CS-CS-K7-CS-CS-K7")  # 'Kestrel' in every ten
+    assert not degenerate_repetition("| a | b |\n| --- | --- | --- | --- | --- | --- |\n| 1 | 2 |")  # a table
+    # a number four or five times in a row is an address or a version; six times, a loop
+    assert not degenerate_repetition("Set 0.0.0.0/0 or 10.0.0.1 to allow every address")  # 0 0 0 0 0 10 0 0 1 to
+    assert not degenerate_repetition("Bind to 0.0.0.0, not 127.0.0.1, and allow 0.0.0.0/0 and 0.0.0.0/0")
+    assert degenerate_repetition("version 1.1.1.1.1.1")
+    assert not degenerate_repetition("version 1.1.1.1.1")
+    # Markdown table rows repeat their separators and may leave cells empty
+    assert not degenerate_repetition("| a | b | c |\n| --- | --- | --- |\n| 1 | 2 | 3 |")
+    assert not degenerate_repetition("| x |  |  |  |  | y |")
+    assert not degenerate_repetition("| Yes | Yes | Yes |")
+    assert degenerate_repetition("| a | a | a | a |")  # but not their letters and digits
+    assert degenerate_repetition("| a |\n| a |\n| a |")  # nor their lines
+    assert degenerate_repetition("| a |\n+ + + +")  # and the lines after a table are prose
     # a line of four words or more said again right after itself, blank lines between aside
     assert degenerate_repetition("How to clone?\n\nQuestion: How do I clone?\n\nQuestion: How do I clone?\n\nQ")
     assert degenerate_repetition("- a b c d\n- a b c d")
@@ -80,6 +96,11 @@ def test_repetition_watch_by_hand():
     # runs of letters and digits: the last one counts once something else ends it
     assert watch("using git-git-git-git", "using git-git-git-git-") == [False, True]
     assert watch("using git-git-git-gi", "using git-git-git-gitk") == [False, False]
+    # ten subwords of two different ones: fires once the tenth is finished
+    assert watch("K7: K7: K7-CS-CS-K7-CS-CS-K7-C", "K7: K7: K7-CS-CS-K7-CS-CS-K7-CS-") == [False, True]
+    # a table row's words are not checked; the line being written after one is prose
+    assert watch("x\n| --- | --- | --- | ---", "x\n| --- | --- | --- | --- |\n") == [False, False]
+    assert watch("| a |\n+ + + +", "| a |\n+ + + + ") == [False, True]
 
 
 def test_repetition_watch_agrees_with_the_whole_text_check():
@@ -92,7 +113,7 @@ def test_repetition_watch_agrees_with_the_whole_text_check():
     from cachecraft.metrics import RepetitionWatch, degenerate_repetition
 
     rng = random.Random(7)
-    pieces = ["a", " a", " b", "b", " ", "\n", "a\n", " c d", "\n\n", " a b", "-", "-a", "b-"]
+    pieces = ["a", " a", " b", "b", " ", "\n", "a\n", " c d", "\n\n", " a b", "-", "-a", "b-", "\n|", ".1"]
     fired_texts = 0
     for _ in range(400):
         text, watch, fired = "", RepetitionWatch(), False
