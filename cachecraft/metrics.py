@@ -114,13 +114,12 @@ def _subwords(text: str) -> list[str]:
 
 def degenerate_repetition(text: str) -> bool:
     """Whether an answer has degenerated into repetition: a non-empty line three times or
-    more, a line of :data:`REPEATED_LINE_WORDS` words or more twice in a row (blank lines
-    between aside), or a run of words repeated back to back (one word four times in a row,
-    a phrase of two to eight words three times), words split at whitespace (``+ + + +``,
-    outside Markdown table rows) or at every other character that is not a letter or
-    digit (``git-git-git-git``); or
-    ten runs of letters and digits in a row with at most two different ones
-    (``K7: K7: K7-CS-CS-K7-CS-CS-K7-CS``)."""
+    more; a line of :data:`REPEATED_LINE_WORDS` words or more twice in a row (blank lines
+    between aside); a run of words repeated back to back (one word four times in a row, a
+    number six times, a phrase of two to eight words three times), words split at
+    whitespace outside Markdown table rows (``+ + + +``) or at every character that is not
+    a letter or digit (``git-git-git-git``); or ten runs of letters and digits in a row of
+    at most two different ones, none a number (``K7: K7: K7-CS-CS-K7-CS-CS-K7-CS``)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if any(lines.count(line) >= 3 for line in set(lines)):
         return True
