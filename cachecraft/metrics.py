@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import string
 from collections import Counter
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import torch
 
@@ -74,16 +74,21 @@ def exact_match(prediction: str, reference: str) -> bool:
 # third copy. Shorter lines may repeat in a list ("Yes", "- [ ]").
 REPEATED_LINE_WORDS = 4
 
-
-def _said_again(line: str, before: str | None) -> bool:
-    """Whether ``line`` repeats the non-empty line ``before`` it and is long enough to count."""
-    return line == before and len(line.split()) >= REPEATED_LINE_WORDS
-
+# Code repeats by design ("}", "end", "</div>" on line after line, rows of zeros, the same
+# statement in several functions), so inside a fenced code block only a line this many
+# times in a row, or a block of two to eight lines three times in a row, is a loop.
+CODE_LINE_RUN = 6
 
 # So many runs of letters and digits in a row with at most so few different ones are
 # garbage even when no run repeats back to back: "K7: K7: K7-CS-CS-K7-CS-CS-K7-CS-K7-".
 # Only letters and digits count, so a Markdown table's "| --- | --- |" is not such a run.
 FEW_WORDS_WINDOW, FEW_WORDS_MOST = 10, 2
+
+
+def _said_again(line: str | None, before: str | None) -> bool:
+    """Whether ``line`` repeats the non-empty line ``before`` it and is long enough to count
+    (None, for what a code block puts between two lines, is never said again)."""
+    return line is not None and line == before and len(line.split()) >= REPEATED_LINE_WORDS
 
 
 def _few_words_end_at(subwords: list[str], end: int) -> bool:
@@ -95,21 +100,64 @@ def _few_words_end_at(subwords: list[str], end: int) -> bool:
             and not any(word.isdigit() for word in window))
 
 
-def _table_row(line: str) -> bool:
-    """Whether ``line`` is a Markdown table row: its cells ("| --- | --- | --- |", or
-    empty ones) repeat by design, so its words are not checked for runs."""
-    return line.lstrip().startswith("|")
-
-
-def _prose_words(text: str) -> list[str]:
-    """The words of ``text`` split at whitespace, outside Markdown table rows."""
-    return [word for line in text.splitlines() if not _table_row(line) for word in line.split()]
-
-
 def _subwords(text: str) -> list[str]:
     """The runs of letters and digits of ``text``: ``git-git-git`` is three of them, where
     whitespace alone sees one word."""
     return re.findall(r"[^\W_]+", text)
+
+
+def _line_kinds(lines: list[str]) -> list[str]:
+    """Per line, what the checks make of it: ``"fence"`` (a Markdown code fence, checked
+    for nothing), ``"code"`` (inside a fenced block), ``"table"`` (a Markdown table row,
+    whose separators and empty cells repeat by design: its whitespace words are not
+    checked for runs) or ``"prose"``."""
+    kinds, inside = [], False
+    for line in lines:
+        head = line.lstrip()
+        if head.startswith(("```", "~~~")):
+            kinds.append("fence")
+            inside = not inside
+        else:
+            kinds.append("code" if inside else "table" if head.startswith("|") else "prose")
+    return kinds
+
+
+class _Parts(NamedTuple):
+    words: list[str]  # split at whitespace, of prose lines
+    subwords: list[str]  # runs of letters and digits, of prose lines and table rows
+    lines: list[str | None]  # non-empty prose lines and table rows, stripped; None for code between
+    code: list[str]  # non-empty lines of code blocks, stripped
+
+
+def _parts(text: str, done: bool) -> _Parts:
+    """What the repetition checks read in ``text``. Unless ``done``, what may yet grow is
+    left out: the last word and subword when the text ends inside them, and the last
+    line when no line break ends it."""
+    lines = text.splitlines(keepends=True)
+    open_line = bool(lines) and not done and lines[-1].splitlines()[0] == lines[-1]
+    parts = _Parts([], [], [], [])
+    for i, (line, kind) in enumerate(zip(lines, _line_kinds(lines))):
+        growing = open_line and i == len(lines) - 1
+        if kind == "prose":
+            words = line.split()
+            if growing and words and not line[-1].isspace():
+                words.pop()
+            parts.words.extend(words)
+        if kind in ("prose", "table"):
+            subwords = _subwords(line)
+            if growing and subwords and _subwords(line[-1]):
+                subwords.pop()
+            parts.subwords.extend(subwords)
+        stripped = line.strip()
+        if growing or not stripped:
+            continue
+        if kind == "code":
+            parts.code.append(stripped)
+        if kind in ("prose", "table"):
+            parts.lines.append(stripped)
+        elif parts.lines and parts.lines[-1] is not None:
+            parts.lines.append(None)
+    return parts
 
 
 def degenerate_repetition(text: str) -> bool:
@@ -118,25 +166,31 @@ def degenerate_repetition(text: str) -> bool:
     between aside); a run of words repeated back to back (one word four times in a row, a
     number six times, a phrase of two to eight words three times), words split at
     whitespace outside Markdown table rows (``+ + + +``) or at every character that is not
-    a letter or digit (``git-git-git-git``); or ten runs of letters and digits in a row of
-    at most two different ones, none a number (``K7: K7: K7-CS-CS-K7-CS-CS-K7-CS``)."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if any(lines.count(line) >= 3 for line in set(lines)):
+    a letter or digit (``git-git-git-git``); ten runs of letters and digits in a row of at
+    most two different ones, none a number (``K7: K7: K7-CS-CS-K7-CS-CS-K7-CS``). Inside a
+    fenced code block only a line :data:`CODE_LINE_RUN` times in a row, or a block of two
+    to eight lines three times in a row, counts."""
+    parts = _parts(text, done=True)
+    lines = parts.lines
+    if any(line is not None and lines.count(line) >= 3 for line in set(lines)):
         return True
     if any(_said_again(line, before) for before, line in zip(lines, lines[1:])):
         return True
-    subwords = _subwords(text)
-    if any(_few_words_end_at(subwords, end) for end in range(1, len(subwords) + 1)):
+    if any(_few_words_end_at(parts.subwords, end) for end in range(1, len(parts.subwords) + 1)):
+        return True
+    if any(_run_ends_at(parts.code, end, single=CODE_LINE_RUN) for end in range(1, len(parts.code) + 1)):
         return True
     return any(any(_run_ends_at(words, end) for end in range(1, len(words) + 1))
-               for words in (_prose_words(text), subwords))
+               for words in (parts.words, parts.subwords))
 
 
-def _run_ends_at(words: list[str], end: int) -> bool:
-    """Whether ``words[:end]`` ends in a degenerate run (as :func:`degenerate_repetition` counts one)."""
+def _run_ends_at(words: list[str], end: int, single: int | None = None) -> bool:
+    """Whether ``words[:end]`` ends in a degenerate run (as :func:`degenerate_repetition`
+    counts one); ``single``: how many copies one word needs (by default four, or six for
+    a number)."""
     for n in range(1, 9):
         # a number four or five times is an address or a version ("0.0.0.0/0"), not a loop
-        needed = 3 if n > 1 else 6 if end and words[end - 1].isdigit() else 4
+        needed = 3 if n > 1 else single or (6 if end and words[end - 1].isdigit() else 4)
         start = end - n * needed
         if start >= 0 and all(words[start + k * n:start + (k + 1) * n] == words[start:start + n]
                               for k in range(1, needed)):
@@ -149,36 +203,28 @@ class RepetitionWatch:
     given texts that each extend the last, true once the words and lines completed so far
     hold a degenerate run. Each call checks only the runs ending at words and lines
     completed since the last (a word or line still being written may yet grow), so a long
-    answer costs no more per token than a short one; once the answer is done,
+    answer costs no more per token than a short one in checks; once the answer is done,
     :func:`degenerate_repetition` also counts its last word and line."""
 
     def __init__(self) -> None:
-        self.words_checked = self.subwords_checked = self.lines_checked = 0
-        self.last_line: str | None = None  # the last non-empty line checked
+        self.words_checked = self.subwords_checked = self.lines_checked = self.code_checked = 0
 
     def __call__(self, text: str) -> bool:
-        words = _prose_words(text)
-        if text and not text[-1].isspace() and not _table_row(text.splitlines()[-1]):
-            words.pop()  # the last one may yet grow
+        parts = _parts(text, done=False)
+        words, subwords, lines, code = parts
         if any(_run_ends_at(words, end) for end in range(self.words_checked + 1, len(words) + 1)):
             return True
         self.words_checked = len(words)
-        subwords = _subwords(text)
-        if subwords and _subwords(text[-1]):  # the last one may yet grow
-            subwords.pop()
         if any(_run_ends_at(subwords, end) or _few_words_end_at(subwords, end)
                for end in range(self.subwords_checked + 1, len(subwords) + 1)):
             return True
         self.subwords_checked = len(subwords)
-        parts = text.splitlines(keepends=True)
-        if parts and parts[-1].splitlines()[0] == parts[-1]:  # no line break after it yet
-            parts.pop()
-        lines = [part.strip() for part in parts]
+        if any(_run_ends_at(code, end, single=CODE_LINE_RUN) for end in range(self.code_checked + 1, len(code) + 1)):
+            return True
+        self.code_checked = len(code)
         for i in range(self.lines_checked, len(lines)):
-            if not lines[i]:
-                continue
-            if lines[:i + 1].count(lines[i]) >= 3 or _said_again(lines[i], self.last_line):
+            line = lines[i]
+            if line is not None and (lines[:i + 1].count(line) >= 3 or _said_again(line, lines[i - 1] if i else None)):
                 return True
-            self.last_line = lines[i]
         self.lines_checked = len(lines)
         return False

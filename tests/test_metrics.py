@@ -71,6 +71,19 @@ def test_degenerate_repetition_by_hand():
     assert degenerate_repetition("| a | a | a | a |")  # but not their letters and digits
     assert degenerate_repetition("| a |\n| a |\n| a |")  # nor their lines
     assert degenerate_repetition("| a |\n+ + + +")  # and the lines after a table are prose
+    # code repeats by design: in a fenced block only a line six times in a row, or a block
+    # of lines three times in a row, is a loop
+    assert not degenerate_repetition("```c\nint f() {\n  if (x) {\n    while (y) {\n      g();\n    }\n  }\n}\n```")
+    assert not degenerate_repetition("```ruby\nclass A\n  def f\n    y\n  end\nend\n```")  # 'end' three times
+    assert not degenerate_repetition("```html\n<div><div><div><div>x</div></div></div></div>\n```")
+    assert not degenerate_repetition("```python\nm = [[0, 0, 0, 0], [0, 0, 0, 0]]\n```")
+    assert not degenerate_repetition("a:\n```\nx\n```\nb:\n```\ny\n```\nc:\n~~~\nz\n~~~")  # three blocks
+    assert not degenerate_repetition("```\n" + "x = 1\n" * 5)
+    assert degenerate_repetition("```\n" + "x = 1\n" * 6)
+    assert degenerate_repetition("```\n" + "a()\nb()\n" * 3)
+    assert degenerate_repetition("```\nx\n```\n+ + + +")  # after the block, prose again
+    # a code block between two copies of a line: not said again in a row
+    assert not degenerate_repetition("Run this command now:\n```\nmake\n```\nRun this command now:")
     # a line of four words or more said again right after itself, blank lines between aside
     assert degenerate_repetition("How to clone?\n\nQuestion: How do I clone?\n\nQuestion: How do I clone?\n\nQ")
     assert degenerate_repetition("- a b c d\n- a b c d")
@@ -101,6 +114,10 @@ def test_repetition_watch_by_hand():
     # a table row's words are not checked; the line being written after one is prose
     assert watch("x\n| --- | --- | --- | ---", "x\n| --- | --- | --- | --- |\n") == [False, False]
     assert watch("| a |\n+ + + +", "| a |\n+ + + + ") == [False, True]
+    # code lines count once their line ends
+    six = "```\n" + "x = 1\n" * 5
+    assert watch(six + "x = 1", six + "x = 1\n") == [False, True]
+    assert watch("```\n}\n}\n}\n}\n", "```\n}\n}\n}\n}\n```\n+ + + + ") == [False, True]
 
 
 def test_repetition_watch_agrees_with_the_whole_text_check():
@@ -113,9 +130,9 @@ def test_repetition_watch_agrees_with_the_whole_text_check():
     from cachecraft.metrics import RepetitionWatch, degenerate_repetition
 
     rng = random.Random(7)
-    pieces = ["a", " a", " b", "b", " ", "\n", "a\n", " c d", "\n\n", " a b", "-", "-a", "b-", "\n|", ".1"]
+    pieces = ["a", " a", " b", "b", " ", "\n", "a\n", " c d", "\n\n", " a b", "-", "-a", "b-", "\n|", ".1", "\n```"]
     fired_texts = 0
-    for _ in range(400):
+    for _ in range(1000):
         text, watch, fired = "", RepetitionWatch(), False
         for _ in range(rng.randint(1, 25)):
             text += rng.choice(pieces)
@@ -127,4 +144,4 @@ def test_repetition_watch_agrees_with_the_whole_text_check():
             fired = watch(text + "\n")
         assert fired == degenerate_repetition(text + "\n"), repr(text)
         fired_texts += fired
-    assert 25 < fired_texts < 350  # both outcomes were exercised
+    assert 40 < fired_texts < 900  # both outcomes were exercised
