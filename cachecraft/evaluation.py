@@ -184,7 +184,7 @@ def compare(item: QAItem, answer: Answer, trace: PrefillTrace, forced: torch.Ten
             # ttft_s is then the kept answer's; answer_kl above is still the first try's)
             "escalated": float(answer.escalated), "first_try_ttft_s": answer.first_try_ttft_s,
             "first_try_repetition": float(degenerate_repetition(answer.abandoned_text or answer.text)),
-            "answer": answer.text, "order": answer.order}
+            "answer": answer.text, "abandoned_text": answer.abandoned_text, "order": answer.order}
 
 
 def evaluate_items(pipeline: Pipeline, items: Sequence[QAItem], methods: Sequence[Method], *,

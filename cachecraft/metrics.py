@@ -74,6 +74,11 @@ def exact_match(prediction: str, reference: str) -> bool:
 # third copy. Shorter lines may repeat in a list ("Yes", "- [ ]").
 REPEATED_LINE_WORDS = 4
 
+# A line of at least this many letter-and-digit words said a second time, anywhere, is a
+# loop that has come round once ("Question: How do I clone a repository?" after an
+# answer, a block of lines starting over): found at its second copy, not its third.
+LONG_LINE_SUBWORDS = 6
+
 # Code repeats by design ("}", "end", "</div>" on line after line, rows of zeros, the same
 # statement in several functions), so inside a fenced code block only a line this many
 # times in a row, or a block of two to eight lines three times in a row, is a loop.
@@ -89,6 +94,11 @@ def _said_again(line: str | None, before: str | None) -> bool:
     """Whether ``line`` repeats the non-empty line ``before`` it and is long enough to count
     (None, for what a code block puts between two lines, is never said again)."""
     return line is not None and line == before and len(line.split()) >= REPEATED_LINE_WORDS
+
+
+def _said_before(line: str | None, count_before: int) -> bool:
+    """Whether ``line``, found ``count_before`` times earlier, is a long line said again."""
+    return line is not None and count_before >= 1 and len(_subwords(line)) >= LONG_LINE_SUBWORDS
 
 
 def _few_words_end_at(subwords: list[str], end: int) -> bool:
@@ -162,8 +172,8 @@ def _parts(text: str, done: bool) -> _Parts:
 
 def degenerate_repetition(text: str) -> bool:
     """Whether an answer has degenerated into repetition: a non-empty line three times or
-    more; a line of :data:`REPEATED_LINE_WORDS` words or more twice in a row (blank lines
-    between aside); a run of words repeated back to back (one word four times in a row, a
+    more, or of :data:`LONG_LINE_SUBWORDS` letter-and-digit words or more twice; a line of
+    :data:`REPEATED_LINE_WORDS` words or more twice in a row (blank lines between aside); a run of words repeated back to back (one word four times in a row, a
     number six times, a phrase of two to eight words three times), words split at
     whitespace outside Markdown table rows (``+ + + +``) or at every character that is not
     a letter or digit (``git-git-git-git``); ten runs of letters and digits in a row of at
@@ -172,7 +182,8 @@ def degenerate_repetition(text: str) -> bool:
     to eight lines three times in a row, counts."""
     parts = _parts(text, done=True)
     lines = parts.lines
-    if any(line is not None and lines.count(line) >= 3 for line in set(lines)):
+    if any(line is not None and (lines.count(line) >= 3 or _said_before(line, lines.count(line) - 1))
+           for line in set(lines)):
         return True
     if any(_said_again(line, before) for before, line in zip(lines, lines[1:])):
         return True
@@ -224,7 +235,9 @@ class RepetitionWatch:
         self.code_checked = len(code)
         for i in range(self.lines_checked, len(lines)):
             line = lines[i]
-            if line is not None and (lines[:i + 1].count(line) >= 3 or _said_again(line, lines[i - 1] if i else None)):
+            before = lines[:i].count(line)
+            if line is not None and (before >= 2 or _said_before(line, before)
+                                     or _said_again(line, lines[i - 1] if i else None)):
                 return True
         self.lines_checked = len(lines)
         return False

@@ -89,6 +89,11 @@ def test_degenerate_repetition_by_hand():
     assert degenerate_repetition("- a b c d\n- a b c d")
     assert not degenerate_repetition("- a b\n- a b")  # three words: a short list line may repeat
     assert not degenerate_repetition("one two three four\nsomething else\none two three four")  # not in a row
+    # a line of six letter-and-digit words or more said a second time, anywhere
+    assert degenerate_repetition("How to clone?\n\nQuestion: How do I clone a repository?\n\nAnswer:\n\n"
+                                 "Question: How do I clone a repository?")  # 7 of them
+    assert not degenerate_repetition("Question: How do I clone?\nAnswer:\nQuestion: How do I clone?")  # five
+    assert not degenerate_repetition("| a | b | c |\n| --- | --- | --- |\n\n| d | e | f |\n| --- | --- | --- |")
 
 
 def test_repetition_watch_by_hand():
@@ -114,6 +119,9 @@ def test_repetition_watch_by_hand():
     # a table row's words are not checked; the line being written after one is prose
     assert watch("x\n| --- | --- | --- | ---", "x\n| --- | --- | --- | --- |\n") == [False, False]
     assert watch("| a |\n+ + + +", "| a |\n+ + + + ") == [False, True]
+    # a long line said again counts once the second copy's line ends
+    block = "git-pull(1) and git-fetch(1) from origin.\ngit-push(1) to your repository.\n\n"
+    assert watch(block + "git-pull(1) and git-fetch(1) from origin.", block * 2) == [False, True]
     # code lines count once their line ends
     six = "```\n" + "x = 1\n" * 5
     assert watch(six + "x = 1", six + "x = 1\n") == [False, True]
