@@ -172,14 +172,15 @@ def _parts(text: str, done: bool) -> _Parts:
 
 def degenerate_repetition(text: str) -> bool:
     """Whether an answer has degenerated into repetition: a non-empty line three times or
-    more, or of :data:`LONG_LINE_SUBWORDS` letter-and-digit words or more twice; a line of
-    :data:`REPEATED_LINE_WORDS` words or more twice in a row (blank lines between aside); a run of words repeated back to back (one word four times in a row, a
-    number six times, a phrase of two to eight words three times), words split at
-    whitespace outside Markdown table rows (``+ + + +``) or at every character that is not
-    a letter or digit (``git-git-git-git``); ten runs of letters and digits in a row of at
-    most two different ones, none a number (``K7: K7: K7-CS-CS-K7-CS-CS-K7-CS``). Inside a
-    fenced code block only a line :data:`CODE_LINE_RUN` times in a row, or a block of two
-    to eight lines three times in a row, counts."""
+    more, or one of :data:`LONG_LINE_SUBWORDS` letter-and-digit words or more twice; a
+    line of :data:`REPEATED_LINE_WORDS` words or more twice in a row (blank lines between
+    aside); a run of words repeated back to back (one word four times in a row, a number
+    six times, a phrase of two to eight words three times), words split at whitespace
+    outside Markdown table rows (``+ + + +``) or at every character that is not a letter
+    or digit (``git-git-git-git``); ten runs of letters and digits in a row of at most two
+    different ones, none a number (``K7: K7: K7-CS-CS-K7-CS-CS-K7-CS``). Inside a fenced
+    code block only a line :data:`CODE_LINE_RUN` times in a row, or a block of two to
+    eight lines three times in a row, counts."""
     parts = _parts(text, done=True)
     lines = parts.lines
     if any(line is not None and (lines.count(line) >= 3 or _said_before(line, lines.count(line) - 1))
@@ -213,16 +214,15 @@ class RepetitionWatch:
     """:func:`degenerate_repetition` for an answer as it grows, one call per new token:
     given texts that each extend the last, true once the words and lines completed so far
     hold a degenerate run. Each call checks only the runs ending at words and lines
-    completed since the last (a word or line still being written may yet grow), so a long
-    answer costs no more per token than a short one in checks; once the answer is done,
-    :func:`degenerate_repetition` also counts its last word and line."""
+    completed since the last (a word or line still being written may yet grow), so no run
+    is checked twice; once the answer is done, :func:`degenerate_repetition` also counts
+    its last word and line."""
 
     def __init__(self) -> None:
         self.words_checked = self.subwords_checked = self.lines_checked = self.code_checked = 0
 
     def __call__(self, text: str) -> bool:
-        parts = _parts(text, done=False)
-        words, subwords, lines, code = parts
+        words, subwords, lines, code = _parts(text, done=False)
         if any(_run_ends_at(words, end) for end in range(self.words_checked + 1, len(words) + 1)):
             return True
         self.words_checked = len(words)
