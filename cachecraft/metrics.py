@@ -96,9 +96,9 @@ def _said_again(line: str | None, before: str | None) -> bool:
     return line is not None and line == before and len(line.split()) >= REPEATED_LINE_WORDS
 
 
-def _said_before(line: str | None, count_before: int) -> bool:
-    """Whether ``line``, found ``count_before`` times earlier, is a long line said again."""
-    return line is not None and count_before >= 1 and len(_subwords(line)) >= LONG_LINE_SUBWORDS
+def _long_line(line: str) -> bool:
+    """Whether ``line`` counts as a loop at its second copy (:data:`LONG_LINE_SUBWORDS`)."""
+    return len(_subwords(line)) >= LONG_LINE_SUBWORDS
 
 
 def _few_words_end_at(subwords: list[str], end: int) -> bool:
@@ -183,8 +183,8 @@ def degenerate_repetition(text: str) -> bool:
     eight lines three times in a row, counts."""
     parts = _parts(text, done=True)
     lines = parts.lines
-    if any(line is not None and (lines.count(line) >= 3 or _said_before(line, lines.count(line) - 1))
-           for line in set(lines)):
+    copies = Counter(line for line in lines if line is not None)
+    if any(n >= 3 or (n >= 2 and _long_line(line)) for line, n in copies.items()):
         return True
     if any(_said_again(line, before) for before, line in zip(lines, lines[1:])):
         return True
@@ -235,9 +235,10 @@ class RepetitionWatch:
         self.code_checked = len(code)
         for i in range(self.lines_checked, len(lines)):
             line = lines[i]
+            if line is None:
+                continue
             before = lines[:i].count(line)
-            if line is not None and (before >= 2 or _said_before(line, before)
-                                     or _said_again(line, lines[i - 1] if i else None)):
+            if before >= 2 or (before >= 1 and _long_line(line)) or _said_again(line, lines[i - 1] if i else None):
                 return True
         self.lines_checked = len(lines)
         return False
