@@ -79,6 +79,12 @@ REPEATED_LINE_WORDS = 4
 # answer, a block of lines starting over): found at its second copy, not its third.
 LONG_LINE_SUBWORDS = 6
 
+# Lines that differ only in their numbers, this many in a row, are one line said again:
+# "* [rc~1] Merge refs/heads/master from ." counting up. Only lines of at least
+# REPEATED_LINE_WORDS words of letters (numbers aside) count, so a list of versions or
+# dates ("- git 2.39.1 (2023-01-17)") is not a loop; Markdown table rows never do.
+NUMBERED_LINE_RUN = 3
+
 # Code repeats by design ("}", "end", "</div>" on line after line, rows of zeros, the same
 # statement in several functions), so inside a fenced code block only a line this many
 # times in a row, or a block of two to eight lines three times in a row, is a loop.
@@ -99,6 +105,17 @@ def _said_again(line: str | None, before: str | None) -> bool:
 def _long_line(line: str) -> bool:
     """Whether ``line`` counts as a loop at its second copy (:data:`LONG_LINE_SUBWORDS`)."""
     return len(_subwords(line)) >= LONG_LINE_SUBWORDS
+
+
+def _numbered_run_ends_at(lines: list[str | None], end: int) -> bool:
+    """Whether the :data:`NUMBERED_LINE_RUN` lines of ``lines`` ending at ``end`` are one
+    line but for their numbers (None, for a code block between, breaks the run)."""
+    run = lines[max(0, end - NUMBERED_LINE_RUN):end]
+    if len(run) < NUMBERED_LINE_RUN or any(line is None or line.startswith("|") for line in run):
+        return False
+    shapes = {re.sub(r"\d+", "#", line) for line in run}
+    return (len(shapes) == 1
+            and sum(1 for word in _subwords(run[0]) if not word.isdigit()) >= REPEATED_LINE_WORDS)
 
 
 def _few_words_end_at(subwords: list[str], end: int) -> bool:
@@ -174,7 +191,8 @@ def degenerate_repetition(text: str) -> bool:
     """Whether an answer has degenerated into repetition: a non-empty line three times or
     more, or one of :data:`LONG_LINE_SUBWORDS` letter-and-digit words or more twice; a
     line of :data:`REPEATED_LINE_WORDS` words or more twice in a row (blank lines between
-    aside); a run of words repeated back to back (one word four times in a row, a number
+    aside); :data:`NUMBERED_LINE_RUN` lines in a row that differ only in their numbers
+    (``* [rc~1] Merge ...``, ``* [rc~2] Merge ...``); a run of words repeated back to back (one word four times in a row, a number
     six times, a phrase of two to eight words three times), words split at whitespace
     outside Markdown table rows (``+ + + +``) or at every character that is not a letter
     or digit (``git-git-git-git``); ten runs of letters and digits in a row of at most two
@@ -187,6 +205,8 @@ def degenerate_repetition(text: str) -> bool:
     if any(n >= 3 or (n >= 2 and _long_line(line)) for line, n in copies.items()):
         return True
     if any(_said_again(line, before) for before, line in zip(lines, lines[1:])):
+        return True
+    if any(_numbered_run_ends_at(lines, end) for end in range(1, len(lines) + 1)):
         return True
     if any(_few_words_end_at(parts.subwords, end) for end in range(1, len(parts.subwords) + 1)):
         return True
@@ -238,7 +258,8 @@ class RepetitionWatch:
             if line is None:
                 continue
             before = lines[:i].count(line)
-            if before >= 2 or (before >= 1 and _long_line(line)) or _said_again(line, lines[i - 1] if i else None):
+            if (before >= 2 or (before >= 1 and _long_line(line)) or _said_again(line, lines[i - 1] if i else None)
+                    or _numbered_run_ends_at(lines, i + 1)):
                 return True
         self.lines_checked = len(lines)
         return False

@@ -94,6 +94,16 @@ def test_degenerate_repetition_by_hand():
                                  "Question: How do I clone a repository?")  # 7 of them
     assert not degenerate_repetition("Question: How do I clone?\nAnswer:\nQuestion: How do I clone?")  # five
     assert not degenerate_repetition("| a | b | c |\n| --- | --- | --- |\n\n| d | e | f |\n| --- | --- | --- |")
+    # three lines in a row that differ only in their numbers: one line counting up
+    assert degenerate_repetition("* [rc] Merge refs/heads/master from .\n* [rc~1] Merge refs/heads/master from .\n"
+                                 "* [rc~2] Merge refs/heads/master from .\n* [rc~3] Merge refs/heads/master from .")
+    assert degenerate_repetition("* 1.  Re-check the branch.\n* 2.  Re-check the branch.\n* 13.  Re-check the branch.")
+    assert not degenerate_repetition("* 1.  Re-check the branch.\n* 2.  Re-check the branch.")  # two
+    assert not degenerate_repetition("1. a b c\n2. a b c\n3. a b c")  # three letter words: a short list line
+    assert not degenerate_repetition("- git 2.39.1 (2023-01-17)\n- git 2.39.2 (2023-02-14)\n- git 2.40.0 (2023-03-13)")
+    assert not degenerate_repetition("1. Open the menu.\n2. Choose the reset item.\n3. Hold the power button.")
+    assert not degenerate_repetition("| 8080 | open on the host |\n| 8081 | open on the host |\n| 8082 | open on the host |")
+    assert not degenerate_repetition("step 1 of the plan\n```\nx\n```\nstep 2 of the plan\nstep 3 of the plan")
 
 
 def test_repetition_watch_by_hand():
@@ -126,23 +136,33 @@ def test_repetition_watch_by_hand():
     six = "```\n" + "x = 1\n" * 5
     assert watch(six + "x = 1", six + "x = 1\n") == [False, True]
     assert watch("```\n}\n}\n}\n}\n", "```\n}\n}\n}\n}\n```\n+ + + + ") == [False, True]
+    # lines that differ only in their numbers: the third counts once its line ends
+    counting = "* 1. Re-check the branch.\n* 2. Re-check the branch.\n"
+    assert watch(counting + "* 3. Re-check the branch.", counting + "* 3. Re-check the branch.\n") == [False, True]
 
 
-def test_repetition_watch_agrees_with_the_whole_text_check():
-    """Fed a text token by token (random pieces from a small vocabulary, so runs are
-    common): whenever the watch says yes, the whole-text check says yes for that text
-    (what the pipeline checks once generation stops), and once the text has moved past a
-    loop (one more line break) the watch has said yes."""
+# Random pieces from small vocabularies, so runs are common: words, table rows, numbers
+# and code fences; then whole lines that differ only in their numbers, among others.
+WORD_PIECES = ["a", " a", " b", "b", " ", "\n", "a\n", " c d", "\n\n", " a b", "-", "-a", "b-", "\n|", ".1", "\n```"]
+LINE_PIECES = ["* 1 a b c d\n", "* 2 a b c d\n", "* 7 a b c d\n", "* 10 a b c d", "\n", "* 3", "4 a b c d\n", " e\n",
+               "| 5 a b c d |\n", "```\n", "a b\n"]
+
+
+@pytest.mark.parametrize("pieces, most", [(WORD_PIECES, 25), (LINE_PIECES, 12)], ids=["words", "lines"])
+def test_repetition_watch_agrees_with_the_whole_text_check(pieces, most):
+    """Fed a text piece by piece (as tokens come): whenever the watch says yes, the
+    whole-text check says yes for that text (what the pipeline checks once generation
+    stops), and once the text has moved past a loop (one more line break) the watch has
+    said yes."""
     import random
 
     from cachecraft.metrics import RepetitionWatch, degenerate_repetition
 
     rng = random.Random(7)
-    pieces = ["a", " a", " b", "b", " ", "\n", "a\n", " c d", "\n\n", " a b", "-", "-a", "b-", "\n|", ".1", "\n```"]
     fired_texts = 0
     for _ in range(1000):
         text, watch, fired = "", RepetitionWatch(), False
-        for _ in range(rng.randint(1, 25)):
+        for _ in range(rng.randint(1, most)):
             text += rng.choice(pieces)
             if watch(text):
                 assert degenerate_repetition(text), repr(text)
