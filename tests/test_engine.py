@@ -37,7 +37,7 @@ def hf_forward(lm, prefix, chunks, question):
     ids = torch.tensor(prefix + [t for c in chunks for t in c] + question)
     with torch.no_grad():
         out = lm.model(ids[None], use_cache=True)
-    return out.logits[0, -1], out.past_key_values
+    return out.logits[0, -1], out["cache"] if "cache" in out.keys() else out.past_key_values
 
 
 def test_full_prefill_matches_model_logits_and_kv(any_tiny):
@@ -460,6 +460,33 @@ def test_greedy_generation_from_blended_cache_equals_plain_generate(any_tiny):
     plain = any_tiny.model.generate(ids[None], max_new_tokens=10, do_sample=False, pad_token_id=0)[0, ids.numel():]
     result = blended_prefill(any_tiny.adapter, full_segments(prefix, chunks, question))
     assert generate_from(any_tiny.model, any_tiny.tokenizer, result, max_new_tokens=10).tolist() == plain.tolist()
+
+
+def test_the_cache_goes_under_the_name_the_model_takes(any_tiny):
+    """transformers renamed ``past_key_values`` to ``cache`` (the old name is deprecated and
+    goes in 5.40): the name comes from the model's forward, so the handoff warns of nothing
+    here and keeps working on releases with either name."""
+    import warnings
+
+    from cachecraft.engine.handoff import cache_argument, teacher_forced_logits
+
+    class Before(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=None):
+            return input_ids
+
+    class Renamed(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, cache=None, use_cache=None):
+            return input_ids
+
+    assert cache_argument(Before()) == "past_key_values"
+    assert cache_argument(Renamed()) == "cache"
+    prefix, chunks, question = make_prompt()
+    result = blended_prefill(any_tiny.adapter, full_segments(prefix, chunks, question))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        again = blended_prefill(any_tiny.adapter, full_segments(prefix, chunks, question))  # the handoff takes the tensors
+        new = generate_from(any_tiny.model, any_tiny.tokenizer, result, max_new_tokens=4)
+        teacher_forced_logits(any_tiny.model, again.keys, again.values, again.token_ids, new)
 
 
 def test_sampling_and_streaming_from_blended_cache(tiny_llama):

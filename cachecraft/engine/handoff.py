@@ -8,6 +8,8 @@ prefill's last-position logits, and continues with any decoding settings
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -16,6 +18,18 @@ import torch
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from cachecraft.engine.blend import BlendResult
+
+
+@functools.cache
+def _forward_takes(model_class: type, name: str) -> bool:
+    return name in inspect.signature(model_class.forward).parameters
+
+
+def cache_argument(model) -> str:
+    """The keyword ``model``'s forward (and so ``generate``) takes a KV cache under:
+    ``cache`` in the transformers releases that renamed it (where ``past_key_values`` is
+    deprecated, to be removed in 5.40), ``past_key_values`` in those before."""
+    return "cache" if _forward_takes(type(model), "cache") else "past_key_values"
 
 
 @dataclass(frozen=True)
@@ -116,7 +130,8 @@ def generate_from(model, tokenizer, result: BlendResult, *, max_new_tokens: int 
         kwargs.setdefault("temperature", None)
         kwargs.setdefault("top_p", None)
         kwargs.setdefault("top_k", None)
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+    kwargs[cache_argument(model)] = cache
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                          max_new_tokens=max_new_tokens, do_sample=do_sample, streamer=streamer,
                          pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id, **kwargs)
     return out[0, ids.shape[1]:]
@@ -136,5 +151,5 @@ def teacher_forced_logits(model, keys: list[torch.Tensor], values: list[torch.Te
         cache.update(k[None, :, :n - 1], v[None, :, :n - 1], layer)
     inputs = torch.cat([token_ids[-1:], forced_ids[:-1].to(token_ids.device)])[None]  # [1, n_forced]
     mask = torch.ones(1, n - 1 + inputs.shape[1], dtype=torch.long, device=token_ids.device)
-    out = model(input_ids=inputs, attention_mask=mask, past_key_values=cache, use_cache=True)
+    out = model(input_ids=inputs, attention_mask=mask, use_cache=True, **{cache_argument(model): cache})
     return out.logits[0].float()
