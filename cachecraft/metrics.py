@@ -133,12 +133,13 @@ def _subwords(text: str) -> list[str]:
     return re.findall(r"[^\W_]+", text)
 
 
-def _line_kinds(lines: list[str]) -> list[str]:
+def _line_kinds(lines: list[str], inside: bool = False) -> tuple[list[str], bool]:
     """Per line, what the checks make of it: ``"fence"`` (a Markdown code fence, checked
     for nothing), ``"code"`` (inside a fenced block), ``"table"`` (a Markdown table row,
     whose separators and empty cells repeat by design: its whitespace words are not
-    checked for runs) or ``"prose"``."""
-    kinds, inside = [], False
+    checked for runs) or ``"prose"``; and whether the lines end inside a code block
+    (``inside``: whether they start in one)."""
+    kinds = []
     for line in lines:
         head = line.lstrip()
         if head.startswith(("```", "~~~")):
@@ -146,7 +147,7 @@ def _line_kinds(lines: list[str]) -> list[str]:
             inside = not inside
         else:
             kinds.append("code" if inside else "table" if head.startswith("|") else "prose")
-    return kinds
+    return kinds, inside
 
 
 class _Parts(NamedTuple):
@@ -155,15 +156,26 @@ class _Parts(NamedTuple):
     lines: list[str | None]  # non-empty prose lines and table rows, stripped; None for code between
     code: list[str]  # non-empty lines of code blocks, stripped
 
+    def sizes(self) -> tuple[int, int, int, int]:
+        """How long each list is (to cut back to with :meth:`cut`)."""
+        return len(self.words), len(self.subwords), len(self.lines), len(self.code)
 
-def _parts(text: str, done: bool) -> _Parts:
-    """What the repetition checks read in ``text``. Unless ``done``, what may yet grow is
-    left out: the last word and subword when the text ends inside them, and the last
-    line when no line break ends it."""
+    def cut(self, sizes: tuple[int, int, int, int]) -> None:
+        """Drop what was added after :meth:`sizes` gave ``sizes``."""
+        for part, size in zip(self, sizes):
+            del part[size:]
+
+
+def _add_lines(parts: _Parts, text: str, inside: bool, done: bool) -> bool:
+    """Add what the repetition checks read in ``text`` (lines that follow those ``parts``
+    holds; ``inside``: whether they start in a code block) to ``parts``; returns whether
+    ``text`` ends inside a code block. Unless ``done``, what may yet grow is left out: the
+    last word and subword when the text ends inside them, and the last line when no line
+    break ends it."""
     lines = text.splitlines(keepends=True)
     open_line = bool(lines) and not done and lines[-1].splitlines()[0] == lines[-1]
-    parts = _Parts([], [], [], [])
-    for i, (line, kind) in enumerate(zip(lines, _line_kinds(lines))):
+    kinds, inside = _line_kinds(lines, inside)
+    for i, (line, kind) in enumerate(zip(lines, kinds)):
         growing = open_line and i == len(lines) - 1
         if kind == "prose":
             words = line.split()
@@ -184,6 +196,13 @@ def _parts(text: str, done: bool) -> _Parts:
             parts.lines.append(stripped)
         elif parts.lines and parts.lines[-1] is not None:
             parts.lines.append(None)
+    return inside
+
+
+def _parts(text: str, done: bool) -> _Parts:
+    """What the repetition checks read in ``text`` (:func:`_add_lines`)."""
+    parts = _Parts([], [], [], [])
+    _add_lines(parts, text, False, done)
     return parts
 
 
@@ -236,13 +255,37 @@ class RepetitionWatch:
     hold a degenerate run. Each call checks only the runs ending at words and lines
     completed since the last (a word or line still being written may yet grow), so no run
     is checked twice; once the answer is done, :func:`degenerate_repetition` also counts
-    its last word and line."""
+    its last word and line.
+
+    The text up to its last line break is read once, as it comes; each call reads only
+    the line being written, so a call costs about as much at the thousandth line as at the
+    first. A text that does not extend the one read (a decoder that rewrote what it had
+    given) is read again from the start."""
 
     def __init__(self) -> None:
         self.words_checked = self.subwords_checked = self.lines_checked = self.code_checked = 0
+        self._read = ""  # the text up to its last line break, read into _parts
+        self._parts = _Parts([], [], [], [])
+        self._inside = False  # whether _read ends inside a code block
+        self._copies: Counter[str] = Counter()  # each checked line's copies so far
 
     def __call__(self, text: str) -> bool:
-        words, subwords, lines, code = _parts(text, done=False)
+        if not text.startswith(self._read):
+            self.__init__()
+        end = text.rfind("\n") + 1
+        if end > len(self._read):  # lines completed since the last call: read once
+            self._inside = _add_lines(self._parts, text[len(self._read):end], self._inside, done=True)
+            self._read = text[:end]
+        parts = self._parts
+        sizes = parts.sizes()
+        _add_lines(parts, text[end:], self._inside, done=False)  # the line being written, for this call only
+        try:
+            return self._check(parts)
+        finally:
+            parts.cut(sizes)
+
+    def _check(self, parts: _Parts) -> bool:
+        words, subwords, lines, code = parts
         if any(_run_ends_at(words, end) for end in range(self.words_checked + 1, len(words) + 1)):
             return True
         self.words_checked = len(words)
@@ -257,7 +300,8 @@ class RepetitionWatch:
             line = lines[i]
             if line is None:
                 continue
-            before = lines[:i].count(line)
+            before = self._copies[line]
+            self._copies[line] += 1
             if (before >= 2 or (before >= 1 and _long_line(line)) or _said_again(line, lines[i - 1] if i else None)
                     or _numbered_run_ends_at(lines, i + 1)):
                 return True

@@ -139,6 +139,30 @@ def test_repetition_watch_by_hand():
     # lines that differ only in their numbers: the third counts once its line ends
     counting = "* 1. Re-check the branch.\n* 2. Re-check the branch.\n"
     assert watch(counting + "* 3. Re-check the branch.", counting + "* 3. Re-check the branch.\n") == [False, True]
+    # a text that does not extend the last (a decoder that rewrote it) is read again from the start
+    line = "one two three four five six\n"
+    assert watch(line, line.upper() + line) == [False, False]  # not the same line twice
+    assert watch(line, line + line) == [False, True]
+
+
+def test_repetition_watch_reads_each_line_once(monkeypatch):
+    """Fed a long answer token by token, the watch reads each completed line once and
+    otherwise only the line being written, not the whole text again on every call."""
+    from cachecraft import metrics
+
+    read = []
+    real = metrics._add_lines
+    monkeypatch.setattr(metrics, "_add_lines", lambda parts, text, *rest, **named: read.append(text) or real(parts, text, *rest, **named))
+    topics = ["branches", "tags", "remotes", "hooks", "merges", "rebases", "stashes"]
+    lines = [f"{topics[i % 7]} and {topics[i // 7 % 7]} say something new, take {i}.\n" for i in range(49)]
+    answer = "".join(lines)
+    watch = metrics.RepetitionWatch()
+    for end in range(4, len(answer) + 1, 4):
+        assert not watch(answer[:end])
+    assert max(len(text) for text in read) <= 2 * max(len(line) for line in lines)
+    # the line being written is read on each call (about a dozen characters a call here),
+    # where reading the whole text each time would read the answer some 1,000 times
+    assert sum(len(text) for text in read) < 30 * len(answer)
 
 
 # Random pieces from small vocabularies, so runs are common: words, table rows, numbers
