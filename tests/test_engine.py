@@ -639,3 +639,65 @@ def test_a_bucketed_plan_pads_every_call_to_bucket_sizes():
         assert torch.equal(mask[hi - lo:], mask[hi - lo - 1].expand(rows - (hi - lo), -1))
     assert plan.key_rows == max(end for *_, end, _ in plan.blocks)
     assert _AttentionPlan(torch.arange(300), 300, bucket=True).key_rows == 320
+
+
+def byte_level_tokenizer(clean_up: bool):
+    """A small byte-level BPE tokenizer (GPT-2's kind), trained here on a few lines."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["Café crème, naïve façade: déjà vu.", "git rebase -i HEAD~3 \u2014 then push!",
+                             "The answer is 42. Isn't it? Yes, it's 42 \U0001F600."] * 20, vocab_size=300,
+                            min_frequency=1, show_progress=False)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, clean_up_tokenization_spaces=clean_up)
+
+
+ANSWER = ("Café crème , naïve façade: déjà vu .\nThe answer is 42 . Isn't it ? Yes, it 's 42 \U0001F600 .\n\n"
+          "git rebase -i HEAD~3 \u2014 then push ! " * 12)
+
+
+def cleaned_up(text: str) -> str:
+    """Spaces before punctuation taken out, as tokenizers that clean up spaces do."""
+    for mark in (" .", " ,", " 's", " !", " ?"):
+        text = text.replace(mark, mark[1:])
+    return text
+
+
+@pytest.mark.parametrize("clean_up", [False, True], ids=["spaces kept", "spaces cleaned up"])
+def test_answer_text_equals_a_whole_decode_at_every_token_and_decodes_little(clean_up):
+    """Byte-level pieces decoded after a settled point join up to the whole decode at every
+    length, multi-byte characters split across tokens included; a tokenizer that cleans
+    up spaces before punctuation (which a piece cannot see across its start) settles at
+    line breaks only. Each call decodes the tokens since the last settled point, not the
+    whole answer."""
+    from cachecraft.engine.handoff import AnswerText
+
+    tokenizer = byte_level_tokenizer(clean_up)
+    ids = torch.tensor(tokenizer.encode(ANSWER))
+    decoded, real = [], tokenizer.decode
+
+    def decode(piece, **named):
+        decoded.append(len(piece))
+        return cleaned_up(real(piece, **named)) if clean_up else real(piece, **named)
+
+    tokenizer.decode = decode
+    text = AnswerText(tokenizer)
+    for n in range(1, ids.numel() + 1):
+        whole = real(ids[:n], skip_special_tokens=True)
+        assert text(ids[:n]) == (cleaned_up(whole) if clean_up else whole), n
+    assert text.joins and text.settled > 0  # no mismatch was ever found
+    assert sum(decoded) < 0.2 * ids.numel() ** 2 / 2  # a whole decode each call: n^2 / 2 tokens
+
+
+def test_answer_text_of_other_tokenizers_is_a_whole_decode(tiny_llama):
+    """A tokenizer that is not byte-level (the word-level one here joins pieces with a
+    space) is decoded whole on every call."""
+    from cachecraft.engine.handoff import AnswerText
+
+    tokenizer = tiny_llama.tokenizer
+    ids = torch.tensor(tokenizer.encode(" ".join(f"w{i % 9}" for i in range(40))))
+    text = AnswerText(tokenizer)
+    assert not text.joins
+    for n in range(1, ids.numel() + 1):
+        assert text(ids[:n]) == tokenizer.decode(ids[:n], skip_special_tokens=True)

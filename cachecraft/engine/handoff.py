@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from tokenizers import decoders
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from cachecraft.engine.blend import BlendResult
@@ -77,10 +78,48 @@ class _WhenText(StoppingCriteria):
 
     def __init__(self, tokenizer, ends: Callable[[str], bool], prompt_len: int) -> None:
         self.tokenizer, self.ends, self.prompt_len = tokenizer, ends, prompt_len
+        self.text = AnswerText(tokenizer)
 
     def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
-        text = self.tokenizer.decode(input_ids[0, self.prompt_len:], skip_special_tokens=True)
+        text = self.text(input_ids[0, self.prompt_len:])
         return torch.full((input_ids.shape[0],), bool(self.ends(text)), dtype=torch.bool, device=input_ids.device)
+
+
+class AnswerText:
+    """The decoded text of an answer as it grows, one call per new token: equal to decoding
+    it whole each time, without the cost growing with the answer. With a byte-level
+    tokenizer (GPT-2's kind: Qwen, SmolLM2, Llama 3), whose pieces decode to their bytes,
+    the text up to a settled point (a line break, or any whitespace where the tokenizer
+    does not clean up spaces around punctuation, at least :attr:`SETTLE_EVERY` tokens on)
+    is kept and only the tokens after it are decoded; each settled point is checked
+    against a whole decode first, and a mismatch turns this off. Other tokenizers (which
+    may drop a piece's leading space) are decoded whole on every call."""
+
+    SETTLE_EVERY = 32
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.settled, self.settled_text = 0, ""
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.joins = isinstance(getattr(backend, "decoder", None), decoders.ByteLevel)
+        self.breaks = "\n" if getattr(tokenizer, "clean_up_tokenization_spaces", True) else None
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def __call__(self, answer_ids: torch.Tensor) -> str:
+        if not self.joins or answer_ids.shape[0] < self.settled:
+            return self._decode(answer_ids)
+        tail = self._decode(answer_ids[self.settled:])
+        text = self.settled_text + tail
+        ends = tail.endswith(self.breaks) if self.breaks else tail[-1:].isspace()
+        if ends and answer_ids.shape[0] - self.settled >= self.SETTLE_EVERY:
+            whole = self._decode(answer_ids)
+            if whole != text:  # not seen with byte-level pieces; whole decodes from here on
+                self.joins = False
+                return whole
+            self.settled, self.settled_text = answer_ids.shape[0], whole
+        return text
 
 
 def to_transformers_cache(result: BlendResult, model_config, drop_last: int = 1) -> DynamicCache:
