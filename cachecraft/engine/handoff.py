@@ -23,6 +23,7 @@ from cachecraft.engine.blend import BlendResult
 
 @functools.cache
 def _forward_takes(model_class: type, name: str) -> bool:
+    """Whether ``model_class.forward`` has a parameter ``name`` (read once per class)."""
     return name in inspect.signature(model_class.forward).parameters
 
 
@@ -77,7 +78,7 @@ class _WhenText(StoppingCriteria):
     a stop string works whatever the tokenizer splits it into)."""
 
     def __init__(self, tokenizer, ends: Callable[[str], bool], prompt_len: int) -> None:
-        self.tokenizer, self.ends, self.prompt_len = tokenizer, ends, prompt_len
+        self.ends, self.prompt_len = ends, prompt_len
         self.text = AnswerText(tokenizer)
 
     def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
