@@ -211,13 +211,14 @@ def degenerate_repetition(text: str) -> bool:
     more, or one of :data:`LONG_LINE_SUBWORDS` letter-and-digit words or more twice; a
     line of :data:`REPEATED_LINE_WORDS` words or more twice in a row (blank lines between
     aside); :data:`NUMBERED_LINE_RUN` lines in a row that differ only in their numbers
-    (``* [rc~1] Merge ...``, ``* [rc~2] Merge ...``); a run of words repeated back to back (one word four times in a row, a number
-    six times, a phrase of two to eight words three times), words split at whitespace
-    outside Markdown table rows (``+ + + +``) or at every character that is not a letter
-    or digit (``git-git-git-git``); ten runs of letters and digits in a row of at most two
-    different ones, none a number (``K7: K7: K7-CS-CS-K7-CS-CS-K7-CS``). Inside a fenced
-    code block only a line :data:`CODE_LINE_RUN` times in a row, or a block of two to
-    eight lines three times in a row, counts."""
+    (``* [rc~1] Merge ...``, ``* [rc~2] Merge ...``); a run of words repeated back to back
+    (one word four times in a row, a number six times, a phrase of two to eight words
+    three times), words split at whitespace outside Markdown table rows (``+ + + +``) or
+    at every character that is not a letter or digit (``git-git-git-git``); ten runs of
+    letters and digits in a row of at most two different ones, none a number (``K7: K7:
+    K7-CS-CS-K7-CS-CS-K7-CS``). Inside a fenced code block only a line
+    :data:`CODE_LINE_RUN` times in a row, or a block of two to eight lines three times in
+    a row, counts."""
     parts = _parts(text, done=True)
     lines = parts.lines
     copies = Counter(line for line in lines if line is not None)
