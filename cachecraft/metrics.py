@@ -118,6 +118,15 @@ def _numbered_run_ends_at(lines: list[str | None], end: int) -> bool:
             and sum(1 for word in _subwords(run[0]) if not word.isdigit()) >= REPEATED_LINE_WORDS)
 
 
+def _line_ends_loop(lines: list[str | None], i: int, before: int) -> bool:
+    """Whether ``lines[i]``, a line said ``before`` times earlier, ends a loop of lines: its
+    third copy, a long line's second, a line said again right after itself, or the last of
+    :data:`NUMBERED_LINE_RUN` lines that differ only in their numbers."""
+    line = lines[i]
+    return (before >= 2 or (before >= 1 and _long_line(line)) or _said_again(line, lines[i - 1] if i else None)
+            or _numbered_run_ends_at(lines, i + 1))
+
+
 def _few_words_end_at(subwords: list[str], end: int) -> bool:
     """Whether the :data:`FEW_WORDS_WINDOW` subwords ending at ``end`` hold at most
     :data:`FEW_WORDS_MOST` different ones, none a number (addresses and versions
@@ -220,14 +229,12 @@ def degenerate_repetition(text: str) -> bool:
     :data:`CODE_LINE_RUN` times in a row, or a block of two to eight lines three times in
     a row, counts."""
     parts = _parts(text, done=True)
-    lines = parts.lines
-    copies = Counter(line for line in lines if line is not None)
-    if any(n >= 3 or (n >= 2 and _long_line(line)) for line, n in copies.items()):
-        return True
-    if any(_said_again(line, before) for before, line in zip(lines, lines[1:])):
-        return True
-    if any(_numbered_run_ends_at(lines, end) for end in range(1, len(lines) + 1)):
-        return True
+    copies: Counter[str] = Counter()
+    for i, line in enumerate(parts.lines):
+        if line is not None:
+            if _line_ends_loop(parts.lines, i, copies[line]):
+                return True
+            copies[line] += 1
     if any(_few_words_end_at(parts.subwords, end) for end in range(1, len(parts.subwords) + 1)):
         return True
     if any(_run_ends_at(parts.code, end, single=CODE_LINE_RUN) for end in range(1, len(parts.code) + 1)):
@@ -301,10 +308,8 @@ class RepetitionWatch:
             line = lines[i]
             if line is None:
                 continue
-            before = self._copies[line]
-            self._copies[line] += 1
-            if (before >= 2 or (before >= 1 and _long_line(line)) or _said_again(line, lines[i - 1] if i else None)
-                    or _numbered_run_ends_at(lines, i + 1)):
+            if _line_ends_loop(lines, i, self._copies[line]):
                 return True
+            self._copies[line] += 1
         self.lines_checked = len(lines)
         return False

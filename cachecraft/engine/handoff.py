@@ -149,6 +149,7 @@ def generate_from(model, tokenizer, result: BlendResult, *, max_new_tokens: int 
     cache = to_transformers_cache(result, model.config)
     kwargs = dict(generate_kwargs)
     criteria: list[StoppingCriteria] = []
+    text_ends: list[Callable[[str], bool]] = []
     if options is not None:
         do_sample = options.sampling
         if do_sample:
@@ -159,9 +160,11 @@ def generate_from(model, tokenizer, result: BlendResult, *, max_new_tokens: int 
             criteria.append(_Cancelled(options.cancel))
         if options.stop:
             stops = options.stop
-            criteria.append(_WhenText(tokenizer, lambda text: any(s in text for s in stops), ids.shape[1]))
+            text_ends.append(lambda text: any(s in text for s in stops))
     if until is not None:
-        criteria.append(_WhenText(tokenizer, until, ids.shape[1]))
+        text_ends.append(until)
+    if text_ends:  # one decode a token serves every check of the text
+        criteria.append(_WhenText(tokenizer, lambda text: any(ends(text) for ends in text_ends), ids.shape[1]))
     if criteria:
         kwargs["stopping_criteria"] = StoppingCriteriaList(criteria)
     if stop_strings:
