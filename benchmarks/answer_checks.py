@@ -32,6 +32,7 @@ import torch
 from cachecraft.bench.common import machine, running_code
 from cachecraft.engine.handoff import AnswerText
 from cachecraft.metrics import RepetitionWatch, _parts
+from cachecraft.model.bundled import ModelLoadError
 from cachecraft.model.loader import load_model
 
 
@@ -50,7 +51,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[500, 2000, 8000])
     parser.add_argument("--text", type=Path, default=Path("README.md"))
     args = parser.parse_args()
-    tokenizer = load_model(args.model).tokenizer
+    if not args.text.is_file():
+        raise SystemExit(f"no such text file: {args.text}")
+    if min(args.tokens) < 1:
+        raise SystemExit(f"--tokens must be at least 1, got {min(args.tokens)}")
+    try:
+        tokenizer = load_model(args.model).tokenizer
+    except ModelLoadError as exc:
+        raise SystemExit(str(exc)) from None
     lines = args.text.read_text().splitlines()
     ids = torch.tensor(tokenizer.encode("\n".join(dict.fromkeys(lines))))  # each line once, in order
     rows = []
