@@ -489,6 +489,79 @@ def test_the_cache_goes_under_the_name_the_model_takes(any_tiny):
         teacher_forced_logits(any_tiny.model, again.keys, again.values, again.token_ids, new)
 
 
+def _generated(lm, cache, ids, new: int):
+    from cachecraft.engine.handoff import cache_argument
+
+    return lm.model.generate(input_ids=ids[None], attention_mask=torch.ones_like(ids)[None], max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=0, output_scores=True,
+                             return_dict_in_generate=True, **{cache_argument(lm.model): cache})
+
+
+def test_decoding_writes_into_room_kept_for_the_answer_with_the_same_scores(any_tiny):
+    """The handed-over cache keeps room for the answer: every decoded token's K/V go into
+    storage allocated once (transformers' own layers copy the whole cache at each token),
+    and each token's scores equal those over transformers' own cache exactly. Sliding-window
+    layers are left to transformers."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    from cachecraft.engine.handoff import GrowingLayer, to_transformers_cache
+
+    prefix, chunks, question = make_prompt()
+    ids = torch.tensor(prefix + [t for c in chunks for t in c] + question)
+    result = blended_prefill(any_tiny.adapter, full_segments(prefix, chunks, question))
+    plain = DynamicCache(config=any_tiny.model.config)
+    for layer, (k, v) in enumerate(zip(result.keys, result.values)):
+        plain.update(k[None, :, :-1].clone(), v[None, :, :-1].clone(), layer)
+    cache = to_transformers_cache(result, any_tiny.model.config, room=13)
+    full_attention = [type(layer) is DynamicLayer for layer in plain.layers]
+    assert [isinstance(layer, GrowingLayer) for layer in cache.layers] == full_attention
+    assert any(full_attention) != bool(getattr(any_tiny.model.config, "sliding_window", None))
+    rooms = [layer._rooms[0] for layer in cache.layers if isinstance(layer, GrowingLayer)]
+
+    ours, theirs = _generated(any_tiny, cache, ids, 12), _generated(any_tiny, plain, ids, 12)
+    assert ours.sequences.tolist() == theirs.sequences.tolist()
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, theirs.scores))
+    growing = [layer for layer in cache.layers if isinstance(layer, GrowingLayer)]
+    assert all(layer._rooms[0] is room and layer.keys.data_ptr() == room.data_ptr()
+               for layer, room in zip(growing, rooms))
+    assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+               for a, b in zip(cache.layers, plain.layers))
+
+
+def test_growing_layer_appends_grows_and_survives_crops_and_batch_changes_by_hand():
+    from cachecraft.engine.handoff import GrowingLayer
+
+    def tokens(start: int, n: int, batch: int = 1) -> torch.Tensor:  # [batch, 2 heads, n, 2]
+        return torch.arange(start, start + batch * 2 * n * 2, dtype=torch.float32).reshape(batch, 2, n, 2)
+
+    layer = GrowingLayer(room=4)
+    a, b, c = tokens(0, 3), tokens(100, 1), tokens(200, 2)
+    keys, values = layer.update(a, -a)
+    assert torch.equal(keys, a) and torch.equal(values, -a) and layer._rooms[0].shape[-2] == 4
+    start = layer._rooms[0].data_ptr()
+    keys, _ = layer.update(b, -b)
+    assert torch.equal(keys, torch.cat([a, b], dim=-2)) and keys.data_ptr() == start
+    keys, values = layer.update(c, -c)  # 6 tokens in room for 4: half as much again
+    assert layer._rooms[0].shape[-2] == 9 and layer.get_seq_length() == 6
+    assert torch.equal(keys, torch.cat([a, b, c], dim=-2)) and torch.equal(values, -keys)
+    start = layer._rooms[0].data_ptr()
+    layer.crop(-2)
+    d = tokens(300, 1)
+    keys, values = layer.update(d, -d)  # cropped rows are written over, in the same room
+    assert torch.equal(keys, torch.cat([a, b, d], dim=-2)) and torch.equal(values, -keys)
+    assert keys.data_ptr() == start
+    layer.batch_repeat_interleave(2)  # replaces the tensors: the next update moves them
+    e = tokens(400, 1, batch=2)
+    keys, values = layer.update(e, -e)
+    expected = torch.cat([torch.cat([a, b, d], dim=-2).repeat_interleave(2, dim=0), e], dim=-2)
+    assert torch.equal(keys, expected) and torch.equal(values, -expected)
+    assert keys.data_ptr() == layer._rooms[0].data_ptr() != start
+    layer.reset()
+    keys, _ = layer.update(b, -b)
+    assert torch.equal(keys, b) and layer.get_seq_length() == 1
+
+
 def test_sampling_and_streaming_from_blended_cache(tiny_llama):
     prefix, chunks, question = make_prompt()
     ids = torch.tensor(prefix + [t for c in chunks for t in c] + question)

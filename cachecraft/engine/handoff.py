@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from tokenizers import decoders
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
+from transformers.cache_utils import DynamicLayer
 
 from cachecraft.engine.blend import BlendResult
 
@@ -123,12 +124,65 @@ class AnswerText:
         return text
 
 
-def to_transformers_cache(result: BlendResult, model_config, drop_last: int = 1) -> DynamicCache:
+class GrowingLayer(DynamicLayer):
+    """A ``DynamicLayer`` that appends new tokens' K/V into room it keeps spare, instead of
+    concatenating: a plain layer copies its whole KV at every decoded token, which on a
+    long prompt costs more than the model's own work for a small model (276 MB a token
+    for SmolLM2 at 6k tokens in float32). The layer's ``keys``/``values`` are views of the
+    first tokens of the room, so attention reads the same numbers as before.
+
+    ``room``: tokens to hold without growing (the prompt plus the answer); past it the
+    room grows by half. Where something else replaced ``keys`` (cropping keeps them in the
+    room; reordering the batch does not), the next update moves them into new room."""
+
+    def __init__(self, room: int = 0) -> None:
+        super().__init__()
+        self.room = max(0, int(room))
+        self._rooms: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        used = self.keys.shape[-2] if self.keys.numel() else 0
+        total = used + key_states.shape[-2]
+        rooms = self._rooms
+        fits = (rooms is not None and total <= rooms[0].shape[-2]
+                and rooms[0].shape[:-2] == key_states.shape[:-2]
+                and (not used or _views_start(self.keys, rooms[0]) and _views_start(self.values, rooms[1])))
+        if not fits:
+            size = max(total, self.room) if rooms is None else max(total, total + total // 2)
+            rooms = tuple(x.new_empty(*x.shape[:-2], size, x.shape[-1]) for x in (key_states, value_states))
+            if used:
+                rooms[0][..., :used, :] = self.keys
+                rooms[1][..., :used, :] = self.values
+            self._rooms = rooms
+        rooms[0][..., used:total, :] = key_states
+        rooms[1][..., used:total, :] = value_states
+        self.keys, self.values = rooms[0][..., :total, :], rooms[1][..., :total, :]
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        self._rooms = None
+        super().reset()
+
+
+def _views_start(view: torch.Tensor, room: torch.Tensor) -> bool:
+    """Whether ``view`` is the first tokens of ``room`` (as this layer left it)."""
+    return (view.dim() == room.dim() and view.data_ptr() == room.data_ptr()
+            and view.shape[:-2] == room.shape[:-2] and view.shape[-1] == room.shape[-1]
+            and view.stride() == room.stride())
+
+
+def to_transformers_cache(result: BlendResult, model_config, drop_last: int = 1,
+                          room: int = 0) -> DynamicCache:
     """A ``DynamicCache`` with the prompt's KV (RoPE applied), minus the last ``drop_last``
     tokens. The result's per-layer tensors are released as they are handed over, so
-    the request's KV exists once."""
+    the request's KV exists once. Its full-attention layers are :class:`GrowingLayer` with
+    room for ``room`` more tokens (the answer), so decoding does not copy the cache."""
     cache = DynamicCache(config=model_config)
     keep = result.num_tokens - drop_last
+    cache.layers = [GrowingLayer(keep + room) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     for layer in range(len(result.keys)):
         k, v = result.keys[layer], result.values[layer]
         cache.update(k[None, :, :keep], v[None, :, :keep], layer)
@@ -146,7 +200,7 @@ def generate_from(model, tokenizer, result: BlendResult, *, max_new_tokens: int 
     ``stop_strings``; ``until``: generation also ends once the answer's text so far makes
     it true (the pipeline stops an answer that loops there)."""
     ids = result.token_ids[None]
-    cache = to_transformers_cache(result, model.config)
+    cache = to_transformers_cache(result, model.config, room=max_new_tokens + 1)
     kwargs = dict(generate_kwargs)
     criteria: list[StoppingCriteria] = []
     text_ends: list[Callable[[str], bool]] = []
