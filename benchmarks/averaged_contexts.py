@@ -1,0 +1,103 @@
+"""Chunk-caches averaged over several made-after contexts, reused untouched, against one.
+
+The diagnosis (``bench diagnose``) found a reused chunk-cache's error set mostly by what
+the cache was made after. If that error were like noise around the chunk's KV in a real
+request, the mean of caches made after several unrelated contexts would be nearer the
+real thing than any one of them. This makes each chunk's cache (pre-RoPE K and V) after:
+the system prompt alone, the warm context, a passage of each of the next three items
+(``foreign0``-``foreign2``), another passage of the same request (``other``) and the one
+right before it (``previous``), and the element-wise means of some of these; every set is
+reused untouched, and judged against the full prefill by answer KL and token agreement
+(full's greedy answer of up to 32 tokens, teacher-forced), through the engine's prefill.
+
+    python benchmarks/averaged_contexts.py benchmarks/results/averaged_contexts_qwen2.5.json --skip 30 --limit 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from cachecraft.bench.common import machine, running_code
+from cachecraft.bench.diagnose import _Item
+from cachecraft.config import Config
+from cachecraft.dataset import load_items
+from cachecraft.engine import Segment, blended_prefill
+from cachecraft.evaluation import item_chunks, scratch_pipeline
+from cachecraft.kv import ChunkKV
+from cachecraft.model.loader import load_model
+
+MEANS = {"mean_f3": ("foreign0", "foreign1", "foreign2"), "mean_f2": ("foreign0", "foreign1"),
+         "mean_sys_warm": ("system", "warm"), "mean_warm_f3": ("warm", "foreign0", "foreign1", "foreign2"),
+         "mean_f3_other": ("foreign0", "foreign1", "foreign2", "other")}
+
+
+def mean_caches(sets: list[list[ChunkKV]]) -> list[ChunkKV]:
+    """Per chunk, the element-wise mean of its caches in ``sets`` (K before RoPE, and V)."""
+    out = []
+    for parts in zip(*sets):
+        first = parts[0]
+        keys = torch.stack([p.keys.float() for p in parts]).mean(0).to(first.keys.dtype)
+        values = torch.stack([p.values.float() for p in parts]).mean(0).to(first.values.dtype)
+        out.append(ChunkKV(first.token_ids, keys, values, first.fingerprint, first.prefix,
+                           prefix_tokens=first.prefix_tokens))
+    return out
+
+
+def item_row(pipeline, items, n: int) -> dict:
+    """Every cache set of the module doc for item ``n``, judged."""
+    adapter = pipeline.lm.adapter
+    it = _Item(pipeline, items[n])
+    warm_ids, _ = pipeline._warm_context()
+    warm_kv = blended_prefill(adapter, [it.prefix(), Segment(warm_ids, "chunk", save=True)]).saved[1]
+    sets = {"system": it.make_caches("system"), "warm": it.make_caches("warm", warm_kv, warm_ids)}
+    for f in range(3):
+        foreign = []
+        for text in item_chunks(items[n + 1 + f]):
+            ids = pipeline.builder.encode(text)
+            foreign.append((ids, blended_prefill(adapter, [it.prefix(), Segment(ids, "chunk", save=True)]).saved[1]))
+        sets[f"foreign{f}"] = it.make_caches("foreign", foreign=foreign)
+    sets["other"] = it.make_caches("other", system=sets["system"])
+    sets["previous"] = it.make_caches("previous", system=sets["system"])
+    for name, parts in MEANS.items():
+        sets[name] = mean_caches([sets[p] for p in parts])
+    return {"item": items[n].index, **{name: it.judge(blended_prefill(adapter, it.segments(caches)))
+                                       for name, caches in sets.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--dataset", type=Path, default=Path("../shared/data/musique_dev.json"))
+    parser.add_argument("--skip", type=int, default=30)
+    parser.add_argument("--limit", type=int, default=6)
+    args = parser.parse_args()
+    config = Config.load(None, overrides={"model": args.model})
+    lm = load_model(None, config)
+    items = load_items(args.dataset, args.limit + 3, args.skip)
+    if len(items) < args.limit + 3:
+        raise SystemExit(f"{args.dataset} needs {args.limit + 3} items after the first {args.skip}")
+    rows = []
+    command = (f"python benchmarks/averaged_contexts.py {args.out} --model {args.model} --dataset {args.dataset} "
+               f"--skip {args.skip} --limit {args.limit}")
+    with scratch_pipeline(lm, config) as pipeline:
+        for n in range(args.limit):
+            start = time.perf_counter()
+            rows.append(item_row(pipeline, items, n))
+            print(n, f"{time.perf_counter() - start:.0f} s",
+                  {k: round(v["answer_kl"], 4) for k, v in rows[-1].items() if k != "item"}, flush=True)
+            summary = {name: {key: statistics.fmean(r[name][key] for r in rows)
+                              for key in ("answer_kl", "token_agreement")} for name in rows[0] if name != "item"}
+            args.out.write_text(json.dumps({"benchmark": "averaged_contexts", "model": args.model, "rows": rows,
+                                            "summary": summary, "machine": machine(), "code": running_code(),
+                                            "command": command}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
