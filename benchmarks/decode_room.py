@@ -1,7 +1,7 @@
 """Decoding speed from a handed-over cache: transformers' own layers against room kept.
 
 transformers' ``DynamicLayer`` appends each decoded token by concatenating, so every token
-copies the whole cache (at 6k tokens in float32, 276 MB a token for SmolLM2, 144 MB for
+copies the whole cache (at 6k tokens in float32, 276 MB a token for SmolLM2, 147 MB for
 Qwen2.5-0.5B). The handoff's :class:`cachecraft.engine.handoff.GrowingLayer` writes the
 token into room kept for the answer. This prefills one MuSiQue item's prompt (its ten
 passages and question, as ``answer`` builds it) once per model, then decodes N greedy
