@@ -562,6 +562,19 @@ def test_growing_layer_appends_grows_and_survives_crops_and_batch_changes_by_han
     assert torch.equal(keys, b) and layer.get_seq_length() == 1
 
 
+def test_growing_layer_starts_on_releases_whose_initializer_takes_the_keys_alone():
+    from cachecraft.engine.handoff import GrowingLayer
+
+    class KeysAlone(GrowingLayer):
+        def lazy_initialization(self, key_states):
+            super().lazy_initialization(key_states, key_states)
+
+    keys = torch.ones(1, 2, 3, 4)
+    for layer in (GrowingLayer(room=5), KeysAlone(room=5)):
+        got, values = layer.update(keys, -keys)
+        assert torch.equal(got, keys) and torch.equal(values, -keys) and layer._rooms[0].shape[-2] == 5
+
+
 def test_sampling_and_streaming_from_blended_cache(tiny_llama):
     prefix, chunks, question = make_prompt()
     ids = torch.tensor(prefix + [t for c in chunks for t in c] + question)

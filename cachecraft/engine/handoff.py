@@ -143,7 +143,10 @@ class GrowingLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            if _initializer_takes_values(type(self)):
+                self.lazy_initialization(key_states, value_states)
+            else:  # releases whose form takes the keys alone
+                self.lazy_initialization(key_states)
         used = self.keys.shape[-2] if self.keys.numel() else 0
         total = used + key_states.shape[-2]
         rooms = self._rooms
@@ -165,6 +168,13 @@ class GrowingLayer(DynamicLayer):
     def reset(self) -> None:
         self._rooms = None
         super().reset()
+
+
+@functools.cache
+def _initializer_takes_values(layer_class: type) -> bool:
+    """Whether ``layer_class.lazy_initialization`` takes the values as well as the keys
+    (read once per class)."""
+    return len(inspect.signature(layer_class.lazy_initialization).parameters) > 2
 
 
 def _views_start(view: torch.Tensor, room: torch.Tensor) -> bool:
