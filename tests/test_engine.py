@@ -562,6 +562,16 @@ def test_growing_layer_appends_grows_and_survives_crops_and_batch_changes_by_han
     assert torch.equal(keys, b) and layer.get_seq_length() == 1
 
 
+def test_room_set_aside_for_the_answer_stops_at_the_models_positions(tiny_llama):
+    from cachecraft.engine.handoff import to_transformers_cache
+
+    prefix, chunks, question = make_prompt()  # 107 tokens; the tiny models have 1024 positions
+    for asked, expected in ((10, 106 + 10), (10**6, 1024)):
+        result = blended_prefill(tiny_llama.adapter, full_segments(prefix, chunks, question))
+        cache = to_transformers_cache(result, tiny_llama.model.config, room=asked)
+        assert {layer._rooms[0].shape[-2] for layer in cache.layers} == {expected}
+
+
 def test_growing_layer_starts_on_releases_whose_initializer_takes_the_keys_alone():
     from cachecraft.engine.handoff import GrowingLayer
 

@@ -189,10 +189,14 @@ def to_transformers_cache(result: BlendResult, model_config, drop_last: int = 1,
     """A ``DynamicCache`` with the prompt's KV (RoPE applied), minus the last ``drop_last``
     tokens. The result's per-layer tensors are released as they are handed over, so
     the request's KV exists once. Its full-attention layers are :class:`GrowingLayer` with
-    room for ``room`` more tokens (the answer), so decoding does not copy the cache."""
+    room for ``room`` more tokens (the answer), so decoding does not copy the cache; no
+    more room than the model's positions allow is set aside up front, however long an
+    answer was asked for."""
     cache = DynamicCache(config=model_config)
     keep = result.num_tokens - drop_last
-    cache.layers = [GrowingLayer(keep + room) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    positions = getattr(model_config, "max_position_embeddings", None)
+    size = keep + room if not positions else min(keep + room, max(positions, keep))
+    cache.layers = [GrowingLayer(size) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     for layer in range(len(result.keys)):
         k, v = result.keys[layer], result.values[layer]
         cache.update(k[None, :, :keep], v[None, :, :keep], layer)
