@@ -27,8 +27,8 @@ from cachecraft.bench.common import machine, running_code
 from cachecraft.bench.diagnose import _Item
 from cachecraft.config import Config
 from cachecraft.dataset import load_items
-from cachecraft.engine import Segment, blended_prefill
-from cachecraft.evaluation import item_chunks, scratch_pipeline
+from cachecraft.engine import blended_prefill
+from cachecraft.evaluation import scratch_pipeline
 from cachecraft.kv import ChunkKV
 from cachecraft.model.loader import load_model
 
@@ -51,22 +51,16 @@ def mean_caches(sets: list[list[ChunkKV]]) -> list[ChunkKV]:
 
 def item_row(pipeline, items, n: int) -> dict:
     """Every cache set of the module doc for item ``n``, judged."""
-    adapter = pipeline.lm.adapter
     it = _Item(pipeline, items[n])
     warm_ids, _ = pipeline._warm_context()
-    warm_kv = blended_prefill(adapter, [it.prefix(), Segment(warm_ids, "chunk", save=True)]).saved[1]
-    sets = {"system": it.make_caches("system"), "warm": it.make_caches("warm", warm_kv, warm_ids)}
+    sets = {"system": it.make_caches("system"), "warm": it.make_caches("warm", it.made_alone(warm_ids), warm_ids)}
     for f in range(3):
-        foreign = []
-        for text in item_chunks(items[n + 1 + f]):
-            ids = pipeline.builder.encode(text)
-            foreign.append((ids, blended_prefill(adapter, [it.prefix(), Segment(ids, "chunk", save=True)]).saved[1]))
-        sets[f"foreign{f}"] = it.make_caches("foreign", foreign=foreign)
+        sets[f"foreign{f}"] = it.make_caches("foreign", foreign=it.foreign(items[n + 1 + f]))
     sets["other"] = it.make_caches("other", system=sets["system"])
     sets["previous"] = it.make_caches("previous", system=sets["system"])
     for name, parts in MEANS.items():
         sets[name] = mean_caches([sets[p] for p in parts])
-    return {"item": items[n].index, **{name: it.judge(blended_prefill(adapter, it.segments(caches)))
+    return {"item": items[n].index, **{name: it.judge(blended_prefill(pipeline.lm.adapter, it.segments(caches)))
                                        for name, caches in sets.items()}}
 
 

@@ -52,6 +52,7 @@ from cachecraft.config import Config
 from cachecraft.dataset import QAItem
 from cachecraft.engine import Segment, blended_prefill, teacher_forced_logits
 from cachecraft.evaluation import answer_traced, item_chunks, scratch_pipeline
+from cachecraft.kv import ChunkKV
 from cachecraft.metrics import answer_divergence, kl_divergence
 from cachecraft.selection import DeviationCheck, count_for, first_tokens, question_guided
 
@@ -152,6 +153,16 @@ class _Item:
             caches.append(run.saved[len(before) + 1])
         return caches
 
+    def made_alone(self, ids) -> ChunkKV:
+        """The cache of the tokens ``ids`` made right after the system prompt."""
+        return blended_prefill(self.adapter, [self.prefix(), Segment(ids, "chunk", save=True)]).saved[1]
+
+    def foreign(self, other_item: QAItem) -> list:
+        """The (token ids, cache) pair of each of ``other_item``'s passages, made after the
+        system prompt alone: the ``foreign`` context's passages."""
+        encode = self.pipeline.builder.encode
+        return [(ids, self.made_alone(ids)) for ids in (encode(text) for text in item_chunks(other_item))]
+
     def segments(self, caches, picks: Sequence[torch.Tensor | None] | None = None) -> list[Segment]:
         picks = picks or [None] * len(caches)
         return [self.prefix(), *(Segment(ids, "chunk", cached=kv, recompute=p)
@@ -172,23 +183,15 @@ def diagnose_item(pipeline, item: QAItem, budgets: Sequence[float], check_layer:
     it = _Item(pipeline, item)
     adapter = it.adapter
     warm_ids, _ = pipeline._warm_context()
-    warm_kv = None
-    if warm_ids:
-        warm_run = blended_prefill(adapter, [it.prefix(), Segment(warm_ids, "chunk", save=True)])
-        warm_kv = warm_run.saved[1]
+    warm_kv = it.made_alone(warm_ids) if warm_ids else None
     row: dict = {"item": item.index, "chunk_tokens": sum(b - a for a, b in it.spans),
                  "answer": it.answer_text, "contexts": {}}
     system, foreign, corpus = None, None, (None, None)
     if "foreign" in contexts and other_item is not None:
-        foreign = []
-        for text in item_chunks(other_item):
-            ids = pipeline.builder.encode(text)
-            run = blended_prefill(adapter, [it.prefix(), Segment(ids, "chunk", save=True)])
-            foreign.append((ids, run.saved[1]))
+        foreign = it.foreign(other_item)
     if "corpus" in contexts and other_item is not None:
         corpus_ids = [t for text in item_chunks(other_item)[:CORPUS_PASSAGES] for t in pipeline.builder.encode(text)]
-        run = blended_prefill(adapter, [it.prefix(), Segment(corpus_ids, "chunk", save=True)])
-        corpus = (run.saved[1], corpus_ids)
+        corpus = (it.made_alone(corpus_ids), corpus_ids)
     for context in contexts:
         if context in ("previous", "other", "related") and system is None:
             system = it.make_caches("system")

@@ -128,8 +128,9 @@ class GrowingLayer(DynamicLayer):
     """A ``DynamicLayer`` that appends new tokens' K/V into room it keeps spare, instead of
     concatenating: a plain layer copies its whole KV at every decoded token, which on a
     long prompt is a large share of a small model's time a token (276 MB a token for
-    SmolLM2 at 6k tokens in float32, about a third of its time on a CPU). The layer's ``keys``/``values`` are views of the
-    first tokens of the room, so attention reads the same numbers as before.
+    SmolLM2 at 6k tokens in float32, about a third of its time on a CPU). The layer's
+    ``keys``/``values`` are views of the first tokens of the room, so attention reads the
+    same numbers as before.
 
     ``room``: tokens to hold without growing (the prompt plus the answer); past it the
     room grows by half. Where something else replaced ``keys`` (cropping keeps them in the
