@@ -26,10 +26,11 @@ import torch
 from cachecraft.bench.common import machine, running_code
 from cachecraft.bench.diagnose import _Item
 from cachecraft.config import Config
-from cachecraft.dataset import load_items
+from cachecraft.dataset import DatasetError, load_items
 from cachecraft.engine import blended_prefill
 from cachecraft.evaluation import scratch_pipeline
 from cachecraft.kv import ChunkKV
+from cachecraft.model.bundled import ModelLoadError
 from cachecraft.model.loader import load_model
 
 MEANS = {"mean_f3": ("foreign0", "foreign1", "foreign2"), "mean_f2": ("foreign0", "foreign1"),
@@ -72,9 +73,14 @@ def main() -> None:
     parser.add_argument("--skip", type=int, default=30)
     parser.add_argument("--limit", type=int, default=6)
     args = parser.parse_args()
+    if args.limit < 1 or args.skip < 0:
+        raise SystemExit("--limit must be at least 1 and --skip at least 0")
     config = Config.load(None, overrides={"model": args.model})
-    lm = load_model(None, config)
-    items = load_items(args.dataset, args.limit + 3, args.skip)
+    try:
+        items = load_items(args.dataset, args.limit + 3, args.skip)
+        lm = load_model(None, config)
+    except (DatasetError, ModelLoadError, OSError) as exc:
+        raise SystemExit(str(exc)) from None
     if len(items) < args.limit + 3:
         raise SystemExit(f"{args.dataset} needs {args.limit + 3} items after the first {args.skip}")
     rows = []
