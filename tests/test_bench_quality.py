@@ -86,6 +86,7 @@ def test_an_early_stop_run_is_labelled_and_paired_with_the_plain_policy(tiny_lla
     config = _config(tmp_path / "bench", early_stop_share=1.0)  # every chunk below an even share may stop
     plain, stopping = CacheCraft(0.5), CacheCraft(0.5, early_stop=(0.5,))
     assert (stopping.label, CacheCraft(0.5, early_stop=()).label) == ("cachecraft@0.5/E0.5", "cachecraft@0.5/Eoff")
+    assert CacheCraft(0.08, pool=0.5).label == "cachecraft@0.08/P0.5"  # the floor pooled by need
     seen = {}
     result = run_quality(tiny_llama, config, [item], [plain, stopping], max_new_tokens=3,
                          on_answer=lambda item, answer, trace: seen.setdefault(answer.method, answer))

@@ -84,8 +84,8 @@ def test_every_fraction_at_one_equals_a_full_prefill_through_the_pipeline(cache_
         pipe.warm(CHUNKS)
         full, full_trace = answer_traced(pipe, reordered, QUESTION, "full")
         for method in ("cachecraft", CacheCraft(None, drift_shift=1.0),
-                       CacheCraft(None, drift_shift=1.0, relevance=1.0), "cacheblend@1.0", "qguided@1.0", "firstk@1.0",
-                       "inter@1.0", "spread@1.0"):
+                       CacheCraft(None, drift_shift=1.0, relevance=1.0), CacheCraft(None, pool=1.0),
+                       "cacheblend@1.0", "qguided@1.0", "firstk@1.0", "inter@1.0", "spread@1.0"):
             answer, trace = answer_traced(pipe, reordered, QUESTION, method)
             assert answer.recompute_fraction == 1.0, method
             assert (trace.logits - full_trace.logits).abs().max() < 1e-4, method

@@ -5,7 +5,7 @@ import math
 import torch
 
 from cachecraft.policy.planner import PolicyParams, VariantInfo, apply_budget, choose_variant, plan_request
-from cachecraft.policy.rules import early_stop_decision, share_by_attention
+from cachecraft.policy.rules import early_stop_decision, pool_by_need, share_by_attention
 
 INTER = torch.tensor([[1.0, 1.0]])
 INTRA = torch.tensor([2.0])
@@ -87,6 +87,29 @@ def test_share_by_attention_by_hand():
     for weight, mass, counts in ((0.0, [3.0, 1.0], [10, 10]), (1.0, [0.0, 0.0], [10, 10]),
                                  (1.0, [3.0, 1.0], [0, 0])):
         assert share_by_attention(counts, [100, 100], mass, weight) == counts  # nothing to give out again
+
+
+def test_pooling_moves_the_floor_from_chunks_whose_variant_saw_their_context():
+    """alpha 0.1, CCI prior 0.5, floor 0.2, 10 tokens a chunk. w is cached alone and comes
+    first (exact: 0); x, c and d were cached alone (CFO 0.1 * 0.5 = 0.05: ceil(0.5) = 1, the
+    floor's 2); y's variant was made after x, which the request has right before it (CFO 0,
+    yet the floor's 2); e has no cache (10). Pooled in full, the 8 tokens of x, y, c, d go by
+    CFO x tokens, 0.5 : 0 : 0.5 : 0.5: wanted 8/3, 0, 8/3, 8/3 -> 2, 0, 2, 2 and the two
+    tokens left one each to x and c (equally short: the earlier first) -> 3, 0, 3, 2. Half
+    pooled: wanted 1 + 4/3 for x, c, d and 1 for y -> 2, 1, 2, 2 and the token left to x."""
+    after_x = VariantInfo("y-after-x", ("x",), torch.tensor([[1.0]]), INTRA, 4, (10,))
+    infos = {"w": [alone("w0")], "x": [alone("x0")], "y": [after_x], "c": [alone("c0")], "d": [alone("d0")]}
+    params = PolicyParams(alpha=0.1, cci_prior=0.5, floor=0.2)
+    plan = plan_request(["w", "x", "y", "c", "d", "e"], [10] * 6, infos, params)
+    assert [p.count for p in plan.chunks] == [0, 2, 2, 2, 2, 10]
+    assert plan.chunks[2].score.cfo == 0.0 and not plan.chunks[2].score.exact
+    assert [p.count for p in pool_by_need(plan, 1.0).chunks] == [0, 3, 0, 3, 2, 10]
+    assert [p.count for p in pool_by_need(plan, 0.5).chunks] == [0, 3, 1, 2, 2, 10]
+    assert pool_by_need(plan, 0.0) == plan
+    assert pool_by_need(plan, 1.0).recompute_fraction == plan.recompute_fraction  # the total stays
+    linked = plan_request(["w", "x", "y"], [10] * 3, {"y": [after_x]}, params)
+    assert [p.count for p in linked.chunks] == [10, 10, 2]
+    assert pool_by_need(linked, 1.0) == linked  # no CFO above 0: nothing to pool by
 
 
 def test_a_floor_raises_every_reused_chunk_but_an_exact_match():

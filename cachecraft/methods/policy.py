@@ -1,8 +1,8 @@
 """``cachecraft``: the policy as a method.
 
 Plan: per chunk, the stored variant with the lowest Cache Fix Overhead and a token
-count from it (an exact prefix match recomputes nothing), raised where loading must be
-hidden; variants slower to load than their chunk is to recompute are left out; a chunk
+count from it (an exact prefix match recomputes nothing; with a ``pool``, part of the
+counts given out again by CFO), raised where loading must be hidden; variants slower to load than their chunk is to recompute are left out; a chunk
 planned to be mostly recomputed is computed in full and kept as a new variant. Select:
 the planned counts go, in total, to the cached tokens the question looks at most at the
 check layer (with a drift shift: evenly over each chunk, whose other tokens then move by
@@ -21,8 +21,8 @@ from cachecraft.kv import ChunkKV
 from cachecraft.methods.base import LoadPlan, Method, PrefillHooks, RequestContext
 from cachecraft.methods.experimental import select_question_guided
 from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, layer_at, plan_request
-from cachecraft.policy.rules import (early_stop_decision, hide_loading, keep_in_full, share_by_attention,
-                                     worth_loading)
+from cachecraft.policy.rules import (early_stop_decision, hide_loading, keep_in_full, pool_by_need,
+                                     share_by_attention, worth_loading)
 from cachecraft.selection import QuestionAttention, chunk_attention, first_tokens, spread_tokens
 
 
@@ -37,11 +37,12 @@ class CacheCraft(Method):
     def __init__(self, ratio: float | None = None, check_layer: int | None = None, floor: float | None = None,
                  sink_tokens: int | None = None, early_stop: tuple[float, ...] | None = None,
                  drift_shift: float | None = None, drift_estimator: str | None = None,
-                 relevance: float | None = None):
+                 relevance: float | None = None, pool: float | None = None):
         super().__init__(ratio)
         # None: the pipeline's (calibration and the benchmarks try others)
         self.check_layer, self.floor, self.sink_tokens = check_layer, floor, sink_tokens
         self.drift_shift, self.drift_estimator, self.relevance = drift_shift, drift_estimator, relevance
+        self.pool = pool
         self.early_stop = early_stop  # layers or depths (as config early_stop_layers); () turns it off
 
     @property
@@ -49,12 +50,14 @@ class CacheCraft(Method):
         """``cachecraft@alpha``, with ``/L<layer>``, ``/F<floor>``, ``/S<sink tokens>``,
         ``/D<drift shift>`` (``/D<estimator><drift shift>`` for an estimator other than the
         mean, e.g. ``/Dmedian0.5``), ``/D<estimator>`` alone (the estimator set, not the
-        shift) and ``/E<early-stop layers>`` where the method sets its own."""
+        shift), ``/R<relevance>``, ``/P<pool>`` and ``/E<early-stop layers>`` where the method
+        sets its own."""
         return (super().label + ("" if self.check_layer is None else f"/L{self.check_layer}")
                 + ("" if self.floor is None else f"/F{self.floor:g}")
                 + ("" if self.sink_tokens is None else f"/S{self.sink_tokens}")
                 + self._drift_label()
                 + ("" if self.relevance is None else f"/R{self.relevance:g}")
+                + ("" if self.pool is None else f"/P{self.pool:g}")
                 + ("" if self.early_stop is None else "/E" + (",".join(f"{x:g}" for x in self.early_stop) or "off")))
 
     def _drift_label(self) -> str:
@@ -68,7 +71,8 @@ class CacheCraft(Method):
         """The request's policy parameters with this method's alpha (and check layer, floor,
         sink tokens, drift shift, early-stop layers where it sets them)."""
         own = {"check_layer": self.check_layer, "floor": self.floor, "sink_tokens": self.sink_tokens,
-               "drift_shift": self.drift_shift, "drift_estimator": self.drift_estimator, "relevance": self.relevance}
+               "drift_shift": self.drift_shift, "drift_estimator": self.drift_estimator, "relevance": self.relevance,
+               "pool": self.pool}
         if self.early_stop is not None:
             layers = request.adapter.num_layers
             own["early_stop_layers"] = tuple(sorted({layer_at(x, layers) for x in self.early_stop}))
@@ -80,7 +84,9 @@ class CacheCraft(Method):
         # computed in full (a miss), and its statistics are not read
         loadable = lambda variant: worth_loading(lookup.load_fraction(variant))  # noqa: E731
         infos = {key: lookup.variant_infos(key, request.prefix_key, keep=loadable) for key in dict.fromkeys(keys)}
-        planned = plan_request(keys, [len(c) for c in request.pieces.chunks], infos, self.params(request))
+        params = self.params(request)
+        planned = pool_by_need(plan_request(keys, [len(c) for c in request.pieces.chunks], infos, params),
+                               params.pool)
         planned = hide_loading(planned, [lookup.hide_fraction(p.variant) if p.variant else None
                                          for p in planned.chunks])
         plan = keep_in_full(planned, [lookup.variant_count(p.chunk, request.prefix_key) for p in planned.chunks])

@@ -39,6 +39,10 @@ class PolicyParams:
     # with a drift shift: the share of the chunks' spread counts given out again by the
     # question's attention to each chunk at the check layer (0: the plan's counts stand)
     relevance: float = 0.0
+    # the share of the cached chunks' planned counts given out again in proportion to each
+    # chunk's expected fix (CFO x tokens): chunks whose variant saw their real context pass
+    # their floor to those whose variant did not (0: each chunk keeps its own count)
+    pool: float = 0.0
     early_stop_layers: tuple[int, ...] = ()
     early_stop_share: float = 0.25
 
@@ -49,6 +53,7 @@ class PolicyParams:
         assert self.sink_tokens >= 0, f"sink_tokens must be >= 0, got {self.sink_tokens}"
         assert self.drift_shift >= 0, f"drift_shift must be >= 0, got {self.drift_shift}"
         assert 0.0 <= self.relevance <= 1.0, f"relevance must be within [0, 1], got {self.relevance}"
+        assert 0.0 <= self.pool <= 1.0, f"pool must be within [0, 1], got {self.pool}"
 
 
 @dataclass(frozen=True)

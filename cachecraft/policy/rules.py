@@ -17,6 +17,9 @@
   attention per chunk.
 - :func:`share_by_attention`: a request's spread tokens given out again, part in
   proportion to the question's attention per chunk.
+- :func:`pool_by_need`: a plan's counts given out again, part in proportion to each
+  chunk's expected fix (its CFO), so that chunks whose variant was made in their real
+  context pass their floor on.
 """
 
 from __future__ import annotations
@@ -81,6 +84,24 @@ def keep_in_full(plan: RecomputePlan, variant_counts: Sequence[int],
         if chunk_plan.variant is not None and chunk_plan.fraction >= threshold and room_for_variant(stored, cap):
             chunk_plan = replace(chunk_plan, variant=None, count=chunk_plan.tokens)
         chunks.append(chunk_plan)
+    return replace(plan, chunks=tuple(chunks))
+
+
+def pool_by_need(plan: RecomputePlan, weight: float) -> RecomputePlan:
+    """The plan with its reused, inexact chunks' counts given out again by
+    :func:`share_by_attention`, ``weight`` of them in proportion to each chunk's CFO times
+    its tokens: the total stays, a chunk whose variant needs no fix (CFO 0: made after the
+    chunks it follows) gives its floor to those that do. Exact matches and chunks computed
+    in full keep their counts; ``weight`` 0 or no CFO above 0: the plan as it is."""
+    open_ = [i for i, p in enumerate(plan.chunks) if p.variant is not None and p.score is not None
+             and not p.score.exact]
+    if weight == 0 or not open_:
+        return plan
+    chunks = list(plan.chunks)
+    shared = share_by_attention([chunks[i].count for i in open_], [chunks[i].tokens for i in open_],
+                                [chunks[i].score.cfo * chunks[i].tokens for i in open_], weight)
+    for i, count in zip(open_, shared):
+        chunks[i] = replace(chunks[i], count=count)
     return replace(plan, chunks=tuple(chunks))
 
 
