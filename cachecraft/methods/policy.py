@@ -2,12 +2,12 @@
 
 Plan: per chunk, the stored variant with the lowest Cache Fix Overhead and a token
 count from it (an exact prefix match recomputes nothing; with a ``pool``, part of the
-counts given out again by CFO), raised where loading must be hidden; variants slower to load than their chunk is to recompute are left out; a chunk
-planned to be mostly recomputed is computed in full and kept as a new variant. Select:
-the planned counts go, in total, to the cached tokens the question looks at most at the
-check layer (with a drift shift: evenly over each chunk, whose other tokens then move by
-the drift those show). Observe: with early termination on, chunks the
-question ignores stop recomputing.
+counts given out again by CFO), raised where loading must be hidden; variants slower to
+load than their chunk is to recompute are left out; a chunk planned to be mostly
+recomputed is computed in full and kept as a new variant. Select: the planned counts go,
+in total, to the cached tokens the question looks at most at the check layer (with a
+drift shift: evenly over each chunk, whose other tokens then move by the drift those
+show). Observe: with early termination on, chunks the question ignores stop recomputing.
 """
 
 from __future__ import annotations
