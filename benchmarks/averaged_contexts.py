@@ -9,8 +9,11 @@ the system prompt alone, the warm context, a passage of each of the next three i
 right before it (``previous``), and the element-wise means of some of these; every set is
 reused untouched, and judged against the full prefill by answer KL and token agreement
 (full's greedy answer of up to 32 tokens, teacher-forced), through the engine's prefill.
+With ``--recompute R``, some of the sets are also judged with R of each chunk recomputed,
+its first tokens (``firstk``) or CacheBlend's deviation check's picks (``cacheblend``).
 
     python benchmarks/averaged_contexts.py benchmarks/results/averaged_contexts_qwen2.5.json --skip 30 --limit 6
+    python benchmarks/averaged_contexts.py benchmarks/results/averaged_recompute_qwen2.5.json --recompute 0.05
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 import torch
 
 from cachecraft.bench.common import machine, running_code
-from cachecraft.bench.diagnose import _Item
+from cachecraft.bench.diagnose import _Item, select_and_run
 from cachecraft.config import Config
 from cachecraft.dataset import DatasetError, load_items
 from cachecraft.engine import blended_prefill
@@ -36,6 +39,9 @@ from cachecraft.model.loader import load_model
 MEANS = {"mean_f3": ("foreign0", "foreign1", "foreign2"), "mean_f2": ("foreign0", "foreign1"),
          "mean_sys_warm": ("system", "warm"), "mean_warm_f3": ("warm", "foreign0", "foreign1", "foreign2"),
          "mean_f3_other": ("foreign0", "foreign1", "foreign2", "other")}
+
+RECOMPUTED = ("warm", "foreign0", "foreign1", "foreign2", "mean_f3", "previous")  # with --recompute
+RECOMPUTE_SELECTORS = ("firstk", "cacheblend")
 
 
 def mean_caches(sets: list[list[ChunkKV]]) -> list[ChunkKV]:
@@ -50,8 +56,9 @@ def mean_caches(sets: list[list[ChunkKV]]) -> list[ChunkKV]:
     return out
 
 
-def item_row(pipeline, items, n: int) -> dict:
-    """Every cache set of the module doc for item ``n``, judged."""
+def item_row(pipeline, items, n: int, recompute: float | None = None) -> dict:
+    """Every cache set of the module doc for item ``n``, judged (with ``recompute``, the
+    sets of :data:`RECOMPUTED` also with that share recomputed, as ``set+selector@share``)."""
     it = _Item(pipeline, items[n])
     warm_ids, _ = pipeline._warm_context()
     sets = {"system": it.make_caches("system"), "warm": it.make_caches("warm", it.made_alone(warm_ids), warm_ids)}
@@ -61,8 +68,15 @@ def item_row(pipeline, items, n: int) -> dict:
     sets["previous"] = it.make_caches("previous", system=sets["system"])
     for name, parts in MEANS.items():
         sets[name] = mean_caches([sets[p] for p in parts])
-    return {"item": items[n].index, **{name: it.judge(blended_prefill(pipeline.lm.adapter, it.segments(caches)))
-                                       for name, caches in sets.items()}}
+    row = {"item": items[n].index, **{name: it.judge(blended_prefill(pipeline.lm.adapter, it.segments(caches)))
+                                      for name, caches in sets.items()}}
+    if recompute is not None:
+        check_layer = pipeline.policy.check_layer
+        for name in RECOMPUTED:
+            for selector in RECOMPUTE_SELECTORS:
+                row[f"{name}+{selector}@{recompute:g}"] = it.judge(
+                    select_and_run(it, sets[name], selector, recompute, check_layer, None))
+    return row
 
 
 def main() -> None:
@@ -72,9 +86,13 @@ def main() -> None:
     parser.add_argument("--dataset", type=Path, default=Path("../shared/data/musique_dev.json"))
     parser.add_argument("--skip", type=int, default=30)
     parser.add_argument("--limit", type=int, default=6)
+    parser.add_argument("--recompute", type=float, default=None,
+                        help="also judge some sets with this share of each chunk recomputed (e.g. 0.05)")
     args = parser.parse_args()
     if args.limit < 1 or args.skip < 0:
         raise SystemExit("--limit must be at least 1 and --skip at least 0")
+    if args.recompute is not None and not 0 < args.recompute <= 1:
+        raise SystemExit(f"--recompute must be within (0, 1], got {args.recompute}")
     config = Config.load(None, overrides={"model": args.model})
     try:
         items = load_items(args.dataset, args.limit + 3, args.skip)
@@ -85,11 +103,12 @@ def main() -> None:
         raise SystemExit(f"{args.dataset} needs {args.limit + 3} items after the first {args.skip}")
     rows = []
     command = (f"python benchmarks/averaged_contexts.py {args.out} --model {args.model} --dataset {args.dataset} "
-               f"--skip {args.skip} --limit {args.limit}")
+               f"--skip {args.skip} --limit {args.limit}"
+               + ("" if args.recompute is None else f" --recompute {args.recompute:g}"))
     with scratch_pipeline(lm, config) as pipeline:
         for n in range(args.limit):
             start = time.perf_counter()
-            rows.append(item_row(pipeline, items, n))
+            rows.append(item_row(pipeline, items, n, args.recompute))
             print(n, f"{time.perf_counter() - start:.0f} s",
                   {k: round(v["answer_kl"], 4) for k, v in rows[-1].items() if k != "item"}, flush=True)
             summary = {name: {key: statistics.fmean(r[name][key] for r in rows)

@@ -212,12 +212,15 @@ def diagnose_item(pipeline, item: QAItem, budgets: Sequence[float], check_layer:
         for budget in budgets:
             for name in SELECTORS:
                 entry["selectors"][f"{name}@{budget:g}"] = it.judge(
-                    _select_and_run(it, caches, name, budget, check_layer, v_mean))
+                    select_and_run(it, caches, name, budget, check_layer, v_mean))
         row["contexts"][context] = entry
     return row
 
 
-def _select_and_run(it: _Item, caches, name: str, budget: float, check_layer: int, v_mean: torch.Tensor):
+def select_and_run(it: _Item, caches, name: str, budget: float, check_layer: int, v_mean: torch.Tensor | None):
+    """The blended prefill of ``caches`` with ``budget`` of each chunk recomputed as
+    selector ``name`` (of :data:`SELECTORS`) picks; ``v_mean``, the V deviation per token,
+    is read by ``oracle`` alone."""
     adapter = it.adapter
     if name == "cacheblend":
         return blended_prefill(adapter, it.segments(caches), hooks=[DeviationCheck(layer=1, ratio=budget)])
