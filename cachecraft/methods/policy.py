@@ -69,7 +69,8 @@ class CacheCraft(Method):
 
     def params(self, request: RequestContext) -> PolicyParams:
         """The request's policy parameters with this method's alpha (and check layer, floor,
-        sink tokens, drift shift, early-stop layers where it sets them)."""
+        sink tokens, drift shift and estimator, relevance, pool, early-stop layers where it
+        sets them)."""
         own = {"check_layer": self.check_layer, "floor": self.floor, "sink_tokens": self.sink_tokens,
                "drift_shift": self.drift_shift, "drift_estimator": self.drift_estimator, "relevance": self.relevance,
                "pool": self.pool}
