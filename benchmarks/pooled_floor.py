@@ -20,11 +20,10 @@ from pathlib import Path
 
 from cachecraft.bench.common import write_result
 from cachecraft.bench.plots import quality_intervals
-from cachecraft.bench.quality import RowsFileError, run_quality
+from cachecraft.bench.quality import RowsFileError, paired_figures, rows_by_method, run_quality
 from cachecraft.config import Config
 from cachecraft.dataset import DatasetError, load_items
 from cachecraft.evaluation import InContext
-from cachecraft.intervals import paired
 from cachecraft.methods import CacheCraft
 from cachecraft.model.bundled import ModelLoadError
 from cachecraft.model.loader import load_model
@@ -33,19 +32,9 @@ from cachecraft.retrieval.embed import Embedder
 
 
 def paired_with_unpooled(result: dict, unpooled: str) -> dict:
-    """Each pooled method's answer KL and token agreement against ``unpooled``, item by item."""
-    by_method: dict[str, dict[int, dict]] = {}
-    for row in result["items"]:
-        by_method.setdefault(row["method"], {})[row["item"]] = row
-    base = by_method[unpooled]
-    out = {}
-    for label, rows in by_method.items():
-        if "/P" not in label:
-            continue
-        items = sorted(base)
-        out[label] = {key: paired([rows[i][key] for i in items], [base[i][key] for i in items]).to_dict()
-                      for key in ("answer_kl", "token_agreement", "recompute_fraction")}
-    return out
+    """Each pooled method's quality figures against ``unpooled``, item by item."""
+    by = rows_by_method(result["items"])
+    return {label: paired_figures(by, label, unpooled) for label in by if "/P" in label}
 
 
 def main() -> None:

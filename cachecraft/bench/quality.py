@@ -31,7 +31,7 @@ from cachecraft.intervals import bootstrap, paired, verdict
 from cachecraft.config import Config
 from cachecraft.dataset import QAItem
 from cachecraft.evaluation import InContext, OnAnswer, evaluate_items, method_order, row_labels, scratch_pipeline
-from cachecraft.methods import Full, Method
+from cachecraft.methods import Method
 
 # Quality figures per row, and whether lower is better.
 QUALITY_METRICS = {"kl": True, "answer_kl": True, "token_agreement": False, "agreement_f1": False,
@@ -92,9 +92,7 @@ def compare_methods(rows: list[dict], labels: Sequence[str]) -> dict:
     :func:`plain_label`), per quality figure: the mean
     paired difference (method - baseline) over the items both answered, its interval and
     the verdict."""
-    by = {}
-    for r in rows:
-        by.setdefault(r["method"], {})[r["item"]] = r
+    by = rows_by_method(rows)
     out: dict[str, dict] = {}
     for label in labels:
         own = plain_label(label)  # an in-context or early-stop run is also paired with its plain run
@@ -108,13 +106,27 @@ def compare_methods(rows: list[dict], labels: Sequence[str]) -> dict:
         for base in bases:
             if base not in by or base == label or label not in by:
                 continue
-            items = [i for i in by[label] if i in by[base]]
-            figures = {}
-            for key, lower_is_better in QUALITY_METRICS.items():
-                diff = paired([by[label][i][key] for i in items], [by[base][i][key] for i in items])
-                figures[key] = {**diff.to_dict(), "verdict": verdict(diff, lower_is_better)}
-            out.setdefault(label, {})[f"vs {base}"] = figures
+            out.setdefault(label, {})[f"vs {base}"] = paired_figures(by, label, base)
     return out
+
+
+def rows_by_method(rows: Sequence[dict]) -> dict[str, dict[int, dict]]:
+    """The rows of a run as ``{method: {item: row}}``."""
+    by: dict[str, dict[int, dict]] = {}
+    for r in rows:
+        by.setdefault(r["method"], {})[r["item"]] = r
+    return by
+
+
+def paired_figures(by: dict[str, dict[int, dict]], label: str, base: str) -> dict:
+    """Per quality figure, the mean paired difference (``label`` - ``base``) over the items
+    both answered (``by``: :func:`rows_by_method`), its interval and the verdict."""
+    items = [i for i in by[label] if i in by[base]]
+    figures = {}
+    for key, lower_is_better in QUALITY_METRICS.items():
+        diff = paired([by[label][i][key] for i in items], [by[base][i][key] for i in items])
+        figures[key] = {**diff.to_dict(), "verdict": verdict(diff, lower_is_better)}
+    return figures
 
 
 def run_quality(lm, config: Config, items: Sequence[QAItem], methods: Sequence[Method], *,

@@ -93,8 +93,7 @@ def pool_by_need(plan: RecomputePlan, weight: float) -> RecomputePlan:
     its tokens: the total stays, a chunk whose variant needs no fix (CFO 0: made after the
     chunks it follows) gives its floor to those that do. Exact matches and chunks computed
     in full keep their counts; ``weight`` 0 or no CFO above 0: the plan as it is."""
-    open_ = [i for i, p in enumerate(plan.chunks) if p.variant is not None and p.score is not None
-             and not p.score.exact]
+    open_ = [i for i, p in enumerate(plan.chunks) if p.variant is not None and not p.score.exact]
     if weight == 0 or not open_:
         return plan
     chunks = list(plan.chunks)
