@@ -7,7 +7,9 @@ relevance) runs as a
 ``full`` on the same items, through the one request path (:mod:`cachecraft.evaluation`)
 with the user's config, so early termination and the loading rules are the ones
 ``query`` uses; the yardstick's answer-level divergence is what is compared, and
-:func:`cachecraft.policy.calibrate.choose` picks from the measured rows. The result is
+:func:`cachecraft.policy.calibrate.choose` picks from the measured rows (under a budget,
+the candidate with the config's own settings stays unless another is measurably
+better). The result is
 kept in the catalog against the model's fingerprint (:func:`store_fitted`), where
 ``query``, the LlamaIndex engine, ``config show`` and ``explain`` find it.
 """
@@ -74,10 +76,21 @@ def calibrate(lm, config: Config, items: Sequence[QAItem], alphas: Sequence[floa
                                                       else estimator),
                                      relevance=config.policy_relevance if relevance is None else relevance,
                                      label=label))
-    chosen, reached = choose(measured, goal)
-    full_ttft = statistics.median(r["ttft_s"] for r in rows if r["method"] == Full().label)
     per_item = tuple({key: r[key] for key in PER_ITEM_KEYS} for r in rows)
-    return CalibrationResult(tuple(measured), chosen, goal, reached, full_ttft, per_item)
+    incumbent = next((r.label for r in measured if own_settings(r, config, lm.adapter.num_layers)), "")
+    chosen, reached = choose(measured, goal, per_item, incumbent)
+    full_ttft = statistics.median(r["ttft_s"] for r in rows if r["method"] == Full().label)
+    return CalibrationResult(tuple(measured), chosen, goal, reached, full_ttft, per_item, incumbent)
+
+
+def own_settings(row: CandidateRow, config: Config, num_layers: int) -> bool:
+    """Whether candidate ``row`` repeats the config's own policy settings (its check layer
+    compared as the layer it names on a model of ``num_layers``)."""
+    return (row.alpha == config.policy_alpha
+            and layer_at(row.check_layer, num_layers) == layer_at(config.policy_check_layer, num_layers)
+            and (row.floor, row.sink_tokens, row.drift_shift, row.drift_estimator, row.relevance)
+            == (config.policy_floor, config.policy_sink_tokens, config.policy_drift_shift,
+                config.policy_drift_estimator, config.policy_relevance))
 
 
 def store_fitted(catalog, fingerprint: str, result: CalibrationResult, **about) -> dict:

@@ -95,7 +95,8 @@ def calibrate_cmd(
     skip: int = typer.Option(0, min=0, help="Leave out the first N items: fit on items kept apart from the ones "
                                             "you report results on."),
     budget: Optional[float] = typer.Option(None, help="Recompute budget (share of chunk tokens, within (0, 1]): "
-                                                      "the candidate with the lowest answer KL within it. "
+                                                      "the candidate with the lowest answer KL within it (the "
+                                                      "config's own settings stay unless measurably beaten). "
                                                       "Default 0.05 unless --target-kl is given."),
     target_kl: Optional[float] = typer.Option(None, "--target-kl", help="Answer-KL target: the candidate with the "
                                                                         "least recompute that reaches it."),
@@ -145,7 +146,9 @@ def calibrate_cmd(
     (and check layer, floor, sink tokens, drift shift and estimator, relevance) on a
     MuSiQue-format file, measure the answer-level divergence from full prefill along full's
     answer, and keep the candidate with the lowest divergence within the recompute budget
-    (or the least recompute that reaches --target-kl). The result is stored in the catalog
+    (or the least recompute that reaches --target-kl). Under a budget the config's own
+    settings, where among the candidates, stay unless another candidate is measurably
+    better item by item (a paired 95% interval below 0). The result is stored in the catalog
     against the model's fingerprint: `query` and the LlamaIndex engine use it wherever the
     config leaves policy_alpha, policy_check_layer, policy_floor, policy_sink_tokens,
     policy_drift_shift, policy_drift_estimator and policy_relevance at their defaults;
@@ -224,6 +227,10 @@ def calibrate_cmd(
                       f"chosen one on answer KL over these {len(items)} item(s) (their paired interval holds 0): "
                       "more items would tell them apart", highlight=False)
     chosen = result.chosen
+    if result.kept_incumbent() and any(r.answer_kl < chosen.answer_kl and r.recompute <= (result.goal.budget or 0)
+                                       for r in result.rows):
+        console.print("kept the config's own settings: no candidate within the budget with a lower mean answer KL "
+                      f"was measurably better item by item over these {len(items)} item(s)", highlight=False)
     picked = (f"chosen: policy_alpha {chosen.alpha:g}, policy_check_layer {chosen.check_layer:g}, policy_floor "
               f"{chosen.floor:g}, policy_sink_tokens {chosen.sink_tokens}, policy_drift_shift {chosen.drift_shift:g}"
               f"{'' if chosen.drift_estimator == 'mean' else f' ({chosen.drift_estimator})'}, policy_relevance "

@@ -71,6 +71,51 @@ def test_each_candidate_is_compared_with_the_chosen_one_item_by_item():
     assert shown["b"]["verdict"] == "worse" and shown["c"]["verdict"] == "no measurable difference"
 
 
+def labelled(label, recompute, kls):
+    """A candidate whose per-item answer KLs are ``kls``, and those entries."""
+    row = CandidateRow(0.1, 8, recompute, sum(kls) / len(kls), 0.9, 0.9, 0.1, 1.0, label=label)
+    return row, [{"item": i, "method": label, "answer_kl": kl} for i, kl in enumerate(kls)]
+
+
+def test_under_a_budget_the_config_settings_stay_unless_measurably_beaten():
+    own, own_items = labelled("own", 0.04, [0.2, 0.2, 0.2, 0.2])
+    noisy, noisy_items = labelled("noisy", 0.04, [0.0, 0.3, 0.1, 0.3])  # mean 0.175: -0.2, +0.1, -0.1, +0.1
+    steady, steady_items = labelled("steady", 0.05, [0.15, 0.15, 0.15, 0.15])  # 0.05 below on every item
+    steep, steep_items = labelled("steep", 0.05, [0.1, 0.1, 0.1, 0.2])  # mean 0.125: 0.1, 0.1, 0.1, 0 below
+    costly, costly_items = labelled("costly", 0.2, [0.0, 0.0, 0.0, 0.0])  # outside the budget
+    per_item = own_items + noisy_items + steady_items + steep_items + costly_items
+    budget = Goal(budget=0.05)
+    # the lowest mean, noisy's, is not measurably below the config's settings: they stay
+    assert choose([own, noisy, costly], budget, per_item, "own") == (own, True)
+    assert choose([own, noisy, costly], budget, per_item) == (noisy, True)  # no incumbent: the lowest mean
+    # below on every item is measurably better; of two such, the lower mean
+    assert choose([own, noisy, steady], budget, per_item, "own") == (steady, True)
+    assert choose([own, noisy, steady, steep], budget, per_item, "own") == (steep, True)
+    # an incumbent outside the budget, or not among the candidates, keeps no place
+    assert choose([replace(own, recompute=0.1), noisy], budget, per_item, "own") == (noisy, True)
+    assert choose([own, noisy], budget, per_item, "elsewhere") == (noisy, True)
+    # a target is about the least recompute that reaches it, as before
+    assert choose([own, noisy], Goal(target_kl=0.19), per_item, "own") == (noisy, True)
+    result = CalibrationResult((own, noisy), own, budget, True, 1.0, tuple(own_items + noisy_items), "own")
+    assert result.kept_incumbent() and result.to_dict()["incumbent"] == "own"
+    assert result.to_dict()["kept_incumbent"] is True
+    assert not replace(result, chosen=noisy).kept_incumbent() and not replace(result, incumbent="").kept_incumbent()
+
+
+def test_the_candidate_with_the_config_settings_is_found_by_value():
+    from cachecraft.calibration import own_settings
+
+    config = Config.load(overrides={"policy_alpha": 0.1, "policy_check_layer": 6, "policy_floor": 0.05,
+                                    "policy_sink_tokens": 16, "policy_drift_shift": 0.5}, environ={})
+    same = CandidateRow(0.1, 6, 0.04, 0.2, 0.9, 0.9, 0.1, 1.0, floor=0.05, sink_tokens=16, drift_shift=0.5)
+    assert own_settings(same, config, 24)
+    assert own_settings(replace(same, check_layer=0.25), config, 24)  # depth 0.25 of 24 layers is layer 6
+    assert not own_settings(replace(same, check_layer=0.25), config, 30)  # of 30, layer 8 (7.5 rounded)
+    for change in ({"alpha": 0.2}, {"floor": 0.0}, {"sink_tokens": 0}, {"drift_shift": 1.0},
+                   {"drift_estimator": "median"}, {"relevance": 0.5}):
+        assert not own_settings(replace(same, **change), config, 24), change
+
+
 def test_goals_and_candidates_are_checked():
     assert parse_alphas("0.2, 0.05,,0.2") == [0.05, 0.2]
     assert parse_check_layers("8, 0.27,0.5") == [0.27, 0.5, 8.0]
@@ -228,6 +273,21 @@ def test_calibrate_writes_its_result_file_and_names_the_whole_choice(fake_calibr
                                                       "verdict": "no measurable difference"}}
 
 
+def test_calibrate_says_when_it_kept_the_config_settings_over_a_lower_mean(monkeypatch, dataset, cache_dir):
+    own, own_items = labelled("own", 0.04, [0.2, 0.2, 0.2, 0.2])
+    noisy, noisy_items = labelled("noisy", 0.04, [0.0, 0.3, 0.1, 0.3])
+    result = CalibrationResult((own, noisy), own, Goal(budget=0.05), True, 1.0, tuple(own_items + noisy_items), "own")
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda *args, **kwargs: result)
+    monkeypatch.setattr(cli_app, "load_model_quietly", lambda config: tiny_model("llama"))
+    shown = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.1"])
+    assert shown.exit_code == 0, shown.output
+    assert "kept the config's own settings: no candidate within the budget with a lower mean" in shown.output
+    kept = runner.invoke(app, ["calibrate", "--dataset", str(dataset), "--alphas", "0.1", "--json"])
+    assert json.loads(kept.stdout)["kept_incumbent"] is True
+    monkeypatch.setattr(calibrate_module, "calibrate", lambda *args, **kwargs: replace(result, chosen=noisy))
+    assert "kept the config's own settings" not in runner.invoke(app, ["calibrate", "--dataset", str(dataset)]).output
+
+
 def test_calibrate_makes_caches_the_way_warm_does(fake_calibration, dataset, cache_dir, tmp_path):
     context = tmp_path / "context.txt"
     context.write_text("Some neutral prose the caches are made after.")
@@ -248,6 +308,10 @@ def test_calibrate_on_a_tiny_model_measures_every_candidate(tiny_llama, dataset,
     assert [(r.alpha, r.check_layer) for r in result.rows] == [(0.1, 1), (0.6, 1), (0.1, 0.99), (0.6, 0.99)]
     assert all(r.answer_kl >= 0 and 0 <= r.token_agreement <= 1 for r in result.rows)
     assert result.reached and result.chosen.answer_kl == min(r.answer_kl for r in result.rows)
+    assert result.incumbent == ""  # the config's alpha, 0.08, is not among the candidates
+    own = config.replace(policy_alpha=0.6, policy_check_layer=1)
+    again = calibrate(tiny_llama, own, load_items(dataset, 1), [0.1, 0.6], Goal(budget=1.0), max_new_tokens=3)
+    assert again.incumbent == next(r.label for r in again.rows if r.alpha == 0.6)
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -12,7 +12,8 @@ full's greedy answer. Two goals:
 
 - a recompute **budget**: the lowest divergence among the candidates whose mean
   recompute fraction stays within it (none within it: the cheapest, and the result
-  says the budget was missed);
+  says the budget was missed). Where one candidate repeats the config's own settings,
+  it stays unless another within the budget is measurably better item by item;
 - a divergence **target**: the lowest recompute among the candidates whose divergence
   reaches it (none does: the lowest divergence, and the result says so).
 
@@ -89,6 +90,9 @@ class CalibrationResult:
     # one entry per item and method (full and each candidate, by its label): what the rows
     # average, kept so that two candidates can be compared item by item afterwards
     per_item: tuple[dict[str, Any], ...] = ()
+    # the label of the candidate that repeats the config's own settings ("": none did),
+    # kept under a budget unless another was measurably better
+    incumbent: str = ""
 
     def profile(self, **about: Any) -> dict[str, Any]:
         """The fitted parameters as the catalog keeps them (``about``: model, dataset,
@@ -101,19 +105,20 @@ class CalibrationResult:
                            "answer_kl": self.chosen.answer_kl, "recompute": self.chosen.recompute,
                            "token_agreement": self.chosen.token_agreement}}
 
+    def kept_incumbent(self) -> bool:
+        """Whether the chosen candidate is the one with the config's own settings."""
+        return bool(self.incumbent) and self.chosen.label == self.incumbent
+
     def versus_chosen(self) -> dict[str, Interval]:
         """For every other candidate (by label), its answer KL minus the chosen one's, item by
         item, with the paired bootstrap interval (:mod:`cachecraft.intervals`): an interval
         that holds 0 means the two were not told apart on these items. Empty without
         ``per_item`` or labels."""
-        def answer_kl(label: str) -> dict[int, float]:
-            return {r["item"]: r["answer_kl"] for r in self.per_item if r["method"] == label}
-
-        chosen = answer_kl(self.chosen.label)
+        chosen = answer_kl_by_item(self.per_item, self.chosen.label)
         items = sorted(chosen)
         out = {}
         for row in self.rows:
-            mine = answer_kl(row.label)
+            mine = answer_kl_by_item(self.per_item, row.label)
             if row is self.chosen or not mine or mine.keys() != chosen.keys():
                 continue
             out[row.label] = paired([mine[i] for i in items], [chosen[i] for i in items])
@@ -127,7 +132,8 @@ class CalibrationResult:
                 "policy_check_layer": self.chosen.check_layer, "policy_floor": self.chosen.floor,
                 "policy_sink_tokens": self.chosen.sink_tokens, "policy_drift_shift": self.chosen.drift_shift,
                 "policy_drift_estimator": self.chosen.drift_estimator, "policy_relevance": self.chosen.relevance,
-                "full_ttft_s_median": self.full_ttft_s,
+                "full_ttft_s_median": self.full_ttft_s, "incumbent": self.incumbent,
+                "kept_incumbent": self.kept_incumbent(),
                 "rows": [asdict(r) for r in self.rows], "per_item": list(self.per_item),
                 "versus_chosen": {label: {**d.to_dict(), "verdict": verdict(d, lower_is_better=True)}
                                   for label, d in self.versus_chosen().items()}}
@@ -199,10 +205,32 @@ def parse_drift_estimators(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def choose(rows: Sequence[CandidateRow], goal: Goal) -> tuple[CandidateRow, bool]:
+def answer_kl_by_item(per_item: Sequence[dict[str, Any]], label: str) -> dict[int, float]:
+    """One candidate's answer KL per item, from a result's ``per_item`` entries."""
+    return {r["item"]: r["answer_kl"] for r in per_item if r["method"] == label}
+
+
+def measurably_lower(row: CandidateRow, other: CandidateRow, per_item: Sequence[dict[str, Any]]) -> bool:
+    """Whether ``row``'s answer KL is below ``other``'s with the paired interval over their
+    common items excluding zero (no common item: False)."""
+    mine, theirs = answer_kl_by_item(per_item, row.label), answer_kl_by_item(per_item, other.label)
+    items = sorted(mine.keys() & theirs.keys())
+    if not items:
+        return False
+    difference = paired([mine[i] for i in items], [theirs[i] for i in items])
+    return verdict(difference, lower_is_better=True) == "better"
+
+
+def choose(rows: Sequence[CandidateRow], goal: Goal, per_item: Sequence[dict[str, Any]] = (),
+           incumbent: str = "") -> tuple[CandidateRow, bool]:
     """The candidate ``goal`` asks for, and whether it met it (ties: lower recompute, then
     lower alpha, shallower check layer, lower floor, fewer sink tokens, smaller drift shift,
-    estimators in the order of :data:`DRIFT_ESTIMATORS`, lower relevance)."""
+    estimators in the order of :data:`DRIFT_ESTIMATORS`, lower relevance).
+
+    Under a budget, ``incumbent`` (the label of the candidate that repeats the config's own
+    settings) is kept unless some candidate within the budget is measurably better on answer KL
+    item by item (``per_item``); of those, the lowest mean wins. On the few items
+    calibration runs on, a lower mean alone may be noise rather than a better setting."""
     assert rows, "no candidate to choose from"
 
     def cheaper(r: CandidateRow) -> tuple:
@@ -211,9 +239,13 @@ def choose(rows: Sequence[CandidateRow], goal: Goal) -> tuple[CandidateRow, bool
 
     if goal.budget is not None:
         within = [r for r in rows if r.recompute <= goal.budget]
-        if within:
-            return min(within, key=lambda r: (r.answer_kl, *cheaper(r))), True
-        return min(rows, key=cheaper), False
+        if not within:
+            return min(rows, key=cheaper), False
+        keeper = next((r for r in within if incumbent and r.label == incumbent), None)
+        if keeper is not None:
+            better = [r for r in within if r is not keeper and measurably_lower(r, keeper, per_item)]
+            within = better or [keeper]
+        return min(within, key=lambda r: (r.answer_kl, *cheaper(r))), True
     reaching = [r for r in rows if r.answer_kl <= goal.target_kl]
     if reaching:
         return min(reaching, key=cheaper), True
