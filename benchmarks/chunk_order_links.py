@@ -5,7 +5,8 @@ embedding (as `bench quality --in-context --neighbours N` finds them) are the ch
 has a variant made after. Counts, over all passages, the share that comes right after
 one of them in the item's own order, in the order `chunk_order = "cache"` gives
 (:func:`cachecraft.policy.ordering.cache_order`), and in the best order (exhaustive
-search over orders, dynamic programming over subsets). Writes OUT (JSON) and prints it.
+search over orders, dynamic programming over subsets). Writes OUT (JSON), with each
+item's counts under ``per_item``, and prints it.
 
     python benchmarks/chunk_order_links.py OUT --dataset ../shared/data/musique_dev.json --limit 30
 """
@@ -44,30 +45,36 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--limit", type=int, default=30)
+    parser.add_argument("--skip", type=int, default=0, help="leave out the first N items")
     parser.add_argument("--neighbours", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--embedder", default="minilm")
     args = parser.parse_args()
-    items = load_items(args.dataset, args.limit)
+    items = load_items(args.dataset, args.skip + args.limit)[args.skip:]
     embed = Embedder(args.embedder).embed
     rows = []
     for k in args.neighbours:
         given = ordered = best = total = 0
-        for item in items:
+        per_item = []
+        for number, item in enumerate(items, start=args.skip):
             chunks = item_chunks(item)
             vectors = embed(chunks)
             index = ChunkIndex(vectors.shape[1])
             index.add(vectors, chunks, [str(i) for i in range(len(chunks))])
             after = [set(near) for near in index.neighbours(k)]
-            given += links_kept(range(len(chunks)), after)
-            ordered += links_kept(cache_order(after), after)
-            best += most_links(after)
+            counts = {"item": number, "passages": len(chunks), "given_order": links_kept(range(len(chunks)), after),
+                      "cache_order": links_kept(cache_order(after), after), "best_order": most_links(after)}
+            per_item.append(counts)
+            given += counts["given_order"]
+            ordered += counts["cache_order"]
+            best += counts["best_order"]
             total += len(chunks)
         rows.append({"neighbours": k, "passages": total, "given_order": given / total,
-                     "cache_order": ordered / total, "best_order": best / total})
+                     "cache_order": ordered / total, "best_order": best / total, "per_item": per_item})
         print(f"{k} neighbour(s): right after one of them {given / total:.0%} in the given order, "
               f"{ordered / total:.0%} in cache_order's, {best / total:.0%} in the best")
     with open(args.out, "w", encoding="utf-8") as handle:
-        json.dump({"benchmark": "chunk_order_links", "dataset": args.dataset, "items": len(items), "rows": rows,
+        json.dump({"benchmark": "chunk_order_links", "dataset": args.dataset, "skip": args.skip, "items": len(items),
+                   "rows": rows,
                    "machine": machine(), "code": running_code()}, handle, indent=2)
 
 

@@ -227,8 +227,10 @@ def calibrate_cmd(
                       f"chosen one on answer KL over these {len(items)} item(s) (their paired interval holds 0): "
                       "more items would tell them apart", highlight=False)
     chosen = result.chosen
-    if result.kept_incumbent() and any(r.answer_kl < chosen.answer_kl and r.recompute <= (result.goal.budget or 0)
-                                       for r in result.rows):
+    goal_budget = result.goal.budget
+    overlooked = goal_budget is not None and any(r.answer_kl < chosen.answer_kl and r.recompute <= goal_budget
+                                                 for r in result.rows)
+    if overlooked and result.kept_incumbent():
         console.print("kept the config's own settings: no candidate within the budget with a lower mean answer KL "
                       f"was measurably better item by item over these {len(items)} item(s)", highlight=False)
     picked = (f"chosen: policy_alpha {chosen.alpha:g}, policy_check_layer {chosen.check_layer:g}, policy_floor "
