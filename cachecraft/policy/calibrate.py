@@ -114,14 +114,11 @@ class CalibrationResult:
         item, with the paired bootstrap interval (:mod:`cachecraft.intervals`): an interval
         that holds 0 means the two were not told apart on these items. Empty without
         ``per_item`` or labels."""
-        chosen = answer_kl_by_item(self.per_item, self.chosen.label)
-        items = sorted(chosen)
         out = {}
         for row in self.rows:
-            mine = answer_kl_by_item(self.per_item, row.label)
-            if row is self.chosen or not mine or mine.keys() != chosen.keys():
-                continue
-            out[row.label] = paired([mine[i] for i in items], [chosen[i] for i in items])
+            difference = answer_kl_difference(self.per_item, row.label, self.chosen.label)
+            if row is not self.chosen and difference is not None:
+                out[row.label] = difference
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -205,20 +202,24 @@ def parse_drift_estimators(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def answer_kl_by_item(per_item: Sequence[dict[str, Any]], label: str) -> dict[int, float]:
-    """One candidate's answer KL per item, from a result's ``per_item`` entries."""
-    return {r["item"]: r["answer_kl"] for r in per_item if r["method"] == label}
+def answer_kl_difference(per_item: Sequence[dict[str, Any]], label: str, base: str) -> Interval | None:
+    """``label``'s answer KL minus ``base``'s, item by item, with its paired interval, from a
+    result's ``per_item`` entries; None unless both answered the same items."""
+    def by_item(name: str) -> dict[int, float]:
+        return {r["item"]: r["answer_kl"] for r in per_item if r["method"] == name}
+
+    mine, theirs = by_item(label), by_item(base)
+    if not mine or mine.keys() != theirs.keys():
+        return None
+    items = sorted(mine)
+    return paired([mine[i] for i in items], [theirs[i] for i in items])
 
 
 def measurably_lower(row: CandidateRow, other: CandidateRow, per_item: Sequence[dict[str, Any]]) -> bool:
-    """Whether ``row``'s answer KL is below ``other``'s with the paired interval over their
-    common items excluding zero (no common item: False)."""
-    mine, theirs = answer_kl_by_item(per_item, row.label), answer_kl_by_item(per_item, other.label)
-    items = sorted(mine.keys() & theirs.keys())
-    if not items:
-        return False
-    difference = paired([mine[i] for i in items], [theirs[i] for i in items])
-    return verdict(difference, lower_is_better=True) == "better"
+    """Whether ``row``'s answer KL is below ``other``'s with the paired interval excluding
+    zero (not answered on the same items: False)."""
+    difference = answer_kl_difference(per_item, row.label, other.label)
+    return difference is not None and verdict(difference, lower_is_better=True) == "better"
 
 
 def choose(rows: Sequence[CandidateRow], goal: Goal, per_item: Sequence[dict[str, Any]] = (),
