@@ -316,6 +316,63 @@ def ingest_cmd(
         raise typer.Exit(1)
 
 
+@app.command("documents")
+@friendly
+def documents_cmd(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+) -> None:
+    """List the files ingested into the corpus, each with its number of distinct chunks.
+
+    Example: cachecraft documents
+    """
+    from cachecraft.retrieval.corpus import Corpus
+    config = load_config(ctx)
+    corpus = Corpus(config.corpus_dir, config.embedder)
+    documents = corpus.documents() if config.corpus_dir.exists() else {}
+    if as_json:
+        print(json.dumps([{"path": path, "chunks": count} for path, count in documents.items()], indent=2))
+        return
+    for path, count in documents.items():
+        console.print(f"{count:6d}  {path}", highlight=False, markup=False, soft_wrap=True)
+    console.print(f"{len(documents)} file(s), {len(corpus) if documents else 0} distinct chunk(s)"
+                  + ("" if documents else "; add some with `cachecraft ingest PATH`"), highlight=False)
+
+
+@app.command("forget")
+@friendly
+def forget_cmd(
+    ctx: typer.Context,
+    paths: list[Path] = typer.Argument(..., help="Files as ingested, directories (every ingested file under "
+                                                 "them), or bare file names naming one ingested file; they "
+                                                 "need not exist any more."),
+    keep_caches: bool = typer.Option(False, "--keep-caches", help="Leave the chunk-caches of their chunks in "
+                                                                  "the store (eviction drops them in time)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
+) -> None:
+    """Drop files from the corpus: their chunks leave the index (a chunk another file also
+    holds stays) and, unless --keep-caches, their chunk-caches leave every tier. Nothing
+    changes when a path names no ingested file (`cachecraft documents` lists them).
+
+    Examples: cachecraft forget docs/old-manual.md; cachecraft forget docs/archive/
+    """
+    from cachecraft.pipeline.documents import forget_documents
+    from cachecraft.retrieval.corpus import Corpus
+    from cachecraft.store import TieredStore
+    config = load_config(ctx)
+    if not config.corpus_dir.exists():
+        raise UserError(f"the corpus in {config.cache_dir} is empty: nothing to forget")
+    with TieredStore(config) as store:
+        outcome = forget_documents(Corpus(config.corpus_dir, config.embedder), store, paths, keep_caches=keep_caches)
+    if as_json:
+        print(json.dumps(outcome.to_dict(), indent=2))
+        return
+    report = outcome.report
+    console.print(f"forgot {len(report.files)} file(s) and {report.removed} chunk(s)"
+                  + ("" if outcome.evicted is None else f", evicted {outcome.evicted} chunk-cache variant(s)")
+                  + f"; corpus: {report.chunks} chunks from {report.corpus_files} file(s)", highlight=False)
+
+
 @app.command("warm")
 @friendly
 def warm_cmd(

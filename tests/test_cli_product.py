@@ -200,6 +200,39 @@ def test_evict_and_clear(env, docs, cache_dir):
     one_line_error(runner.invoke(app, ["query", "w12"]), "cachecraft ingest PATH")
 
 
+def test_documents_and_forget(env, docs, cache_dir):
+    assert "0 file(s)" in invoke("documents").output
+    invoke("ingest", str(docs))
+    listed = json.loads(invoke("documents", "--json").output)
+    a, b, c = (str(p.resolve()) for p in (docs / "a.md", docs / "b.md", docs / "more" / "c.markdown"))
+    assert [d["path"] for d in listed] == [a, b, c] and all(d["chunks"] >= 1 for d in listed)
+    invoke("warm")
+    with Catalog(cache_dir) as catalog, catalog.read() as tx:
+        def stored_from(path):
+            return {r.variant_key for r in tx.entries() if tx.chunk(tx.variant(r.variant_key).chunk_key).source == path}
+        from_b, from_c, from_a = stored_from(b), stored_from(c), stored_from(a)
+    assert from_a and from_b and from_c
+
+    one_line_error(runner.invoke(app, ["forget", str(docs / "nothing.md")]), "nothing was ingested from")
+    forgot = json.loads(invoke("forget", "b.md", "--json").output)  # a file name naming one document
+    assert forgot["files"] == [b] and forgot["evicted"] == len(from_b) and forgot["corpus_files"] == 2
+    with Catalog(cache_dir) as catalog, catalog.read() as tx:
+        left = {r.variant_key for r in tx.entries()}
+    assert not from_b & left and from_a | from_c <= left
+    assert [d["path"] for d in json.loads(invoke("documents", "--json").output)] == [a, c]
+    answer = json.loads(invoke("query", "w60 w61 w62", "--json", "--top-k", "10").output)
+    assert {s["source"] for s in answer["sources"]} == {a, c}  # every chunk left, none of b
+
+    (docs / "more" / "c.markdown").unlink()  # a directory gone from disk can still be forgotten
+    (docs / "more").rmdir()
+    assert "forgot 1 file(s)" in invoke("forget", str(docs / "more"), "--keep-caches").output
+    with Catalog(cache_dir) as catalog, catalog.read() as tx:
+        assert from_c <= {r.variant_key for r in tx.entries()}
+    invoke("forget", str(docs))
+    assert "0 file(s)" in invoke("documents").output
+    one_line_error(runner.invoke(app, ["query", "w12"]), "cachecraft ingest PATH")
+
+
 def test_bad_input_is_one_line(env, docs, tmp_path):
     one_line_error(runner.invoke(app, ["query", "w1 w2"]), "nothing ingested")
     one_line_error(runner.invoke(app, ["warm"]), "cachecraft ingest PATH")

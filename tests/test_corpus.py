@@ -71,6 +71,43 @@ def test_a_directory_ingested_again_drops_its_deleted_files(corpus, tmp_path):
     assert report.removed == 1 and set(corpus.snapshot().files) == {a, outside}
 
 
+def test_forgetting_a_file_drops_its_chunks_but_not_the_ones_another_file_holds(corpus, tmp_path):
+    corpus.ingest({"/d/a.md": chunks("alpha", "shared"), "/d/b.md": chunks("shared", "beta"),
+                   "/e/c.md": chunks("gamma")})
+    assert corpus.documents() == {"/d/a.md": 2, "/d/b.md": 2, "/e/c.md": 1}
+    report = corpus.forget(["/d/a.md"])
+    assert (report.files, report.removed, report.chunks, report.corpus_files) == (("/d/a.md",), 1, 3, 2)
+    again = Corpus(tmp_path / "corpus", "fake", embed=bag_of_words)  # persisted
+    kept = {c.text: c for c in again.chunks()}
+    assert set(kept) == {"shared", "beta", "gamma"}
+    assert (kept["shared"].source, kept["shared"].position) == ("/d/b.md", 0)  # now held by b
+    assert len(again.snapshot().index) == 3
+    assert {h.chunk.text for h in again.search("alpha", 3)} == {"shared", "beta", "gamma"}
+
+
+def test_forgetting_a_directory_or_a_file_name(corpus, tmp_path):
+    docs = tmp_path / "docs"
+    a, b, outside = str(docs / "a.md"), str(docs / "sub" / "b.md"), str(tmp_path / "other.md")
+    corpus.ingest({a: chunks("alpha"), b: chunks("beta"), outside: chunks("gamma")})
+    assert corpus.forget([docs]).files == (a, b)  # the directory need not exist any more
+    assert corpus.forget(["other.md"]).files == (outside,)
+    assert len(corpus) == 0 and corpus.documents() == {}
+    with pytest.raises(CorpusError, match="run `cachecraft ingest PATH` first"):
+        corpus.search("alpha", 1)
+
+
+def test_forgetting_what_was_not_ingested_changes_nothing(corpus):
+    corpus.ingest({"/d/a.md": chunks("alpha"), "/e/a.md": chunks("beta")})
+    generation = corpus.snapshots.current()
+    with pytest.raises(CorpusError, match="nothing was ingested from /d/missing.md"):
+        corpus.forget(["/d/a.md", "/d/missing.md"])
+    with pytest.raises(CorpusError, match="'a.md' names 2 ingested files; give the path"):
+        corpus.forget(["a.md"])
+    with pytest.raises(CorpusError, match="no path given"):
+        corpus.forget([])
+    assert corpus.snapshots.current() == generation and len(corpus) == 2
+
+
 def test_embedder_mismatch_is_refused(corpus, tmp_path):
     corpus.ingest({"/d/a.md": chunks("alpha")})
     other = Corpus(tmp_path / "corpus", "another-model", embed=bag_of_words)

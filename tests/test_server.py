@@ -221,6 +221,12 @@ def test_ingest_query_stats_health_and_metrics(client, service, tmp_path, monkey
     assert 'cachecraft_chunk_lookups_total{tier="' in metrics
     assert 'cachecraft_http_requests_total{path="/v1/chat/completions",status="200"} 1.0' in metrics
     assert "cachecraft_tier_bytes{tier=\"cpu\"}" in metrics and "cachecraft_ttft_seconds_bucket" in metrics
+    forgot = client.post("/v1/forget", json={"paths": ["d0.txt"]})
+    assert forgot.status_code == 200, forgot.text
+    assert forgot.json()["files"] == [str((docs / "d0.txt").resolve())] and forgot.json()["evicted"] >= 1
+    assert str((docs / "d0.txt").resolve()) not in corpus.documents()
+    missing = client.post("/v1/forget", json={"paths": ["d0.txt"]})  # gone already
+    assert missing.status_code == 400 and "nothing was ingested from d0.txt" in missing.json()["error"]["message"]
 
 
 def test_a_request_may_ask_for_its_own_retrieval_and_chunk_order(tmp_path):

@@ -103,6 +103,20 @@ def test_evict_a_document_by_path_or_file_name(open_store, cache_dir, tmp_path):
     assert [r.variant_key for r in entry_rows(cache_dir)] == [c.variant]
 
 
+def test_evict_the_documents_a_forget_dropped(open_store, cache_dir, tmp_path):
+    store = open_store()
+    a, b, c = (make_kv(i) for i in range(3))
+    store.put(a, source=str(tmp_path / "docs" / "a.md"))
+    store.put(b, source=str(tmp_path / "docs" / "b.md"))
+    store.put(c, source=str(tmp_path / "more" / "a.md"))
+    report = store.evict_documents([str(tmp_path / "docs" / "a.md"), str(tmp_path / "docs" / "b.md"),
+                                    str(tmp_path / "never-cached.md")])
+    assert sorted(report.removed) == sorted([a.variant, b.variant])
+    assert {r.variant_key for r in entry_rows(cache_dir)} == {c.variant}  # memory entries too
+    assert store.get(a.variant) is None and store.get(c.variant) is not None
+    assert store.evict_documents([]).removed == ()
+
+
 def test_evict_a_memory_tier_drops_only_this_stores_entries(open_store, cache_dir):
     mine, theirs = open_store(), open_store()
     kv_mine, kv_theirs = make_kv(1), make_kv(2)

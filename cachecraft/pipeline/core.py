@@ -36,6 +36,7 @@ from cachecraft.methods import Full, KeptFull, Method, PrefillHooks, RequestCont
 from cachecraft.metrics import RepetitionWatch, degenerate_repetition
 from cachecraft.model.loader import LoadedModel, load_model
 from cachecraft.pipeline.lookup import MADE_EXACTLY, PlannerStatsMemo, RequestLookup
+from cachecraft.pipeline.documents import ForgetOutcome, forget_documents
 from cachecraft.pipeline.cost import (COST_PROFILE, cost_model_from_profile, cost_profile, device_label,
                                      measure_cost_model, probe_sizes, teaches_rate)
 from cachecraft.pipeline.reports import Answer, ChunkReport, PrefillTrace, Source, WarmReport
@@ -307,6 +308,11 @@ class Pipeline:
         settings = {"model": self.lm.name, "chunk_tokens": self.config.chunk_tokens,
                     "chunk_overlap": self.config.chunk_overlap}
         return ingest_paths(self.corpus, chunker, paths, settings=settings, progress=progress)
+
+    def forget_documents(self, paths: Iterable[str | Path], keep_caches: bool = False) -> ForgetOutcome:
+        """Drop the files ``paths`` name from the corpus and, unless ``keep_caches``, their
+        chunk-caches from the store (:func:`~cachecraft.pipeline.documents.forget_documents`)."""
+        return forget_documents(self.corpus, self.store, paths, keep_caches=keep_caches)
 
     def warm_corpus(self, progress: Progress | None = None, shard: tuple[int, int] = (0, 1),
                     between: Callable[[], None] | None = None) -> WarmReport:

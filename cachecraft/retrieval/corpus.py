@@ -2,13 +2,14 @@
 
 Chunks are deduplicated by content (id = sha256 of the text). Ingesting a file again
 replaces that file's chunks; ingesting a directory again also drops files that are no
-longer in it. Every write publishes a new generation (see :mod:`snapshot`), so readers
+longer in it; forgetting a file or a directory drops its files. Every write publishes a new generation (see :mod:`snapshot`), so readers
 in other processes always see a whole corpus.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Hashable, Iterable, Mapping, Sequence, TypeVar
@@ -77,6 +78,20 @@ class IngestReport:
         return dict(self.__dict__)
 
 
+@dataclass(frozen=True)
+class ForgetReport:
+    """What one forget changed."""
+
+    files: tuple[str, ...]  # the files dropped, as ingested
+    removed: int  # chunks no longer held by any file
+    chunks: int  # corpus size after it
+    corpus_files: int
+
+    def to_dict(self) -> dict:
+        """JSON-friendly counts and the files dropped."""
+        return {**self.__dict__, "files": list(self.files)}
+
+
 class Corpus:
     """The corpus in ``directory``, embedded with ``embedder`` (a name for :class:`Embedder`).
 
@@ -104,6 +119,10 @@ class Corpus:
     def chunks(self) -> list[CorpusChunk]:
         """Every chunk, by source file and position."""
         return sorted(self.snapshot().chunks.values(), key=lambda c: (c.source, c.position, c.id))
+
+    def documents(self) -> dict[str, int]:
+        """Every ingested file (absolute path, sorted) -> its number of distinct chunks."""
+        return {src: len(ids) for src, ids in sorted(self.snapshot().files.items())}
 
     def search(self, question: str, k: int, order: str = "score") -> list[SearchHit]:
         """The ``k`` chunks most similar to ``question`` (``k`` capped at the corpus size),
@@ -164,6 +183,19 @@ class Corpus:
         return IngestReport(len(chunks.keys() - old.chunks.keys()), len(given & old.chunks.keys()),
                             len(old.chunks.keys() - chunks.keys()), len(files), len(chunks), len(sources))
 
+    def forget(self, paths: Iterable[str | Path]) -> ForgetReport:
+        """Drop from the corpus every file ``paths`` name (see :func:`documents_named`):
+        its chunks leave the index unless another file holds them too. Nothing changes
+        when one path names no ingested file (:class:`CorpusError`)."""
+        with self.snapshots.writing() as old:
+            dropped = documents_named(old.files, paths)
+            files = {src: ids for src, ids in old.files.items() if src not in dropped}
+            chunks = _records(files, old.chunks, {})
+            new = Snapshot(old.embedder, dict(old.settings), files, chunks, self._index(old, chunks, None, 0))
+            self.snapshots.publish(new)
+            self._cached = new
+        return ForgetReport(tuple(sorted(dropped)), len(old.chunks.keys() - chunks.keys()), len(chunks), len(files))
+
     def erase(self) -> None:
         """Delete every chunk and the index."""
         with self.snapshots.writing():
@@ -220,6 +252,34 @@ class Corpus:
             index.add(np.stack([vectors[c.id] for c in ordered]), [c.text for c in ordered],
                       [c.id for c in ordered])
         return index
+
+
+def documents_named(sources: Iterable[str], paths: Iterable[str | Path]) -> set[str]:
+    """The ingested files (of ``sources``, absolute paths) that ``paths`` name: a file as
+    ingested, a directory (every ingested file under it; neither needs to exist any more),
+    or a bare file name naming exactly one ingested file. A path naming none, or a file
+    name naming several, is a :class:`CorpusError`."""
+    known = list(sources)
+    named: set[str] = set()
+    given_any = False
+    for given in paths:
+        given_any = True
+        text = str(given).strip()
+        if not text:
+            raise CorpusError("an empty path names no ingested file")
+        target = Path(text).expanduser().resolve()
+        found = {s for s in known if Path(s) == target or Path(s).is_relative_to(target)}
+        if not found and os.sep not in text:
+            found = {s for s in known if Path(s).name == text}
+            if len(found) > 1:
+                raise CorpusError(f"{text!r} names {len(found)} ingested files; give the path: "
+                                  + ", ".join(sorted(found)[:3]))
+        if not found:
+            raise CorpusError(f"nothing was ingested from {text} (`cachecraft documents` lists what was)")
+        named |= found
+    if not given_any:
+        raise CorpusError("no path given")
+    return named
 
 
 def _merge_files(old: Mapping[str, list[str]], files: Mapping[str, Sequence[TextChunk]],

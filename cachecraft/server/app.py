@@ -1,5 +1,5 @@
 """The HTTP application of ``cachecraft serve``: OpenAI-compatible completions over the
-one request path, plus ingest, warm, stats, health and Prometheus metrics.
+one request path, plus ingest, forget, warm, stats, health and Prometheus metrics.
 
 Errors are JSON in OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``),
 one line each, never a stack trace: 400 for a request that cannot be answered as asked
@@ -32,7 +32,8 @@ from cachecraft.prompt import PromptInputError
 from cachecraft.retrieval.documents import DocumentError
 from cachecraft.retrieval.snapshot import CorpusError
 from cachecraft.server.metrics import Metrics
-from cachecraft.server.schemas import ChatRequest, CompletionRequest, Generation, IngestRequest, WarmRequest
+from cachecraft.server.schemas import (ChatRequest, CompletionRequest, ForgetRequest, Generation, IngestRequest,
+                                       WarmRequest)
 from cachecraft.server.service import BadRequest, Busy, Job, Service, TimedOut
 from cachecraft.server.streaming import PieceStreamer, StopCutter
 
@@ -122,6 +123,11 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/v1/ingest")
     async def ingest(body: IngestRequest) -> dict:
         outcome = await _queued(service, lambda: service.pipeline.ingest(body.paths))
+        return outcome.to_dict()
+
+    @app.post("/v1/forget")
+    async def forget(body: ForgetRequest) -> dict:
+        outcome = await _queued(service, lambda: service.pipeline.forget_documents(body.paths, keep_caches=body.keep_caches))
         return outcome.to_dict()
 
     @app.post("/v1/warm")

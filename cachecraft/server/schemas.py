@@ -144,6 +144,14 @@ class IngestRequest(_Strict):
     paths: list[str] = Field(min_length=1)
 
 
+class ForgetRequest(_Strict):
+    """``POST /v1/forget``: ingested files or directories to drop from the corpus, and
+    (unless ``keep_caches``) their chunk-caches from the store."""
+
+    paths: list[str] = Field(min_length=1)
+    keep_caches: bool = False
+
+
 class WarmRequest(_Strict):
     """``POST /v1/warm``: make the chunk-caches of the ingested corpus."""
 

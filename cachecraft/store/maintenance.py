@@ -14,7 +14,7 @@ import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from cachecraft.catalog import TIERS, Catalog, remove_catalog
 from cachecraft.store.errors import SelectorError, StoreBusyError, StoreConfigError
@@ -208,12 +208,7 @@ def _variants_of_source(store: TieredStore, source: str) -> list[str]:
     wanted = source.strip()
     if not wanted:
         raise SelectorError("--source needs a document path or file name")
-    with store.catalog.read() as tx:
-        records = tx.stored_variants()
-        origin = {}
-        for key in {r.chunk_key for r in records}:
-            found = tx.chunk(key)
-            origin[key] = found.source if found is not None else None
+    records, origin = _stored_origins(store)
     documents = {s for s in origin.values() if s}
     exact = {s for s in documents if s in (wanted, str(Path(wanted).expanduser().resolve()))}
     named = exact or {s for s in documents if Path(s).name == wanted}
@@ -223,6 +218,25 @@ def _variants_of_source(store: TieredStore, source: str) -> list[str]:
         raise SelectorError(f"{wanted!r} names {len(named)} documents; give the path: "
                             + ", ".join(sorted(named)[:3]))
     return [r.key for r in records if origin.get(r.chunk_key) in named]
+
+
+def evict_documents(store: TieredStore, sources: Iterable[str]) -> EvictReport:
+    """Delete, from every tier ``store`` reaches, the variants of every chunk the catalog
+    says came from one of ``sources`` (paths exactly as ingested); none is no error."""
+    wanted = set(sources)
+    records, origin = _stored_origins(store)
+    return EvictReport(tuple(r.key for r in records if origin.get(r.chunk_key) in wanted and store.delete(r.key)))
+
+
+def _stored_origins(store: TieredStore) -> tuple[list, dict[str, str | None]]:
+    """The stored variants, and each of their chunks' source document (None if unknown)."""
+    with store.catalog.read() as tx:
+        records = tx.stored_variants()
+        origin = {}
+        for key in {r.chunk_key for r in records}:
+            found = tx.chunk(key)
+            origin[key] = found.source if found is not None else None
+    return records, origin
 
 
 def destroy(cache_dir: str | Path, *, lock_timeout_s: float = 10.0) -> DestroyReport:

@@ -32,7 +32,7 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -359,6 +359,12 @@ class TieredStore:
         exactly one. Catalog rows stay. :class:`SelectorError` if nothing or too much matches.
         """
         return maintenance.evict(self, chunk=chunk, source=source, tier=tier, everything=everything)
+
+    def evict_documents(self, sources: Iterable[str]) -> EvictReport:
+        """Delete from every tier this store reaches the variants of every chunk that came
+        from one of ``sources`` (paths exactly as ingested, as :meth:`Corpus.forget` reports
+        them); catalog rows stay, and a source with nothing cached is no error."""
+        return maintenance.evict_documents(self, sources)
 
     def variants_of(self, chunk: str) -> list[VariantRecord]:
         """Variants of a chunk this store can read (tier = the fastest it can read from)."""

@@ -1,0 +1,37 @@
+"""Dropping documents: out of the corpus, and their chunk-caches out of the store.
+
+It needs no model, so the CLI runs it without loading one; the server runs it through
+:meth:`~cachecraft.pipeline.Pipeline.forget`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+from cachecraft.retrieval.corpus import Corpus, ForgetReport
+from cachecraft.store import TieredStore
+
+
+@dataclass(frozen=True)
+class ForgetOutcome:
+    """What a forget changed: the corpus, and the variants evicted (None: caches kept)."""
+
+    report: ForgetReport
+    evicted: int | None
+
+    def to_dict(self) -> dict:
+        """The report's fields plus ``evicted``."""
+        return {**self.report.to_dict(), "evicted": self.evicted}
+
+
+def forget_documents(corpus: Corpus, store: TieredStore, paths: Iterable[str | Path], *,
+                     keep_caches: bool = False) -> ForgetOutcome:
+    """Drop the files ``paths`` name from ``corpus`` (:meth:`Corpus.forget`) and, unless
+    ``keep_caches``, the chunk-caches of their chunks from every tier ``store`` reaches.
+    The corpus goes first: were the eviction interrupted, what is left are caches no
+    retrieval returns, which eviction drops in time."""
+    report = corpus.forget(paths)
+    evicted = None if keep_caches else len(store.evict_documents(report.files).removed)
+    return ForgetOutcome(report, evicted)
