@@ -95,6 +95,11 @@ CODE_LINE_RUN = 6
 # Only letters and digits count, so a Markdown table's "| --- | --- |" is not such a run.
 FEW_WORDS_WINDOW, FEW_WORDS_MOST = 10, 2
 
+# A Markdown table row with so many equal cells in a row does not end: "|---|---|---|..."
+# or "| | | |..." long past any header. A real table's separator row holds one cell per
+# column, and answers' tables keep to a handful of columns.
+TABLE_CELL_RUN = 16
+
 
 def _said_again(line: str | None, before: str | None) -> bool:
     """Whether ``line`` repeats the non-empty line ``before`` it and is long enough to count
@@ -136,6 +141,22 @@ def _few_words_end_at(subwords: list[str], end: int) -> bool:
             and not any(word.isdigit() for word in window))
 
 
+def _same_cells_end_at(cells: list[str | None], end: int) -> bool:
+    """Whether the :data:`TABLE_CELL_RUN` cells of ``cells`` ending at ``end`` are one cell
+    said again within one row (None, between rows, breaks the run)."""
+    run = cells[max(0, end - TABLE_CELL_RUN):end]
+    return len(run) == TABLE_CELL_RUN and run[0] is not None and run.count(run[0]) == TABLE_CELL_RUN
+
+
+def _table_cells(row: str, growing: bool) -> list[str]:
+    """The cells of a Markdown table row, stripped; a row still being written loses its
+    last cell, which may yet grow."""
+    cells = row.strip().removeprefix("|").split("|")
+    if growing or not cells[-1].strip():
+        cells.pop()  # what follows the last bar: still growing, or nothing
+    return [cell.strip() for cell in cells]
+
+
 def _subwords(text: str) -> list[str]:
     """The runs of letters and digits of ``text``: ``git-git-git`` is three of them, where
     whitespace alone sees one word."""
@@ -164,12 +185,13 @@ class _Parts(NamedTuple):
     subwords: list[str]  # runs of letters and digits, of prose lines and table rows
     lines: list[str | None]  # non-empty prose lines and table rows, stripped; None for code between
     code: list[str]  # non-empty lines of code blocks, stripped
+    cells: list[str | None]  # table rows' cells, stripped; None after each row
 
-    def sizes(self) -> tuple[int, int, int, int]:
+    def sizes(self) -> tuple[int, ...]:
         """How long each list is (to cut back to with :meth:`cut`)."""
-        return len(self.words), len(self.subwords), len(self.lines), len(self.code)
+        return tuple(len(part) for part in self)
 
-    def cut(self, sizes: tuple[int, int, int, int]) -> None:
+    def cut(self, sizes: tuple[int, ...]) -> None:
         """Drop what was added after :meth:`sizes` gave ``sizes``."""
         for part, size in zip(self, sizes):
             del part[size:]
@@ -196,6 +218,10 @@ def _add_lines(parts: _Parts, text: str, inside: bool, done: bool) -> bool:
             if growing and subwords and _subwords(line[-1]):
                 subwords.pop()
             parts.subwords.extend(subwords)
+        if kind == "table":
+            parts.cells.extend(_table_cells(line, growing))
+            if not growing:
+                parts.cells.append(None)
         stripped = line.strip()
         if growing or not stripped:
             continue
@@ -210,7 +236,7 @@ def _add_lines(parts: _Parts, text: str, inside: bool, done: bool) -> bool:
 
 def _parts(text: str, done: bool) -> _Parts:
     """What the repetition checks read in ``text`` (:func:`_add_lines`)."""
-    parts = _Parts([], [], [], [])
+    parts = _Parts([], [], [], [], [])
     _add_lines(parts, text, False, done)
     return parts
 
@@ -225,7 +251,8 @@ def degenerate_repetition(text: str) -> bool:
     three times), words split at whitespace outside Markdown table rows (``+ + + +``) or
     at every character that is not a letter or digit (``git-git-git-git``); ten runs of
     letters and digits in a row of at most two different ones, none a number (``K7: K7:
-    K7-CS-CS-K7-CS-CS-K7-CS``). Inside a fenced code block only a line
+    K7-CS-CS-K7-CS-CS-K7-CS``); a Markdown table row with :data:`TABLE_CELL_RUN` equal
+    cells in a row (``|---|---|---|...``). Inside a fenced code block only a line
     :data:`CODE_LINE_RUN` times in a row, or a block of two to eight lines three times in
     a row, counts."""
     parts = _parts(text, done=True)
@@ -238,6 +265,8 @@ def degenerate_repetition(text: str) -> bool:
     if any(_few_words_end_at(parts.subwords, end) for end in range(1, len(parts.subwords) + 1)):
         return True
     if any(_run_ends_at(parts.code, end, single=CODE_LINE_RUN) for end in range(1, len(parts.code) + 1)):
+        return True
+    if any(_same_cells_end_at(parts.cells, end) for end in range(1, len(parts.cells) + 1)):
         return True
     return any(any(_run_ends_at(words, end) for end in range(1, len(words) + 1))
                for words in (parts.words, parts.subwords))
@@ -272,8 +301,9 @@ class RepetitionWatch:
 
     def __init__(self) -> None:
         self.words_checked = self.subwords_checked = self.lines_checked = self.code_checked = 0
+        self.cells_checked = 0
         self._read = ""  # the text up to its last line break, read into _parts
-        self._parts = _Parts([], [], [], [])
+        self._parts = _Parts([], [], [], [], [])
         self._inside = False  # whether _read ends inside a code block
         self._copies: Counter[str] = Counter()  # each checked line's copies so far
 
@@ -293,7 +323,7 @@ class RepetitionWatch:
             parts.cut(sizes)
 
     def _check(self, parts: _Parts) -> bool:
-        words, subwords, lines, code = parts
+        words, subwords, lines, code, cells = parts
         if any(_run_ends_at(words, end) for end in range(self.words_checked + 1, len(words) + 1)):
             return True
         self.words_checked = len(words)
@@ -304,6 +334,9 @@ class RepetitionWatch:
         if any(_run_ends_at(code, end, single=CODE_LINE_RUN) for end in range(self.code_checked + 1, len(code) + 1)):
             return True
         self.code_checked = len(code)
+        if any(_same_cells_end_at(cells, end) for end in range(self.cells_checked + 1, len(cells) + 1)):
+            return True
+        self.cells_checked = len(cells)
         for i in range(self.lines_checked, len(lines)):
             line = lines[i]
             if line is None:

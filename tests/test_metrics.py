@@ -104,6 +104,12 @@ def test_degenerate_repetition_by_hand():
     assert not degenerate_repetition("1. Open the menu.\n2. Choose the reset item.\n3. Hold the power button.")
     assert not degenerate_repetition("| 8080 | open on the host |\n| 8081 | open on the host |\n| 8082 | open on the host |")
     assert not degenerate_repetition("step 1 of the plan\n```\nx\n```\nstep 2 of the plan\nstep 3 of the plan")
+    # a table row of sixteen equal cells in a row: a separator or empty row that does not end
+    assert degenerate_repetition("| Option | Meaning |\n|" + "---|" * 16)
+    assert degenerate_repetition("|" + "   |" * 16 + "\n")
+    assert not degenerate_repetition("| Option | Meaning |\n|" + "---|" * 15)  # fifteen columns
+    assert not degenerate_repetition("|" + "---|" * 8 + "\n|" + "---|" * 8)  # eight and eight: two rows
+    assert degenerate_repetition("|" + "---|" * 15 + " --- ")  # a row's last cell needs no closing bar
 
 
 def test_repetition_watch_by_hand():
@@ -172,7 +178,11 @@ LINE_PIECES = ["* 1 a b c d\n", "* 2 a b c d\n", "* 7 a b c d\n", "* 10 a b c d"
                "| 5 a b c d |\n", "```\n", "a b\n"]
 
 
-@pytest.mark.parametrize("pieces, most", [(WORD_PIECES, 25), (LINE_PIECES, 12)], ids=["words", "lines"])
+TABLE_PIECES = ["---|", "---|", "---|", "|", "\n|", " a |", "--", "-|", "\n"]
+
+
+@pytest.mark.parametrize("pieces, most", [(WORD_PIECES, 25), (LINE_PIECES, 12), (TABLE_PIECES, 60)],
+                         ids=["words", "lines", "tables"])
 def test_repetition_watch_agrees_with_the_whole_text_check(pieces, most):
     """Fed a text piece by piece (as tokens come): whenever the watch says yes, the
     whole-text check says yes for that text (what the pipeline checks once generation
