@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cachecraft.catalog import Catalog
+from cachecraft.catalog import Catalog, CatalogUnavailableError
 from cli.app import app
 
 runner = CliRunner()
@@ -228,8 +228,15 @@ def test_documents_and_forget(env, docs, cache_dir):
     assert "forgot 1 file(s)" in invoke("forget", str(docs / "more"), "--keep-caches").output
     with Catalog(cache_dir) as catalog, catalog.read() as tx:
         assert from_c <= {r.variant_key for r in tx.entries()}
-    invoke("forget", str(docs))
+    def outage(self, sources):
+        raise CatalogUnavailableError("the catalog server is away")
+
+    with pytest.MonkeyPatch.context() as patch:  # the corpus changes first; the error says how to finish
+        patch.setattr("cachecraft.store.TieredStore.evict_documents", outage)
+        one_line_error(runner.invoke(app, ["forget", str(docs)]),
+                       f"`cachecraft evict --source FILE` drops them, for: {a}")
     assert "0 file(s)" in invoke("documents").output
+    assert json.loads(invoke("evict", "--source", a, "--json").output)["removed"] == len(from_a)
     one_line_error(runner.invoke(app, ["query", "w12"]), "cachecraft ingest PATH")
 
 

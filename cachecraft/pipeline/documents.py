@@ -10,8 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from cachecraft.catalog import CatalogError
 from cachecraft.retrieval.corpus import Corpus, ForgetReport
-from cachecraft.store import TieredStore
+from cachecraft.store import StoreError, TieredStore
+
+
+class ForgetIncomplete(StoreError):
+    """The files left the corpus, but evicting their chunk-caches failed part way."""
 
 
 @dataclass(frozen=True)
@@ -33,5 +38,12 @@ def forget_documents(corpus: Corpus, store: TieredStore, paths: Iterable[str | P
     The corpus goes first: were the eviction interrupted, what is left are caches no
     retrieval returns, which eviction drops in time."""
     report = corpus.forget(paths)
-    evicted = None if keep_caches else len(store.evict_documents(report.files).removed)
-    return ForgetOutcome(report, evicted)
+    if keep_caches:
+        return ForgetOutcome(report, None)
+    try:
+        evicted = store.evict_documents(report.files)
+    except (StoreError, CatalogError) as exc:  # the corpus changed already: say how to finish
+        raise ForgetIncomplete(f"forgot {len(report.files)} file(s), but not all of their chunk-caches were "
+                               f"evicted ({exc}); once that is mended, `cachecraft evict --source FILE` drops "
+                               f"them, for: {', '.join(report.files)}") from exc
+    return ForgetOutcome(report, len(evicted.removed))
