@@ -2,8 +2,9 @@
 
 Chunks are deduplicated by content (id = sha256 of the text). Ingesting a file again
 replaces that file's chunks; ingesting a directory again also drops files that are no
-longer in it; forgetting a file or a directory drops its files. Every write publishes a new generation (see :mod:`snapshot`), so readers
-in other processes always see a whole corpus.
+longer in it; forgetting a file or a directory drops its files. Every write publishes a
+new generation (see :mod:`snapshot`), so readers in other processes always see a whole
+corpus.
 """
 
 from __future__ import annotations

@@ -127,7 +127,8 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/forget")
     async def forget(body: ForgetRequest) -> dict:
-        outcome = await _queued(service, lambda: service.pipeline.forget_documents(body.paths, keep_caches=body.keep_caches))
+        outcome = await _queued(service, lambda: service.pipeline.forget_documents(body.paths,
+                                                                                  keep_caches=body.keep_caches))
         return outcome.to_dict()
 
     @app.post("/v1/warm")
