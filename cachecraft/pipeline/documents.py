@@ -1,7 +1,7 @@
 """Dropping documents: out of the corpus, and their chunk-caches out of the store.
 
 It needs no model, so the CLI runs it without loading one; the server runs it through
-:meth:`~cachecraft.pipeline.Pipeline.forget`.
+:meth:`~cachecraft.pipeline.Pipeline.forget_documents`.
 """
 
 from __future__ import annotations
