@@ -329,13 +329,13 @@ def documents_cmd(
     from cachecraft.retrieval.corpus import Corpus
     config = load_config(ctx)
     corpus = Corpus(config.corpus_dir, config.embedder)
-    documents = corpus.documents() if config.corpus_dir.exists() else {}
+    documents = corpus.documents()
     if as_json:
         print(json.dumps([{"path": path, "chunks": count} for path, count in documents.items()], indent=2))
         return
     for path, count in documents.items():
         console.print(f"{count:6d}  {path}", highlight=False, markup=False, soft_wrap=True)
-    console.print(f"{len(documents)} file(s), {len(corpus) if documents else 0} distinct chunk(s)"
+    console.print(f"{len(documents)} file(s), {len(corpus)} distinct chunk(s)"
                   + ("" if documents else "; add some with `cachecraft ingest PATH`"), highlight=False)
 
 

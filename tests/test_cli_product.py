@@ -228,6 +228,7 @@ def test_documents_and_forget(env, docs, cache_dir):
     assert "forgot 1 file(s)" in invoke("forget", str(docs / "more"), "--keep-caches").output
     with Catalog(cache_dir) as catalog, catalog.read() as tx:
         assert from_c <= {r.variant_key for r in tx.entries()}
+
     def outage(self, sources):
         raise CatalogUnavailableError("the catalog server is away")
 

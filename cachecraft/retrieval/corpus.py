@@ -260,11 +260,11 @@ def documents_named(sources: Iterable[str], paths: Iterable[str | Path]) -> set[
     ingested, a directory (every ingested file under it; neither needs to exist any more),
     or a bare file name naming exactly one ingested file. A path naming none, or a file
     name naming several, is a :class:`CorpusError`."""
-    known = list(sources)
+    known, paths = list(sources), list(paths)
+    if not paths:
+        raise CorpusError("no path given")
     named: set[str] = set()
-    given_any = False
     for given in paths:
-        given_any = True
         text = str(given).strip()
         if not text:
             raise CorpusError("an empty path names no ingested file")
@@ -278,8 +278,6 @@ def documents_named(sources: Iterable[str], paths: Iterable[str | Path]) -> set[
         if not found:
             raise CorpusError(f"nothing was ingested from {text} (`cachecraft documents` lists what was)")
         named |= found
-    if not given_any:
-        raise CorpusError("no path given")
     return named
 
 
