@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from cachecraft.bench.servers import free_port
 from cachecraft.catalog import Catalog, CatalogUnavailableError
 from cli.app import app
 
@@ -225,7 +226,10 @@ def test_documents_and_forget(env, docs, cache_dir):
 
     (docs / "more" / "c.markdown").unlink()  # a directory gone from disk can still be forgotten
     (docs / "more").rmdir()
-    assert "forgot 1 file(s)" in invoke("forget", str(docs / "more"), "--keep-caches").output
+    with pytest.MonkeyPatch.context() as patch:  # --keep-caches needs no store: a catalog away does not matter
+        patch.setenv("CACHECRAFT_CATALOG_URL", f"postgresql+psycopg://me@127.0.0.1:{free_port()}/away")
+        one_line_error(runner.invoke(app, ["forget", str(docs / "more")]), "catalog_url")
+        assert "forgot 1 file(s)" in invoke("forget", str(docs / "more"), "--keep-caches").output
     with Catalog(cache_dir) as catalog, catalog.read() as tx:
         assert from_c <= {r.variant_key for r in tx.entries()}
 

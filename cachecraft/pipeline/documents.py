@@ -31,12 +31,15 @@ class ForgetOutcome:
         return {**self.report.to_dict(), "evicted": self.evicted}
 
 
-def forget_documents(corpus: Corpus, store: TieredStore, paths: Iterable[str | Path], *,
+def forget_documents(corpus: Corpus, store: TieredStore | None, paths: Iterable[str | Path], *,
                      keep_caches: bool = False) -> ForgetOutcome:
     """Drop the files ``paths`` name from ``corpus`` (:meth:`Corpus.forget`) and, unless
     ``keep_caches``, the chunk-caches of their chunks from every tier ``store`` reaches.
     The corpus goes first: were the eviction interrupted, what is left are caches no
-    retrieval returns, which eviction drops in time."""
+    retrieval returns, which eviction drops in time. ``store`` may be None only with
+    ``keep_caches``, which never touches it."""
+    if store is None and not keep_caches:
+        raise ValueError("forget_documents needs a store unless keep_caches")
     report = corpus.forget(paths)
     if keep_caches:
         return ForgetOutcome(report, None)
