@@ -347,7 +347,9 @@ def forget_cmd(
                                                  "them), or bare file names naming one ingested file; they "
                                                  "need not exist any more."),
     keep_caches: bool = typer.Option(False, "--keep-caches", help="Leave the chunk-caches of their chunks in "
-                                                                  "the store (eviction drops them in time)."),
+                                                                  "the store (eviction drops them in time); "
+                                                                  "opens no store, so a catalog server may be "
+                                                                  "away."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Drop files from the corpus: their chunks leave the index (a chunk another file also
