@@ -1,5 +1,7 @@
 """Model loading, fingerprints and unsupported architectures."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -59,3 +61,36 @@ def test_a_broken_link_for_the_model_cache_is_one_clear_error(tmp_path):
     blocker.write_text("not a folder")
     with pytest.raises(ModelLoadError, match="cannot create the model cache"):
         convert_gguf(gguf, blocker / "models")
+
+
+def _tiny_gguf(path: Path) -> Path:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_conversion_reads_each_gguf_file_once_and_puts_gguf_back(tmp_path):
+    import gguf
+
+    from cachecraft.model.loader import _gguf_read_once
+
+    path = _tiny_gguf(tmp_path / "tiny.gguf")
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _gguf_read_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first  # the same file, however named: parsed once
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert first.tensors[0].data.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    with pytest.raises(RuntimeError), _gguf_read_once():
+        raise RuntimeError("a conversion that fails")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)

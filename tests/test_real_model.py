@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 from cachecraft.checks import check_model
 from cachecraft.config import Config
 from cachecraft.engine import Segment, blended_prefill, generate_from
+from cachecraft.model.bundled import BUNDLED, gguf_path
 from cachecraft.model.loader import load_model
 from cachecraft.prompt import PromptBuilder
 from cli.app import app
@@ -45,6 +46,24 @@ def test_conversion_is_cached_and_not_repeated(smollm2, real_cache, monkeypatch)
     again = load_model("smollm2", Config.load(overrides={"cache_dir": real_cache}, environ={}))
     assert again.fingerprint == smollm2.fingerprint
     assert smollm2.adapter.num_layers == 30 and smollm2.adapter.num_kv_heads == 3
+
+
+def test_converted_weights_are_the_gguf_files_own(smollm2, real_cache):
+    """The conversion (its header parsed once, the name map built once) puts each GGUF
+    tensor, dequantised by gguf itself, under the right name, bit for bit."""
+    import gguf
+    from safetensors import safe_open
+
+    reader = gguf.GGUFReader(gguf_path(BUNDLED["smollm2"], real_cache / "models"))
+    expected = {t.name: t for t in reader.tensors if t.name in ("token_embd.weight", "blk.3.ffn_down.weight")}
+    converted = next((real_cache / "models").iterdir()) / "model.safetensors"
+    with safe_open(str(converted), "pt") as stored:  # the embedding is tied: stored once, as lm_head
+        for gguf_name, name in (("token_embd.weight", "lm_head.weight"),
+                                ("blk.3.ffn_down.weight", "model.layers.3.mlp.down_proj.weight")):
+            tensor = expected[gguf_name]
+            want = torch.from_numpy(gguf.dequantize(tensor.data, tensor.tensor_type).copy())
+            got = stored.get_tensor(name)
+            assert torch.equal(got, want.reshape(got.shape)), name
 
 
 def test_check_model_passes_on_smollm2(smollm2):
