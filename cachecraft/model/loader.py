@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,8 @@ from cachecraft.model.adapter import ArchAdapter
 from cachecraft.model.bundled import BUNDLED, ModelLoadError, gguf_path
 
 log = logging.getLogger(__name__)
+
+_GGUF_PATCH = threading.Lock()  # the module attributes patched during a conversion are process-wide
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -143,7 +146,6 @@ def _gguf_read_once() -> Iterator[None]:
     """
     import gguf
 
-    make_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple[str, str], object] = {}
 
     def shared_reader(path, mode="r"):
@@ -152,12 +154,14 @@ def _gguf_read_once() -> Iterator[None]:
             readers[key] = make_reader(path, mode)
         return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, name_map
-        readers.clear()
+    with _GGUF_PATCH:  # two conversions in one process take turns, so each puts back the originals
+        make_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, name_map
+            readers.clear()
 
 
 def model_fingerprint(model: torch.nn.Module, tokenizer, dtype: torch.dtype) -> str:
