@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -364,12 +365,9 @@ def forget_cmd(
     config = load_config(ctx)
     if not config.corpus_dir.exists():
         raise UserError(f"the corpus in {config.cache_dir} is empty: nothing to forget")
-    corpus = Corpus(config.corpus_dir, config.embedder)
-    if keep_caches:  # the store is not touched, so a catalog or Redis server that is away does not matter
-        outcome = forget_documents(corpus, None, paths, keep_caches=True)
-    else:
-        with TieredStore(config) as store:
-            outcome = forget_documents(corpus, store, paths)
+    # --keep-caches opens no store, so a catalog or Redis server that is away does not matter
+    with nullcontext() if keep_caches else TieredStore(config) as store:
+        outcome = forget_documents(Corpus(config.corpus_dir, config.embedder), store, paths)
     if as_json:
         print(json.dumps(outcome.to_dict(), indent=2))
         return

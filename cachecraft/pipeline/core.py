@@ -312,7 +312,7 @@ class Pipeline:
     def forget_documents(self, paths: Iterable[str | Path], keep_caches: bool = False) -> ForgetOutcome:
         """Drop the files ``paths`` name from the corpus and, unless ``keep_caches``, their
         chunk-caches from the store (:func:`~cachecraft.pipeline.documents.forget_documents`)."""
-        return forget_documents(self.corpus, self.store, paths, keep_caches=keep_caches)
+        return forget_documents(self.corpus, None if keep_caches else self.store, paths)
 
     def warm_corpus(self, progress: Progress | None = None, shard: tuple[int, int] = (0, 1),
                     between: Callable[[], None] | None = None) -> WarmReport:

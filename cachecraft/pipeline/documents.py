@@ -31,17 +31,13 @@ class ForgetOutcome:
         return {**self.report.to_dict(), "evicted": self.evicted}
 
 
-def forget_documents(corpus: Corpus, store: TieredStore | None, paths: Iterable[str | Path], *,
-                     keep_caches: bool = False) -> ForgetOutcome:
-    """Drop the files ``paths`` name from ``corpus`` (:meth:`Corpus.forget`) and, unless
-    ``keep_caches``, the chunk-caches of their chunks from every tier ``store`` reaches.
-    The corpus goes first: were the eviction interrupted, what is left are caches no
-    retrieval returns, which eviction drops in time. ``store`` may be None only with
-    ``keep_caches``, which never touches it."""
-    if store is None and not keep_caches:
-        raise ValueError("forget_documents needs a store unless keep_caches")
+def forget_documents(corpus: Corpus, store: TieredStore | None, paths: Iterable[str | Path]) -> ForgetOutcome:
+    """Drop the files ``paths`` name from ``corpus`` (:meth:`Corpus.forget`) and the
+    chunk-caches of their chunks from every tier ``store`` reaches; with no ``store``
+    the caches stay, for eviction to drop in time. The corpus goes first: were the
+    eviction interrupted, what is left are caches no retrieval returns."""
     report = corpus.forget(paths)
-    if keep_caches:
+    if store is None:
         return ForgetOutcome(report, None)
     try:
         evicted = store.evict_documents(report.files)
