@@ -16,6 +16,7 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from cachecraft.config import named_drift_estimator
@@ -526,7 +527,9 @@ def evict_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Drop chunk-caches from the store. The catalog keeps their history (hits, requests);
-    a dropped chunk is computed again, in context, the next time it is retrieved.
+    a dropped chunk is computed again, in context, the next time it is retrieved. With
+    redis_url set, --chunk and --source also drop the chunks' copies in Redis; when it does
+    not answer, the exit code is 1 and the same command, run again later, finishes.
 
     Examples: cachecraft evict --chunk 3fa2c1d09b7e; cachecraft evict --source docs/manual.md
     """
@@ -540,8 +543,12 @@ def evict_cmd(
         report = store.evict(chunk=chunk, source=source, tier=tier, everything=everything)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
-        return
-    console.print(report.note or f"evicted {len(report.removed)} chunk-cache variant(s)", highlight=False)
+    else:
+        console.print(report.note or f"evicted {len(report.removed)} chunk-cache variant(s)", highlight=False)
+    if report.unreached:  # what this node holds is gone; say what may be left, and fail
+        err_console.print(f"[red]error:[/red] the shared tier at {escape(report.unreached)} did not answer, so "
+                          "its copies may stay; run the same evict again once it is back", highlight=False)
+        raise typer.Exit(1)
 
 
 @app.command("clear")

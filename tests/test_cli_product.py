@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 from cachecraft.bench.servers import free_port
 from cachecraft.catalog import Catalog, CatalogUnavailableError
 from cli.app import app
+from tests.servers import redis_server  # noqa: F401  (fixture)
 
 runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,6 +245,35 @@ def test_documents_and_forget(env, docs, cache_dir):
     assert "0 file(s)" in invoke("documents").output
     assert json.loads(invoke("evict", "--source", a, "--json").output)["removed"] == len(from_a)
     one_line_error(runner.invoke(app, ["query", "w12"]), "cachecraft ingest PATH")
+
+
+def test_forget_says_when_the_shared_tier_did_not_answer_and_evict_finishes_later(env, docs, cache_dir,
+                                                                                 redis_server, monkeypatch):  # noqa: F811
+    redis = pytest.importorskip("redis")
+    monkeypatch.setenv("CACHECRAFT_REDIS_URL", redis_server.url)
+    invoke("ingest", str(docs))
+    invoke("warm")
+    b = str((docs / "b.md").resolve())
+    with Catalog(cache_dir) as catalog, catalog.read() as tx:
+        from_b = {r.key for r in tx.stored_variants() if tx.chunk(r.chunk_key).source == b}
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        assert from_b and all(client.exists(f"cachecraft:blob:{v}") for v in from_b)
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)  # hung: every call times out
+        try:
+            one_line_error(runner.invoke(app, ["forget", "b.md"]), "`cachecraft evict --source FILE` drops them")
+            hung = runner.invoke(app, ["evict", "--source", "a.md"])
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        assert hung.exit_code == 1 and "did not answer" in hung.output and "evicted" in hung.output
+        assert [d["path"] for d in json.loads(invoke("documents", "--json").output)] == [
+            str((docs / "a.md").resolve()), str((docs / "more" / "c.markdown").resolve())]
+        assert all(client.exists(f"cachecraft:blob:{v}") for v in from_b)  # this node's copies went, Redis's stayed
+        evicted = json.loads(invoke("evict", "--source", b, "--json").output)  # the server is back
+        assert set(evicted["variants"]) == from_b and evicted["unreached"] is None
+        assert not any(client.exists(f"cachecraft:blob:{v}") for v in from_b)
+    finally:
+        client.close()
 
 
 def test_bad_input_is_one_line(env, docs, tmp_path):

@@ -47,7 +47,7 @@ def test_evict_a_tier_empties_it_on_disk_and_in_the_catalog(open_store, cache_di
     assert len(blob_files(cache_dir)) == 3
     report = store.evict(tier="disk")
     assert sorted(report.removed) == sorted(kv.variant for kv in kvs) and report.note is None
-    assert report.to_dict() == {"removed": 3, "variants": list(report.removed), "note": None}
+    assert report.to_dict() == {"removed": 3, "variants": list(report.removed), "note": None, "unreached": None}
     assert blob_files(cache_dir) == [] and entry_rows(cache_dir) == []
     with store.catalog.read() as tx:  # history stays: the variants are recorded, as evicted
         assert all(tx.variant(kv.variant).tier is None for kv in kvs)

@@ -5,6 +5,8 @@ byte budget, damaged values, and a server stopped, restarted or flushed mid-run.
 from __future__ import annotations
 
 import logging
+import os
+import signal
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import torch
 redis = pytest.importorskip("redis", reason="redis-py not installed (pip install cachecraft[shared])")
 
 from cachecraft.config import Config, ConfigError  # noqa: E402
-from cachecraft.store import CorruptEntryError, LayerStream, TieredStore  # noqa: E402
+from cachecraft.store import CorruptEntryError, LayerStream, SelectorError, TieredStore  # noqa: E402
 from cachecraft.store import shared as shared_mod  # noqa: E402
 from cachecraft.store.codec import decode, encode, header_checksum  # noqa: E402
 from cachecraft.store.placement import to_stored  # noqa: E402
@@ -372,3 +374,42 @@ def test_several_node_processes_share_one_redis_within_its_budget(tmp_path, redi
     assert client.hlen(f"{shared_mod.PREFIX}meta") == client.zcard(f"{shared_mod.PREFIX}used") == used // size
     blobs = [k for k in client.scan_iter(f"{shared_mod.PREFIX}blob:*")]
     assert len(blobs) == used // size  # no blob without its index entry, none left over
+
+
+def test_evicting_a_document_reaches_copies_only_the_shared_tier_holds(tmp_path, redis_server, client):  # noqa: F811
+    a_kv, b_kv, c_kv = make_kv(1), make_kv(2), make_kv(3)
+    with node(tmp_path, "a", redis_server.url) as a:
+        for kv, doc in ((a_kv, "a.md"), (b_kv, "b.md"), (c_kv, "c.md")):
+            a.put(kv, source=f"/docs/{doc}")
+        a.close(persist=False)  # this node's copies are gone; Redis keeps its own, which no catalog row places
+    with node(tmp_path, "a", redis_server.url) as a:
+        assert [a.locate(kv.variant) for kv in (a_kv, b_kv, c_kv)] == ["redis"] * 3
+        report = a.evict_documents(["/docs/a.md", "/docs/never-cached.md"])
+        assert report.removed == (a_kv.variant,) and report.unreached is None
+        assert a.evict(source="b.md").removed == (b_kv.variant,)  # a file name naming one document
+        with pytest.raises(SelectorError, match="no cached chunk comes from 'b.md'"):
+            a.evict(source="b.md")
+        assert a.evict(chunk=c_kv.chunk[:8]).removed == (c_kv.variant,)
+        with pytest.raises(SelectorError, match="no cached chunk matches"):
+            a.evict(chunk=c_kv.chunk[:8])
+    assert client.hlen(f"{shared_mod.PREFIX}meta") == 0 and not list(client.scan_iter(f"{shared_mod.PREFIX}blob:*"))
+
+
+def test_a_shared_tier_that_does_not_answer_an_eviction_is_named_and_a_later_one_finishes(tmp_path, redis_server,  # noqa: F811
+                                                                                          client):
+    kv, other = make_kv(1), make_kv(2)
+    with node(tmp_path, "a", redis_server.url) as a:
+        a.put(kv, source="/docs/a.md")
+        a.put(other, source="/docs/b.md")
+        os.kill(redis_server.proc.pid, signal.SIGSTOP)  # hung: every call times out
+        try:
+            report = a.evict_documents(["/docs/a.md"])
+        finally:
+            os.kill(redis_server.proc.pid, signal.SIGCONT)
+        assert report.removed == (kv.variant,) and report.unreached == a.shared.where  # this node's copies went
+        assert report.to_dict()["unreached"] == a.shared.where
+        assert a.locate(kv.variant) is None and client.exists(blob_key(kv))  # Redis's stayed
+        a.shared._retry_at = 0.0  # the backoff has passed
+        again = a.evict(source="/docs/a.md")
+        assert again.removed == (kv.variant,) and again.unreached is None
+        assert not client.exists(blob_key(kv)) and client.exists(blob_key(other))

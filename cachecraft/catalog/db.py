@@ -21,7 +21,7 @@ import sqlite3
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from sqlalchemy import create_engine, delete, event, func, inspect, select, text, update
 from sqlalchemy import exc as sa_exc
@@ -219,6 +219,22 @@ class CatalogTx:
         """The chunk with this key, or None."""
         row = self.session.get(Chunk, key)
         return None if row is None else _chunk_record(row)
+
+    def sources(self) -> set[str]:
+        """Every document some recorded chunk came from (evicted chunks' included)."""
+        return set(self.session.scalars(select(Chunk.source).where(Chunk.source.is_not(None)).distinct()))
+
+    def chunk_keys(self, *, sources: Iterable[str] = (), prefix: str | None = None) -> list[str]:
+        """Keys of the recorded chunks that came from one of ``sources``, or whose key
+        starts with ``prefix``, by key."""
+        wanted = sorted(set(sources))
+        keys: set[str] = set()
+        for start in range(0, len(wanted), _IN_BATCH):  # bound the IN list a query carries
+            batch = wanted[start:start + _IN_BATCH]
+            keys.update(self.session.scalars(select(Chunk.key).where(Chunk.source.in_(batch))))
+        if prefix:
+            keys.update(self.session.scalars(select(Chunk.key).where(Chunk.key.startswith(prefix, autoescape=True))))
+        return sorted(keys)
 
     def upsert_variant(self, rec: VariantRecord) -> None:
         """Insert a variant, or update its size and statistics (hits and history kept)."""

@@ -45,4 +45,9 @@ def forget_documents(corpus: Corpus, store: TieredStore | None, paths: Iterable[
         raise ForgetIncomplete(f"forgot {len(report.files)} file(s), but not all of their chunk-caches were "
                                f"evicted ({exc}); once that is mended, `cachecraft evict --source FILE` drops "
                                f"them, for: {', '.join(report.files)}") from exc
+    if evicted.unreached:  # this node's copies are gone; the shared tier's wait for it to answer
+        raise ForgetIncomplete(f"forgot {len(report.files)} file(s) and evicted {len(evicted.removed)} "
+                               f"chunk-cache variant(s), but the shared tier at {evicted.unreached} did not "
+                               "answer, so its copies may stay; once it is back, `cachecraft evict --source "
+                               f"FILE` drops them, for: {', '.join(report.files)}")
     return ForgetOutcome(report, len(evicted.removed))

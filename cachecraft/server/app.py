@@ -5,8 +5,8 @@ Errors are JSON in OpenAI's shape (``{"error": {"message", "type", "param", "cod
 one line each, never a stack trace: 400 for a request that cannot be answered as asked
 (malformed JSON, an unknown field, a prompt longer than the context window), 401 for a
 missing or wrong API key, 404 for another model's name, 429 when the queue is full, 503
-past the timeout or for what needs a catalog server that is away (stats; answers go on
-without it), 500 (logged with its traceback on the server) for anything else.
+past the timeout, for what needs a catalog server that is away (stats; answers go on
+without it) and for a forget whose shared tier did not answer, 500 (logged with its traceback on the server) for anything else.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from cachecraft.catalog import CatalogUnavailableError
 from cachecraft.engine import GenerationOptions
 from cachecraft.pipeline import Answer
+from cachecraft.pipeline.documents import ForgetIncomplete
 from cachecraft.prompt import PromptInputError
 from cachecraft.retrieval.documents import DocumentError
 from cachecraft.retrieval.snapshot import CorpusError
@@ -187,7 +188,7 @@ async def _queued(service: Service, fn: Callable[[], Any], cancel: threading.Eve
         raise ApiError(429, "rate_limit_error", str(exc)) from None
     except TimedOut as exc:
         raise ApiError(503, "server_error", str(exc)) from None
-    except CatalogUnavailableError as exc:  # answers go on; what needs the catalog waits for it
+    except (CatalogUnavailableError, ForgetIncomplete) as exc:  # answers go on; what needs a server waits for it
         raise ApiError(503, "server_error", str(exc)) from None
     except (BadRequest, PromptInputError, CorpusError, DocumentError) as exc:
         raise ApiError(400, "invalid_request_error", str(exc)) from None

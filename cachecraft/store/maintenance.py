@@ -35,14 +35,18 @@ MIN_PREFIX = 6
 
 @dataclass(frozen=True)
 class EvictReport:
-    """Variant keys an eviction removed, and a note when it could not remove what was asked."""
+    """Variant keys an eviction removed, a note when it could not remove what was asked,
+    and the shared tier (as shown, password hidden) when it did not answer, so its copies
+    of what was asked may stay."""
 
     removed: tuple[str, ...] = ()
     note: str | None = None
+    unreached: str | None = None
 
     def to_dict(self) -> dict:
         """JSON-friendly report."""
-        return {"removed": len(self.removed), "variants": list(self.removed), "note": self.note}
+        return {"removed": len(self.removed), "variants": list(self.removed), "note": self.note,
+                "unreached": self.unreached}
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,7 @@ def evict(store: TieredStore, *, chunk: str | None = None, source: str | None = 
         raise ValueError("give exactly one of chunk, source, tier or everything")
     if tier is not None and tier not in TIERS:
         raise StoreConfigError(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
+    failures = _shared_failures(store)
     if chunk is not None:
         keys = _variants_of_chunk(store, chunk)
     elif source is not None:
@@ -176,14 +181,15 @@ def evict(store: TieredStore, *, chunk: str | None = None, source: str | None = 
     else:
         keys = []  # a memory tier this store does not have holds nothing of ours
     removed = tuple(key for key in keys if store.delete(key))
+    unreached = _unreached(store, failures)
     if tier is None or tier == "disk":
-        return EvictReport(removed)
+        return EvictReport(removed, unreached=unreached)
     with store.catalog.read() as tx:
         rows = [r for r in tx.entries(tier=tier, node=store.node) if r.owner != store.owner]
     owners = len({r.owner for r in rows})
     return EvictReport(removed, note=f"the {tier} tier lives inside each running cachecraft process ({len(rows)} "
                                      f"entries in {owners} process(es)); it moves to disk when they exit: evict "
-                                     "with --tier disk then")
+                                     "with --tier disk then", unreached=unreached)
 
 
 def _variants_of_chunk(store: TieredStore, prefix: str) -> list[str]:
@@ -193,13 +199,15 @@ def _variants_of_chunk(store: TieredStore, prefix: str) -> list[str]:
         raise SelectorError(f"give at least {MIN_PREFIX} characters of the chunk key (see `cachecraft query` "
                             "or `cachecraft explain`)")
     with store.catalog.read() as tx:
-        records = tx.stored_variants()
-    chunks = {r.chunk_key for r in records if r.chunk_key.startswith(prefix) or r.key.startswith(prefix)}
-    if not chunks:
+        chunks = {r.chunk_key for r in tx.stored_variants() if r.key.startswith(prefix)}
+        chunks.update(tx.chunk_keys(prefix=prefix))
+    keys = _cached_variants(store, chunks)
+    matched = {chunk for chunk, _ in keys}
+    if not matched:
         raise SelectorError(f"no cached chunk matches {prefix!r}")
-    if len(chunks) > 1:
-        raise SelectorError(f"{prefix!r} matches {len(chunks)} chunks; give more characters")
-    return [r.key for r in records if r.chunk_key in chunks]
+    if len(matched) > 1:
+        raise SelectorError(f"{prefix!r} matches {len(matched)} chunks; give more characters")
+    return [key for _, key in keys]
 
 
 def _variants_of_source(store: TieredStore, source: str) -> list[str]:
@@ -208,35 +216,62 @@ def _variants_of_source(store: TieredStore, source: str) -> list[str]:
     wanted = source.strip()
     if not wanted:
         raise SelectorError("--source needs a document path or file name")
-    records, origin = _stored_origins(store)
-    documents = {s for s in origin.values() if s}
+    with store.catalog.read() as tx:
+        documents = tx.sources()
     exact = {s for s in documents if s in (wanted, str(Path(wanted).expanduser().resolve()))}
     named = exact or {s for s in documents if Path(s).name == wanted}
-    if not named:
-        raise SelectorError(f"no cached chunk comes from {wanted!r} (see the source column of `cachecraft stats`)")
     if len(named) > 1:
         raise SelectorError(f"{wanted!r} names {len(named)} documents; give the path: "
                             + ", ".join(sorted(named)[:3]))
-    return [r.key for r in records if origin.get(r.chunk_key) in named]
+    keys = _variants_of_documents(store, named)
+    if not keys:
+        raise SelectorError(f"no cached chunk comes from {wanted!r} (see the source column of `cachecraft stats`)")
+    return keys
 
 
 def evict_documents(store: TieredStore, sources: Iterable[str]) -> EvictReport:
     """Delete, from every tier ``store`` reaches, the variants of every chunk the catalog
     says came from one of ``sources`` (paths exactly as ingested); none is no error."""
-    wanted = set(sources)
-    records, origin = _stored_origins(store)
-    return EvictReport(tuple(r.key for r in records if origin.get(r.chunk_key) in wanted and store.delete(r.key)))
+    failures = _shared_failures(store)
+    removed = tuple(key for key in _variants_of_documents(store, set(sources)) if store.delete(key))
+    return EvictReport(removed, unreached=_unreached(store, failures))
 
 
-def _stored_origins(store: TieredStore) -> tuple[list, dict[str, str | None]]:
-    """The stored variants, and each of their chunks' source document (None if unknown)."""
+def _variants_of_documents(store: TieredStore, sources: set[str]) -> list[str]:
+    """Stored variant keys of every chunk the catalog says came from one of ``sources``."""
+    if not sources:
+        return []
     with store.catalog.read() as tx:
-        records = tx.stored_variants()
-        origin = {}
-        for key in {r.chunk_key for r in records}:
-            found = tx.chunk(key)
-            origin[key] = found.source if found is not None else None
-    return records, origin
+        chunks = tx.chunk_keys(sources=sources)
+    return [key for _, key in _cached_variants(store, chunks)]
+
+
+def _cached_variants(store: TieredStore, chunks: Iterable[str]) -> list[tuple[str, str]]:
+    """(chunk key, variant key) of every variant of ``chunks`` that a tier ``store`` reaches
+    holds: those the catalog places in a tier (any owner), and those the shared tier holds,
+    which the catalog need not place (put by another node, or gone from this node's tiers
+    since), sorted."""
+    wanted = set(chunks)
+    if not wanted:
+        return []
+    with store.catalog.read() as tx:
+        found = {(r.chunk_key, r.key) for r in tx.stored_variants() if r.chunk_key in wanted}
+    if store.shared is not None:
+        held = store.shared.variants_of_chunks(sorted(wanted))
+        found.update((chunk, meta.variant) for chunk, metas in held.items() for meta in metas)
+    return sorted(found)
+
+
+def _shared_failures(store: TieredStore) -> int:
+    """Calls the shared tier has failed or skipped (backing off) so far; 0 without one."""
+    if store.shared is None:
+        return 0
+    return store.shared.counters.errors + store.shared.counters.skipped
+
+
+def _unreached(store: TieredStore, failures_before: int) -> str | None:
+    """The shared tier, as shown, when one of its calls failed since ``failures_before``."""
+    return store.shared.where if _shared_failures(store) > failures_before else None
 
 
 def destroy(cache_dir: str | Path, *, lock_timeout_s: float = 10.0) -> DestroyReport:
