@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from cachecraft.config import Config  # noqa: E402
 from cachecraft.pipeline import Pipeline  # noqa: E402
+from cachecraft.pipeline.documents import ForgetIncomplete  # noqa: E402
 from cachecraft.server.app import create_app  # noqa: E402
 from cachecraft.server.service import Busy, Service, TimedOut  # noqa: E402
 from cachecraft.server.streaming import StopCutter  # noqa: E402
@@ -227,6 +228,13 @@ def test_ingest_query_stats_health_and_metrics(client, service, tmp_path, monkey
     assert str((docs / "d0.txt").resolve()) not in corpus.documents()
     missing = client.post("/v1/forget", json={"paths": ["d0.txt"]})  # gone already
     assert missing.status_code == 400 and "nothing was ingested from d0.txt" in missing.json()["error"]["message"]
+
+    def redis_away(paths, keep_caches=False):
+        raise ForgetIncomplete("forgot 1 file(s), but the shared tier at redis://h:1/0 did not answer")
+
+    monkeypatch.setattr(service.pipeline, "forget_documents", redis_away)
+    away = client.post("/v1/forget", json={"paths": ["d1.txt"]})
+    assert away.status_code == 503 and "did not answer" in away.json()["error"]["message"]
 
 
 def test_a_request_may_ask_for_its_own_retrieval_and_chunk_order(tmp_path):
