@@ -523,7 +523,8 @@ def evict_cmd(
     source: Optional[str] = typer.Option(None, help="A document as ingested (path, or file name when it names "
                                          "one): drop the chunk-caches of every chunk that came from it."),
     tier: Optional[str] = typer.Option(None, help="gpu, cpu or disk: drop that tier's entries."),
-    everything: bool = typer.Option(False, "--all", help="Drop every chunk-cache."),
+    everything: bool = typer.Option(False, "--all", help="Drop every chunk-cache this node holds (and, with "
+                                                         "redis_url, their copies in Redis; other nodes' stay)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Drop chunk-caches from the store. The catalog keeps their history (hits, requests);
