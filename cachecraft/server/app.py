@@ -6,7 +6,8 @@ one line each, never a stack trace: 400 for a request that cannot be answered as
 (malformed JSON, an unknown field, a prompt longer than the context window), 401 for a
 missing or wrong API key, 404 for another model's name, 429 when the queue is full, 503
 past the timeout, for what needs a catalog server that is away (stats; answers go on
-without it) and for a forget whose shared tier did not answer, 500 (logged with its traceback on the server) for anything else.
+without it) and for a forget whose shared tier did not answer, 500 (logged with its
+traceback on the server) for anything else.
 """
 
 from __future__ import annotations
