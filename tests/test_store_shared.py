@@ -196,6 +196,36 @@ def test_server_stopped_mid_run_is_a_miss_with_one_warning_then_reconnects(tmp_p
         assert any("reachable again" in r.message for r in caplog.records)
 
 
+def test_a_server_that_stops_answering_costs_one_timeout_per_attempt(tmp_path):
+    """A listener that takes connections and never replies: an attempt times out once and
+    is not tried again on a new connection, so a hung server stalls a request one socket
+    timeout, not two (a broken connection, as after a restart, is still retried: see
+    the test above)."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                accepted.append(listener.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=serve, daemon=True).start()
+    tier = shared_mod.RedisTier(f"redis://127.0.0.1:{listener.getsockname()[1]}/0", 10**6, socket_timeout_s=0.3)
+    try:
+        assert tier.used() == 0 and tier.counters.errors == 1 and not tier.available
+        assert len(accepted) == 1  # one connection, one timeout: not retried
+    finally:
+        tier.close()
+        listener.close()
+        for conn in accepted:
+            conn.close()
+
+
 def test_backoff_skips_redis_while_it_is_down(tmp_path):
     url = f"redis://127.0.0.1:{free_port()}/0"
     clock = [100.0]

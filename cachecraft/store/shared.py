@@ -155,10 +155,13 @@ class RedisTier:
         self._redis_errors = (redis.RedisError, OSError)
         self.budget = budget
         self.counters = SharedCounters()
-        # one retry: a pooled connection broken by a server restart reconnects at once
+        # one retry, on a broken connection only: a pooled connection broken by a server
+        # restart reconnects at once, while a server that stopped answering costs one
+        # socket timeout per attempt, not two
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
         self.pool = redis.ConnectionPool.from_url(
             url, socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
-            max_connections=max_connections, retry=Retry(NoBackoff(), 1), health_check_interval=30)
+            max_connections=max_connections, retry=retry, health_check_interval=30)
         self.client = redis.Redis(connection_pool=self.pool)
         self._put_script = self.client.register_script(_PUT)
         self._delete_script = self.client.register_script(_DELETE)
