@@ -55,6 +55,26 @@ def test_creates_the_tables_and_schema_version_in_postgres(tmp_path, catalog, pg
     again.close()
 
 
+def test_its_connections_give_up_on_a_host_that_stops_acknowledging(catalog):
+    """The socket libpq opened carries the TCP user timeout and keepalives, so a server host
+    that dies or drops off the network fails a request in seconds (the kernel's own
+    retransmissions would hold it for many minutes)."""
+    import socket
+
+    from cachecraft.catalog import db
+
+    with catalog.read() as tx:
+        raw = tx.session.connection().connection.dbapi_connection
+        sock = socket.fromfd(raw.pgconn.socket, socket.AF_INET, socket.SOCK_STREAM)  # a duplicate
+    try:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == db.TCP_USER_TIMEOUT_MS == 15_000
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert [sock.getsockopt(socket.IPPROTO_TCP, opt) for opt in (socket.TCP_KEEPIDLE, socket.TCP_KEEPINTVL,
+                                                                     socket.TCP_KEEPCNT)] == [10, 5, 3]
+    finally:
+        sock.close()
+
+
 def test_byte_counts_past_two_gib(catalog):
     add_variant(catalog, "big", "c1", nbytes=5 * 2**30)
     with catalog.read() as tx:

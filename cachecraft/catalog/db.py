@@ -42,6 +42,12 @@ log = logging.getLogger(__name__)
 CATALOG_FILE = "catalog.sqlite"
 DEFAULT_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 5
+# A server host that dies or drops off the network while a connection is open: libpq
+# gives up on data the server has not acknowledged after TCP_USER_TIMEOUT_MS, and TCP
+# keepalives find an idle pooled connection dead, instead of the kernel's retransmissions
+# holding a request for many minutes. Waiting on a lock sends nothing, so it is not cut.
+TCP_USER_TIMEOUT_MS = 15_000
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
 # After the catalog's server is lost mid-run, calls fail at once (no connect timeout
 # each) until the next retry; the wait doubles from the first to the last value.
 RETRY_FIRST_S = 1.0
@@ -662,8 +668,8 @@ class Catalog:
             raise CatalogError("catalog_url needs the psycopg package: pip install 'cachecraft[shared]'") from None
         self._engine = create_engine(
             url, pool_pre_ping=True,
-            connect_args={"connect_timeout": CONNECT_TIMEOUT_S,
-                          "options": f"-c lock_timeout={lock_timeout_ms}"})
+            connect_args={"connect_timeout": CONNECT_TIMEOUT_S, "tcp_user_timeout": TCP_USER_TIMEOUT_MS,
+                          **KEEPALIVES, "options": f"-c lock_timeout={lock_timeout_ms}"})
         # reads: one REPEATABLE READ snapshot per transaction, as SQLite's deferred reads
         self._read_engine = self._engine.execution_options(isolation_level="REPEATABLE READ")
 
