@@ -231,8 +231,8 @@ class CatalogTx:
         return set(self.session.scalars(select(Chunk.source).where(Chunk.source.is_not(None)).distinct()))
 
     def chunk_keys(self, *, sources: Iterable[str] = (), prefix: str | None = None) -> list[str]:
-        """Keys of the recorded chunks that came from one of ``sources``, or whose key
-        starts with ``prefix``, by key."""
+        """Keys of the recorded chunks that came from one of ``sources``, or whose key (or
+        one of whose variants' keys) starts with ``prefix``, by key."""
         wanted = sorted(set(sources))
         keys: set[str] = set()
         for start in range(0, len(wanted), _IN_BATCH):  # bound the IN list a query carries
@@ -240,6 +240,8 @@ class CatalogTx:
             keys.update(self.session.scalars(select(Chunk.key).where(Chunk.source.in_(batch))))
         if prefix:
             keys.update(self.session.scalars(select(Chunk.key).where(Chunk.key.startswith(prefix, autoescape=True))))
+            keys.update(self.session.scalars(select(Variant.chunk_key)
+                                             .where(Variant.key.startswith(prefix, autoescape=True))))
         return sorted(keys)
 
     def upsert_variant(self, rec: VariantRecord) -> None:

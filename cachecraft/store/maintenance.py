@@ -199,8 +199,7 @@ def _variants_of_chunk(store: TieredStore, prefix: str) -> list[str]:
         raise SelectorError(f"give at least {MIN_PREFIX} characters of the chunk key (see `cachecraft query` "
                             "or `cachecraft explain`)")
     with store.catalog.read() as tx:
-        chunks = {r.chunk_key for r in tx.stored_variants() if r.key.startswith(prefix)}
-        chunks.update(tx.chunk_keys(prefix=prefix))
+        chunks = tx.chunk_keys(prefix=prefix)
     keys = _cached_variants(store, chunks)
     matched = {chunk for chunk, _ in keys}
     if not matched:
