@@ -5,15 +5,18 @@ consistent."""
 
 from __future__ import annotations
 
+import contextvars
 import json
+import threading
 import time
 
 import pytest
 
 pytest.importorskip("psycopg", reason="psycopg not installed (pip install cachecraft[shared])")
 
-from cachecraft.catalog import Catalog, CatalogUnavailableError  # noqa: E402
-from cachecraft.catalog.db import RETRY_FIRST_S, RETRY_MAX_S, CatalogOutage  # noqa: E402
+from cachecraft.catalog import Catalog, CatalogUnavailableError, ChunkRecord  # noqa: E402
+from cachecraft.catalog import db  # noqa: E402
+from cachecraft.catalog.db import CONNECT_TIMEOUT_S, RETRY_FIRST_S, RETRY_MAX_S, CatalogOutage  # noqa: E402
 from cachecraft.catalog.pending import PENDING_DIR  # noqa: E402
 from cachecraft.config import Config  # noqa: E402
 from cachecraft.pipeline import Pipeline  # noqa: E402
@@ -181,4 +184,98 @@ def test_warm_stops_with_the_error_rather_than_make_caches_it_cannot_keep(tmp_pa
     pipeline.catalog.outage.retry_at = 0.0
     assert pipeline.warm(CHUNKS[1:]) == len(CHUNKS) - 1
     pipeline.close()
+    assert verify(tmp_path / "node", catalog_url=url).ok
+
+
+def finishes_within(seconds: float, call):
+    """``call()``'s result or exception and how long it took; fails the test, rather than
+    hanging it, when the call has not returned after ``seconds``."""
+    outcome: dict = {}
+    context = contextvars.copy_context()  # as the caller's thread would run it
+
+    def run() -> None:
+        start = time.monotonic()
+        try:
+            outcome["value"] = context.run(call)
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            outcome["value"] = exc
+        outcome["took"] = time.monotonic() - start
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert "took" in outcome, f"still waiting after {seconds} s"
+    return outcome["value"], outcome["took"]
+
+
+def test_a_server_that_stops_answering_is_given_up_on_and_counted_lost_until_it_answers(tmp_path, lost_pg):
+    """Its processes stopped, the server's host still accepts connections and
+    acknowledges data, so only a deadline on the answer ends the wait."""
+    url = lost_pg.create_database()
+    catalog = Catalog(tmp_path / "c", url=url, timeout_s=2, answer_timeout_s=1)
+    catalog.upsert_chunk(ChunkRecord("k1", "fp", 7))
+    with pytest.raises(CatalogUnavailableError, match="did not answer within 1 s; check the PostgreSQL"):
+        with catalog.read() as tx:  # mid-transaction: the statement itself gets no answer
+            assert tx.chunk("k1") is not None
+            lost_pg.freeze()
+            error, took = finishes_within(20, lambda: tx.chunk("k1"))
+            assert 1 <= took < 3
+            raise error
+    assert catalog.outage is not None
+    error, took = finishes_within(5, lambda: catalog.chunk("k1"))
+    assert isinstance(error, CatalogUnavailableError) and took < 0.5  # lost: at once until a retry
+    catalog.outage.retry_at = 0.0
+    error, took = finishes_within(20, lambda: catalog.chunk("k1"))  # a new connection is not answered either
+    assert isinstance(error, CatalogUnavailableError) and took < 1 + CONNECT_TIMEOUT_S + 1
+    lost_pg.thaw()
+    catalog.outage.retry_at = 0.0
+    assert catalog.chunk("k1").num_tokens == 7 and catalog.outage is None
+    catalog.close()
+
+
+def test_a_write_waiting_for_another_writers_lock_is_not_cut_by_the_answer_deadline(tmp_path, lost_pg):
+    url = lost_pg.create_database()
+    holder = Catalog(tmp_path / "a", url=url)
+    waiter = Catalog(tmp_path / "b", url=url, timeout_s=10, answer_timeout_s=0.5)
+    held = threading.Event()
+
+    def hold() -> None:
+        with holder.write() as tx:
+            tx.upsert_chunk(ChunkRecord("k1", "fp", 7))
+            held.set()
+            time.sleep(2)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    assert held.wait(10)
+    start = time.monotonic()
+    waiter.upsert_chunk(ChunkRecord("k2", "fp", 9))  # queues behind the holder's lock
+    assert time.monotonic() - start > 1
+    thread.join()
+    assert waiter.outage is None and waiter.busy is None
+    assert [waiter.chunk(k).num_tokens for k in ("k1", "k2")] == [7, 9]
+    holder.close()
+    waiter.close()
+
+
+def test_requests_are_answered_while_the_server_is_hung_and_recorded_once_it_answers(tmp_path, lost_pg, monkeypatch):
+    monkeypatch.setattr(db, "ANSWER_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(db, "CONNECT_TIMEOUT_S", 1)
+    url = lost_pg.create_database()
+    pipeline = node(tmp_path / "node", url)
+    control = node(tmp_path / "control")
+    first = pipeline.answer(CHUNKS, QUESTION)
+    lost_pg.freeze()
+    during, took = finishes_within(30, lambda: pipeline.answer(CHUNKS, "w201 w202"))
+    assert not isinstance(during, Exception), during
+    assert during.request_id is None and took < 10
+    lost_pg.thaw()
+    pipeline.catalog.outage.retry_at = 0.0
+    last = pipeline.answer(OTHER, QUESTION)
+    assert last.request_id is not None and not pipeline.pending.rows
+    expected = [control.answer(CHUNKS, QUESTION), control.answer(CHUNKS, "w201 w202"), control.answer(OTHER, QUESTION)]
+    assert [a.text for a in (first, during, last)] == [a.text for a in expected]
+    assert [r.ttft_s for r in requests_in(url, tmp_path)] == [first.ttft_s, during.ttft_s, last.ttft_s]
+    pipeline.close()
+    control.close()
     assert verify(tmp_path / "node", catalog_url=url).ok

@@ -14,6 +14,7 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -156,8 +157,32 @@ class PostgresCluster:
 
     def halt(self) -> None:
         """Stop the server at once, as a crash would (its data stays for :meth:`resume`)."""
+        with contextlib.suppress(OSError, ValueError, IndexError):  # a frozen server takes no signal but this
+            self.thaw()
         with contextlib.suppress(subprocess.CalledProcessError):
             self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
+
+    def freeze(self) -> None:
+        """Stop every process of the server (SIGSTOP), as a hung server: its host still
+        accepts connections and acknowledges data, but nothing answers until :meth:`thaw`."""
+        for pid in reversed(self._processes()):
+            os.kill(pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        """Let a :meth:`freeze` server run again."""
+        for pid in self._processes():
+            os.kill(pid, signal.SIGCONT)
+
+    def _processes(self) -> list[int]:
+        """The postmaster's pid, then its children's."""
+        postmaster = int((self.data / "postmaster.pid").read_text().split()[0])
+        children = []
+        for stat in glob.glob("/proc/[0-9]*/stat"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                # the fields after the command's closing parenthesis: state, then parent pid
+                if int(Path(stat).read_text().rsplit(")", 1)[1].split()[1]) == postmaster:
+                    children.append(int(Path(stat).parent.name))
+        return [postmaster, *children]
 
     def resume(self) -> None:
         """Start the server on the cluster's data (after :meth:`start` made it, or a :meth:`halt`)."""

@@ -20,6 +20,8 @@ import logging
 import sqlite3
 import time
 from contextlib import contextmanager
+from contextvars import ContextVar
+from functools import cache
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -48,6 +50,12 @@ CONNECT_TIMEOUT_S = 5
 # holding a request for many minutes. Waiting on a lock sends nothing, so it is not cut.
 TCP_USER_TIMEOUT_MS = 15_000
 KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, "keepalives_count": 3}
+# A server process that hangs while its host still answers TCP (stopped, or stuck): the
+# kernel acknowledges, so neither of the above notices. Each wait on the server then gives
+# up after ANSWER_TIMEOUT_S (a read) or the lock timeout plus that (a write, which may
+# wait its lock timeout for another writer, legitimately); the connection is closed and
+# the catalog counted lost, so requests go on without it.
+ANSWER_TIMEOUT_S = 15.0
 # After the catalog's server is lost mid-run, calls fail at once (no connect timeout
 # each) until the next retry; the wait doubles from the first to the last value.
 RETRY_FIRST_S = 1.0
@@ -121,6 +129,9 @@ def translate_server_error(exc: BaseException, url: str) -> CatalogError | None:
     orig = getattr(exc, "orig", exc)
     first = (str(orig).strip().splitlines() or [type(orig).__name__])[0]
     name = type(orig).__name__
+    if name == "ServerSilent":
+        return CatalogUnavailableError(f"the catalog at catalog_url {display_url(url)} {first}; "
+                                       "check the PostgreSQL server there")
     if name in ("LockNotAvailable", "QueryCanceled") or "lock timeout" in first.lower():
         return CatalogBusyError(f"catalog at catalog_url {display_url(url)} stayed locked ({first}); retry")
     # a deadlock or a serialization failure: the server answered and rolled one writer back
@@ -152,6 +163,36 @@ def _ensure_wal(cur: sqlite3.Cursor, timeout_s: float) -> None:
             if "locked" not in str(exc) or time.monotonic() >= deadline:
                 raise
             time.sleep(0.02)
+
+
+# how long the wait on the server may last in this thread's current transaction
+_ANSWER_WITHIN: ContextVar[float] = ContextVar("cachecraft_answer_within", default=ANSWER_TIMEOUT_S)
+
+
+@cache
+def _answering_connection() -> type:
+    """psycopg's connection class, giving up on a server that stays silent longer than
+    the current transaction allows (see :data:`ANSWER_TIMEOUT_S`)."""
+    import psycopg
+    from psycopg import errors
+
+    class ServerSilent(psycopg.OperationalError):
+        """The server accepted the connection but did not answer in time."""
+
+    class AnsweringConnection(psycopg.Connection):
+        def wait(self, gen, *args, timeout=None, **kwargs):
+            if timeout is not None:  # psycopg's own bounded waits keep their bound
+                return super().wait(gen, *args, timeout=timeout, **kwargs)
+            within = _ANSWER_WITHIN.get()
+            try:
+                return super().wait(gen, *args, timeout=within, **kwargs)
+            except errors._WaitTimeout:  # the wait functions' timeout, which callers convert
+                # mid-statement, the connection's state is unknown: close it, so the pool
+                # drops it instead of handing it out again
+                self.pgconn.finish()
+                raise ServerSilent(f"did not answer within {within:g} s") from None
+
+    return AnsweringConnection
 
 
 class CatalogOutage:
@@ -587,10 +628,14 @@ class Catalog:
     A writer waits ``timeout_s`` (default :data:`DEFAULT_TIMEOUT_S`) for another's lock,
     then raises :class:`CatalogBusyError`; from then until a retry is due writes raise it
     at once, so what writes as it goes (a request) waits once and goes on without them.
+
+    A PostgreSQL server that stops answering (its host still up) is given up on after
+    ``answer_timeout_s`` (default :data:`ANSWER_TIMEOUT_S`) in a read, ``timeout_s`` more
+    in a write: :class:`CatalogUnavailableError`, and the catalog counts as lost.
     """
 
     def __init__(self, cache_dir: str | Path, *, url: str | None = None,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, answer_timeout_s: float | None = None) -> None:
         self.cache_dir = Path(cache_dir)
         self.url = url or None
         self.created = False  # set when this open created the tables
@@ -601,6 +646,9 @@ class Catalog:
         # once until the next retry (reads go on), so a request waits for it once, not per write
         self.busy: CatalogOutage | None = None
         timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+        # how long a read, and a write, may wait on a PostgreSQL server (SQLite: unused)
+        self._read_within = ANSWER_TIMEOUT_S if answer_timeout_s is None else answer_timeout_s
+        self._write_within = timeout_s + self._read_within
         if self.url is None:
             self.dialect = "sqlite"
             self._open_sqlite(timeout_s)
@@ -672,6 +720,11 @@ class Catalog:
             url, pool_pre_ping=True,
             connect_args={"connect_timeout": CONNECT_TIMEOUT_S, "tcp_user_timeout": TCP_USER_TIMEOUT_MS,
                           **KEEPALIVES, "options": f"-c lock_timeout={lock_timeout_ms}"})
+
+        @event.listens_for(self._engine, "do_connect")
+        def _connect(_dialect, _record, cargs, cparams):
+            return _answering_connection().connect(*cargs, **cparams)
+
         # reads: one REPEATABLE READ snapshot per transaction, as SQLite's deferred reads
         self._read_engine = self._engine.execution_options(isolation_level="REPEATABLE READ")
 
@@ -734,7 +787,7 @@ class Catalog:
             raise CatalogBusyError(busy.message)
         # a retry of a held lock waits briefly for it (the timeout was paid once already)
         engine = self._engine if busy is None else self._engine.execution_options(cachecraft_wait_ms=RETRY_WAIT_MS)
-        with self._translated():
+        with self._translated(self._write_within):
             with Session(engine, expire_on_commit=False) as session, session.begin():
                 conn = session.connection()  # BEGIN IMMEDIATE now: the write lock is held for the whole block
                 if self.dialect == "postgresql":
@@ -750,15 +803,16 @@ class Catalog:
     @contextmanager
     def read(self) -> Iterator[CatalogTx]:
         """One read transaction over a consistent snapshot."""
-        with self._translated():
+        with self._translated(self._read_within):
             with Session(self._read_engine) as session, session.begin():
                 yield CatalogTx(session)
 
     @contextmanager
-    def _translated(self) -> Iterator[None]:
+    def _translated(self, within_s: float) -> Iterator[None]:
         outage = self.outage
         if outage is not None and not outage.due():  # lost: fail at once until the next retry
             raise CatalogUnavailableError(outage.message)
+        answer_within = _ANSWER_WITHIN.set(within_s)
         try:
             yield
         except (sa_exc.DBAPIError, sqlite3.Error) as exc:
@@ -774,6 +828,8 @@ class Catalog:
             elif isinstance(mapped, CatalogBusyError) and self.opened:
                 self._locked(mapped)
             raise mapped from exc
+        finally:
+            _ANSWER_WITHIN.reset(answer_within)
         if outage is not None:
             self.outage = None
             log.warning("catalog at %s is reachable again after %.0f s", self.where, time.monotonic() - outage.since)
