@@ -27,7 +27,7 @@ from . import STARTED
 from .bench import bench_app
 from .serve import register as register_serve
 from .common import (CONTEXT, METHODS_HELP, UserError, console, err_console, friendly, invocation, load_config,
-                     load_model_quietly, quiet_libraries, summarize_commands)
+                     load_model_quietly, quiet_libraries, shared_tier_failures_reported_here, summarize_commands)
 
 app = typer.Typer(help="cachecraft: reuse per-chunk KV caches for RAG, recompute only what matters.",
                   context_settings=CONTEXT, no_args_is_help=True, add_completion=False)
@@ -367,7 +367,7 @@ def forget_cmd(
     if not config.corpus_dir.exists():
         raise UserError(f"the corpus in {config.cache_dir} is empty: nothing to forget")
     # --keep-caches opens no store, so a catalog or Redis server that is away does not matter
-    with nullcontext() if keep_caches else TieredStore(config) as store:
+    with shared_tier_failures_reported_here(), nullcontext() if keep_caches else TieredStore(config) as store:
         outcome = forget_documents(Corpus(config.corpus_dir, config.embedder), store, paths)
     if as_json:
         print(json.dumps(outcome.to_dict(), indent=2))
@@ -540,7 +540,7 @@ def evict_cmd(
         raise UserError("give exactly one of --chunk ID, --source FILE, --tier TIER or --all")
     if tier is not None and tier not in TIERS:
         raise UserError(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
-    with TieredStore(load_config(ctx)) as store:
+    with shared_tier_failures_reported_here(), TieredStore(load_config(ctx)) as store:
         report = store.evict(chunk=chunk, source=source, tier=tier, everything=everything)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import shlex
 import sys
@@ -99,6 +101,19 @@ def quiet_libraries() -> None:
         hf_logging.disable_progress_bar()
     except ImportError:  # pragma: no cover
         pass
+
+
+@contextlib.contextmanager
+def shared_tier_failures_reported_here():
+    """Silence the shared tier's own warning that it failed, for a command whose result
+    (an eviction's report) says so itself, as its one error line."""
+    logger = logging.getLogger("cachecraft.store.shared")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def load_config(ctx: typer.Context, **overrides: Any) -> Config:

@@ -246,8 +246,8 @@ def test_documents_and_forget(env, docs, cache_dir):
     one_line_error(runner.invoke(app, ["query", "w12"]), "cachecraft ingest PATH")
 
 
-def test_forget_says_when_the_shared_tier_did_not_answer_and_evict_finishes_later(env, docs, cache_dir,
-                                                                                 redis_server, monkeypatch):  # noqa: F811
+def test_forget_says_when_the_shared_tier_did_not_answer_and_evict_finishes_later(env, docs, cache_dir, redis_server,
+                                                                                 monkeypatch, caplog):  # noqa: F811
     redis = pytest.importorskip("redis")
     monkeypatch.setenv("CACHECRAFT_REDIS_URL", redis_server.url)
     invoke("ingest", str(docs))
@@ -260,9 +260,12 @@ def test_forget_says_when_the_shared_tier_did_not_answer_and_evict_finishes_late
         assert from_b and all(client.exists(f"cachecraft:blob:{v}") for v in from_b)
         with pytest.MonkeyPatch.context() as patch:  # Redis away (refused; a hung one is a store test)
             patch.setenv("CACHECRAFT_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
+            caplog.clear()
             one_line_error(runner.invoke(app, ["forget", "b.md"]), "`cachecraft evict --source FILE` drops them")
             away = runner.invoke(app, ["evict", "--source", "a.md"])
         assert away.exit_code == 1 and "did not answer" in away.output and "evicted" in away.output
+        # the error line says that the tier failed; its own warning would say it twice
+        assert not [r for r in caplog.records if r.name == "cachecraft.store.shared"]
         assert [d["path"] for d in json.loads(invoke("documents", "--json").output)] == [
             str((docs / "a.md").resolve()), str((docs / "more" / "c.markdown").resolve())]
         assert all(client.exists(f"cachecraft:blob:{v}") for v in from_b)  # this node's copies went, Redis's stayed
