@@ -9,7 +9,7 @@ import pytest
 
 from cachecraft.catalog import (Catalog, CatalogCorruptError, CatalogWriteError, ChunkRecord,
                                 EntryRecord, RequestChunk, RequestRecord, SchemaVersionError,
-                                VariantRecord, catalog_path, question_hash, remove_catalog)
+                                SCHEMA_VERSION, VariantRecord, catalog_path, question_hash, remove_catalog)
 from cachecraft.catalog import stats
 
 
@@ -40,7 +40,7 @@ def test_creates_wal_database_with_schema_version(tmp_path, catalog):
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     finally:
         con.close()
-    assert version == "2"
+    assert version == "3"
     assert {"chunks", "variants", "entries", "requests", "request_chunks", "tier_events"} <= tables
     Catalog(tmp_path).close()  # reopening an existing catalog is fine
 
@@ -152,13 +152,50 @@ def test_request_round_trip_for_explain(catalog):
         RequestChunk(0, "c1", None, "cpu")  # a hit must name its variant
 
 
+def test_a_request_written_twice_is_recorded_once(catalog):
+    """A retry of a write whose commit went through (its answer lost) finds the row by
+    ``uid``; a request that merely looks the same is another row."""
+    rec = RequestRecord("q", "full", (RequestChunk(0, "c1"),), 1.0, 2.0, 2.0, created_at=5.0)
+    first = catalog.record_request(rec)
+    assert catalog.record_request(rec) == first
+    twin = catalog.record_request(RequestRecord(**{**rec.__dict__, "uid": RequestRecord("q", "full").uid}))
+    assert twin != first
+    older = [catalog.record_request(RequestRecord(**{**rec.__dict__, "uid": None})) for _ in range(2)]
+    assert len(set(older)) == 2  # rows of versions before uid: nothing to tell them apart by
+    with catalog.read() as tx:
+        assert sorted(tx.request_ids()) == sorted([first, twin, *older])
+        assert tx.request(first).uid == rec.uid and tx.request(older[0]).uid is None
+
+
+def test_a_schema_2_catalog_gains_request_uids_and_keeps_its_rows(tmp_path):
+    with Catalog(tmp_path) as catalog:
+        catalog.record_request(RequestRecord("q", "full", (), 1.0, 2.0, 2.0))
+    con = sqlite3.connect(catalog_path(tmp_path))  # back to what schema 2 looked like
+    con.execute("DROP INDEX ix_requests_uid")
+    con.execute("ALTER TABLE requests DROP COLUMN uid")
+    con.execute("UPDATE schema_info SET value='2' WHERE key='schema_version'")
+    con.commit()
+    con.close()
+    with Catalog(tmp_path) as catalog:
+        assert catalog.upgraded_from == 2
+        old = catalog.get_request(1)
+        assert old.ttft_s == 2.0 and old.uid is None
+        rec = RequestRecord("q", "full", (), 1.0, 1.0, 1.0)
+        assert catalog.record_request(rec) == catalog.record_request(rec) == 2
+    con = sqlite3.connect(catalog_path(tmp_path))
+    with pytest.raises(sqlite3.IntegrityError):  # the index is unique, as in a new catalog
+        con.execute("INSERT INTO requests (created_at, question_hash, method, num_chunks, hits_gpu, hits_cpu, "
+                    "hits_disk, misses, uid) VALUES (1, 'q', 'full', 0, 0, 0, 0, 0, ?)", (rec.uid,))
+    con.close()
+
+
 def test_incompatible_schema_version_is_a_clear_error(tmp_path):
     Catalog(tmp_path).close()
     con = sqlite3.connect(catalog_path(tmp_path))
     con.execute("UPDATE schema_info SET value='999' WHERE key='schema_version'")
     con.commit()
     con.close()
-    with pytest.raises(SchemaVersionError, match="schema version 999.*needs 2"):
+    with pytest.raises(SchemaVersionError, match="schema version 999.*needs 3"):
         Catalog(tmp_path)
 
 
@@ -321,6 +358,8 @@ def test_a_schema_1_catalog_is_upgraded_in_place(tmp_path):
     with Catalog(tmp_path) as catalog:
         catalog.record_request(RequestRecord("q", "full", (), 1.0, 2.0, 2.0))
     con = sqlite3.connect(catalog_path(tmp_path))  # back to what schema 1 looked like
+    con.execute("DROP INDEX ix_requests_uid")
+    con.execute("ALTER TABLE requests DROP COLUMN uid")
     con.execute("DROP TABLE model_profiles")
     con.execute("ALTER TABLE requests DROP COLUMN num_tokens")
     con.execute("ALTER TABLE requests DROP COLUMN policy")
@@ -337,7 +376,7 @@ def test_a_schema_1_catalog_is_upgraded_in_place(tmp_path):
         request_id = catalog.record_request(RequestRecord("q", "full", (), 1.0, 1.0, 1.0, num_tokens=7))
         assert catalog.get_request(request_id).num_tokens == 7
     con = sqlite3.connect(catalog_path(tmp_path))
-    assert con.execute("SELECT value FROM schema_info WHERE key='schema_version'").fetchone()[0] == "2"
+    assert con.execute("SELECT value FROM schema_info WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
     con.close()
     with Catalog(tmp_path) as catalog:
         assert catalog.upgraded_from is None

@@ -14,10 +14,11 @@ import pytest
 
 pytest.importorskip("psycopg", reason="psycopg not installed (pip install cachecraft[shared])")
 
-from cachecraft.catalog import Catalog, CatalogUnavailableError, ChunkRecord  # noqa: E402
+from cachecraft.catalog import Catalog, CatalogUnavailableError, ChunkRecord, RequestRecord  # noqa: E402
 from cachecraft.catalog import db  # noqa: E402
 from cachecraft.catalog.db import CONNECT_TIMEOUT_S, RETRY_FIRST_S, RETRY_MAX_S, CatalogOutage  # noqa: E402
-from cachecraft.catalog.pending import PENDING_DIR  # noqa: E402
+from cachecraft.catalog.db import CatalogTx  # noqa: E402
+from cachecraft.catalog.pending import PENDING_DIR, PendingRequests  # noqa: E402
 from cachecraft.config import Config  # noqa: E402
 from cachecraft.pipeline import Pipeline  # noqa: E402
 from cachecraft.policy.planner import PolicyParams  # noqa: E402
@@ -279,3 +280,29 @@ def test_requests_are_answered_while_the_server_is_hung_and_recorded_once_it_ans
     pipeline.close()
     control.close()
     assert verify(tmp_path / "node", catalog_url=url).ok
+
+
+def test_a_request_whose_commit_went_through_unanswered_is_recorded_once(tmp_path, lost_pg, monkeypatch):
+    """The server hangs after taking the row, before answering COMMIT: the row waits as if
+    lost, and when it is tried again the catalog finds that it has it already."""
+    url = lost_pg.create_database()
+    catalog = Catalog(tmp_path / "c", url=url, timeout_s=1, answer_timeout_s=1)
+    pending = PendingRequests(tmp_path / "c")
+    rec = RequestRecord("q", "full", (), 1.0, 2.0, 2.0)
+    add_request = CatalogTx.add_request
+
+    def add_then_hang(tx, row):
+        row_id = add_request(tx, row)
+        lost_pg.freeze()
+        return row_id
+
+    monkeypatch.setattr(CatalogTx, "add_request", add_then_hang)
+    assert pending.record(catalog, rec) is None and pending.rows == [rec]  # waits, as if lost
+    monkeypatch.undo()
+    lost_pg.thaw()  # the server commits what it had taken
+    catalog.outage.retry_at = 0.0
+    assert pending.record(catalog, RequestRecord("q2", "full", (), 1.0, 3.0, 3.0)) is not None
+    assert not pending.rows
+    rows = requests_in(url, tmp_path)
+    assert [(r.question_hash, r.uid) for r in rows] == [("q", rec.uid), ("q2", rows[1].uid)]
+    catalog.close()

@@ -48,7 +48,7 @@ def test_creates_the_tables_and_schema_version_in_postgres(tmp_path, catalog, pg
             "SELECT tablename FROM pg_tables WHERE schemaname='public'")}
         nbytes_type = conn.execute("SELECT data_type FROM information_schema.columns WHERE "
                                    "table_name='variants' AND column_name='nbytes'").fetchone()[0]
-    assert version == "2" and nbytes_type == "bigint"
+    assert version == "3" and nbytes_type == "bigint"
     assert {"chunks", "variants", "entries", "requests", "request_chunks", "tier_events"} <= tables
     again = Catalog(tmp_path, url=_plain(pg_url))  # reopening is fine and creates nothing; plain
     assert not again.created                       # postgresql:// also means psycopg 3
@@ -85,7 +85,7 @@ def test_incompatible_schema_version_is_refused(tmp_path, pg_url):  # noqa: F811
     Catalog(tmp_path, url=pg_url).close()
     with psycopg.connect(_plain(pg_url)) as conn:
         conn.execute("UPDATE schema_info SET value='999' WHERE key='schema_version'")
-    with pytest.raises(SchemaVersionError, match="schema version 999.*needs 2"):
+    with pytest.raises(SchemaVersionError, match="schema version 999.*needs 3"):
         Catalog(tmp_path, url=pg_url)
 
 
@@ -265,6 +265,7 @@ def test_a_schema_1_server_catalog_hands_its_disk_rows_to_its_node(tmp_path, pg_
     engine = create_engine(pg_url)
     with engine.begin() as conn:
         conn.execute(text("ALTER TABLE entries DROP COLUMN node"))
+        conn.execute(text("ALTER TABLE requests DROP COLUMN uid"))  # its index goes with it
         conn.execute(text("ALTER TABLE requests DROP COLUMN hits_redis"))
         conn.execute(text("ALTER TABLE requests DROP COLUMN node"))
         conn.execute(text("ALTER TABLE requests DROP COLUMN num_tokens"))

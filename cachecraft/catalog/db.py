@@ -508,14 +508,21 @@ class CatalogTx:
         return int(result.rowcount or 0)
 
     def add_request(self, rec: RequestRecord) -> int:
-        """Store a request and its chunks; returns its id."""
+        """Store a request and its chunks; returns its id. A request whose ``uid`` is
+        recorded already (an earlier try committed, though its answer was lost) is not
+        added again: the id is the recorded one."""
+        if rec.uid is not None:
+            known = self.session.scalar(select(Request.id).where(Request.uid == rec.uid))
+            if known is not None:
+                return int(known)
         hits = rec.hits_by_tier
         row = Request(created_at=rec.created_at, question_hash=rec.question_hash, method=rec.method,
                       num_chunks=len(rec.chunks), hits_gpu=hits["gpu"], hits_cpu=hits["cpu"],
                       hits_disk=hits["disk"], hits_redis=hits[SHARED_TIER], misses=rec.misses, node=rec.node,
                       recompute_fraction=rec.recompute_fraction, ttft_s=rec.ttft_s,
                       full_prefill_s=rec.full_prefill_s, num_tokens=rec.num_tokens,
-                      policy=None if rec.policy is None else json.dumps(rec.policy, sort_keys=True))
+                      policy=None if rec.policy is None else json.dumps(rec.policy, sort_keys=True),
+                      uid=rec.uid)
         self.session.add(row)
         self.session.flush()
         for c in rec.chunks:
@@ -539,7 +546,7 @@ class CatalogTx:
                                       c.beta_prime, c.cfo, c.fraction, c.stop_layer) for c in chunks),
             recompute_fraction=row.recompute_fraction, ttft_s=row.ttft_s,
             full_prefill_s=row.full_prefill_s, created_at=row.created_at, id=row.id,
-            num_tokens=row.num_tokens, policy=_json_object(row.policy), node=row.node)
+            num_tokens=row.num_tokens, policy=_json_object(row.policy), node=row.node, uid=row.uid)
 
     # what was measured or fitted per model ----------------------------------------------
 

@@ -36,7 +36,7 @@ from typing import Callable
 from sqlalchemy import BigInteger, Connection, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint, text
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Byte counts may pass 2**31 in PostgreSQL; SQLite's INTEGER is already 64-bit (and its
 # DDL for these columns stays plain INTEGER).
@@ -129,6 +129,8 @@ class Request(Base):
     num_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)  # prompt tokens (schema 2)
     policy: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON: the policy's settings (schema 2)
     node: Mapped[str] = mapped_column(String(64), default="", server_default="")  # who answered (schema 2)
+    # names the request across retries of its write (schema 3): see RequestRecord.uid
+    uid: Mapped[str | None] = mapped_column(String(32), nullable=True, unique=True, index=True)
 
 
 class RequestChunkRow(Base):
@@ -200,5 +202,12 @@ def _upgrade_1_to_2(conn: Connection) -> None:
         conn.execute(text("INSERT INTO schema_info (key, value) VALUES (:k, '{}')"), {"k": NODE_PREFIX + node})
 
 
+def _upgrade_2_to_3(conn: Connection) -> None:
+    """Schema 3: each request's ``uid``, unique, so that a write retried after its answer
+    was lost records the request once (rows of earlier versions have none)."""
+    conn.exec_driver_sql("ALTER TABLE requests ADD COLUMN uid VARCHAR(32)")
+    conn.exec_driver_sql("CREATE UNIQUE INDEX ix_requests_uid ON requests (uid)")
+
+
 # version -> the step that brings a catalog of that version to the next one
-UPGRADES: dict[int, Callable[[Connection], None]] = {1: _upgrade_1_to_2}
+UPGRADES: dict[int, Callable[[Connection], None]] = {1: _upgrade_1_to_2, 2: _upgrade_2_to_3}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Mapping
 
@@ -120,6 +121,10 @@ class RequestRecord:
     num_tokens: int | None = None  # the prompt's tokens
     policy: dict | None = None  # the policy's settings and where each came from
     node: str = ""  # the node that answered ("" with the embedded catalog)
+    # names the request across retries of its write: a write whose commit went through
+    # while its answer was lost (the server hung, or the network dropped) is not recorded
+    # twice when it waits and is tried again (None: recorded by a version without it)
+    uid: str | None = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def hits_by_tier(self) -> dict[str, int]:
