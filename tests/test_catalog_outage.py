@@ -16,8 +16,7 @@ pytest.importorskip("psycopg", reason="psycopg not installed (pip install cachec
 
 from cachecraft.catalog import Catalog, CatalogUnavailableError, ChunkRecord, RequestRecord  # noqa: E402
 from cachecraft.catalog import db  # noqa: E402
-from cachecraft.catalog.db import CONNECT_TIMEOUT_S, RETRY_FIRST_S, RETRY_MAX_S, CatalogOutage  # noqa: E402
-from cachecraft.catalog.db import CatalogTx  # noqa: E402
+from cachecraft.catalog.db import CONNECT_TIMEOUT_S, RETRY_FIRST_S, RETRY_MAX_S, CatalogOutage, CatalogTx  # noqa: E402
 from cachecraft.catalog.pending import PENDING_DIR, PendingRequests  # noqa: E402
 from cachecraft.config import Config  # noqa: E402
 from cachecraft.pipeline import Pipeline  # noqa: E402
@@ -220,11 +219,11 @@ def test_a_server_that_stops_answering_is_given_up_on_and_counted_lost_until_it_
             assert tx.chunk("k1") is not None
             lost_pg.freeze()
             error, took = finishes_within(20, lambda: tx.chunk("k1"))
-            assert 1 <= took < 3
+            assert 1 <= took < 5  # the answer deadline, not a new connection's (5 s more)
             raise error
     assert catalog.outage is not None
     error, took = finishes_within(5, lambda: catalog.chunk("k1"))
-    assert isinstance(error, CatalogUnavailableError) and took < 0.5  # lost: at once until a retry
+    assert isinstance(error, CatalogUnavailableError) and took < 1  # lost: at once until a retry
     catalog.outage.retry_at = 0.0
     error, took = finishes_within(20, lambda: catalog.chunk("k1"))  # a new connection is not answered either
     assert isinstance(error, CatalogUnavailableError) and took < 1 + CONNECT_TIMEOUT_S + 1

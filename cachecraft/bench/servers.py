@@ -157,7 +157,7 @@ class PostgresCluster:
 
     def halt(self) -> None:
         """Stop the server at once, as a crash would (its data stays for :meth:`resume`)."""
-        with contextlib.suppress(OSError, ValueError, IndexError):  # a frozen server takes no signal but this
+        with contextlib.suppress(OSError, ValueError, IndexError):  # a frozen server acts on no signal until thawed
             self.thaw()
         with contextlib.suppress(subprocess.CalledProcessError):
             self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "stop")
