@@ -14,6 +14,7 @@ pytest.importorskip("fastapi", reason="fastapi not installed (pip install cachec
 
 from fastapi.testclient import TestClient  # noqa: E402
 
+from cachecraft.catalog import CatalogUnavailableError  # noqa: E402
 from cachecraft.config import Config  # noqa: E402
 from cachecraft.pipeline import Pipeline  # noqa: E402
 from cachecraft.pipeline.documents import ForgetIncomplete  # noqa: E402
@@ -235,6 +236,14 @@ def test_ingest_query_stats_health_and_metrics(client, service, tmp_path, monkey
     monkeypatch.setattr(service.pipeline, "forget_documents", redis_away)
     away = client.post("/v1/forget", json={"paths": ["d1.txt"]})
     assert away.status_code == 503 and "did not answer" in away.json()["error"]["message"]
+
+    def catalog_away(catalog):
+        raise CatalogUnavailableError("cannot reach the catalog at catalog_url postgresql+psycopg://db/c")
+
+    monkeypatch.setattr("cachecraft.catalog.stats.summary", catalog_away)
+    no_stats = client.get("/v1/stats")
+    assert no_stats.status_code == 503 and "cannot reach the catalog" in no_stats.json()["error"]["message"]
+    assert client.get("/healthz").json()["status"] == "ok"  # the server itself is fine
 
 
 def test_a_request_may_ask_for_its_own_retrieval_and_chunk_order(tmp_path):

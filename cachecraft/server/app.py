@@ -144,7 +144,10 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/v1/stats")
     async def stats() -> dict:
         from cachecraft.catalog.stats import summary
-        data = await asyncio.to_thread(summary, service.pipeline.catalog)
+        try:
+            data = await asyncio.to_thread(summary, service.pipeline.catalog)
+        except CatalogUnavailableError as exc:  # away (or hung): answers go on, the statistics wait for it
+            raise ApiError(503, "server_error", str(exc)) from None
         config = service.config
         budgets = {"gpu": config.gpu_budget_bytes, "cpu": config.cpu_budget_bytes, "disk": config.disk_budget_bytes}
         for tier, usage in data["tiers"].items():
