@@ -140,7 +140,7 @@ def translate_server_error(exc: BaseException, url: str) -> CatalogError | None:
                                      f"with another's ({first}); retry")
     if isinstance(exc, (sa_exc.OperationalError, sa_exc.InterfaceError)):
         return CatalogUnavailableError(f"cannot reach the catalog at catalog_url {display_url(url)} "
-                                       f"({first}); start PostgreSQL there or fix catalog_url")
+                                       f"({first}); check that PostgreSQL runs and answers there, or fix catalog_url")
     return None
 
 
