@@ -167,15 +167,30 @@ def test_a_request_written_twice_is_recorded_once(catalog):
         assert tx.request(first).uid == rec.uid and tx.request(older[0]).uid is None
 
 
-def test_a_schema_2_catalog_gains_request_uids_and_keeps_its_rows(tmp_path):
+# what each schema version added, undone: the way back to the one before it
+DOWNGRADES = {
+    3: ["DROP INDEX ix_requests_uid", "ALTER TABLE requests DROP COLUMN uid"],
+    2: ["DROP TABLE model_profiles", "ALTER TABLE requests DROP COLUMN num_tokens",
+        "ALTER TABLE requests DROP COLUMN policy", "ALTER TABLE requests DROP COLUMN hits_redis",
+        "ALTER TABLE requests DROP COLUMN node", "ALTER TABLE entries DROP COLUMN node"],
+}
+
+
+def catalog_of_schema(tmp_path, version: int) -> None:
+    """A catalog in ``tmp_path`` with one request (ttft 2.0), as schema ``version`` wrote it."""
     with Catalog(tmp_path) as catalog:
         catalog.record_request(RequestRecord("q", "full", (), 1.0, 2.0, 2.0))
-    con = sqlite3.connect(catalog_path(tmp_path))  # back to what schema 2 looked like
-    con.execute("DROP INDEX ix_requests_uid")
-    con.execute("ALTER TABLE requests DROP COLUMN uid")
-    con.execute("UPDATE schema_info SET value='2' WHERE key='schema_version'")
+    con = sqlite3.connect(catalog_path(tmp_path))
+    for step in range(SCHEMA_VERSION, version, -1):
+        for statement in DOWNGRADES[step]:
+            con.execute(statement)
+    con.execute("UPDATE schema_info SET value=? WHERE key='schema_version'", (str(version),))
     con.commit()
     con.close()
+
+
+def test_a_schema_2_catalog_gains_request_uids_and_keeps_its_rows(tmp_path):
+    catalog_of_schema(tmp_path, 2)
     with Catalog(tmp_path) as catalog:
         assert catalog.upgraded_from == 2
         old = catalog.get_request(1)
@@ -355,20 +370,7 @@ def test_model_profiles_are_kept_per_model_device_and_kind(tmp_path, catalog):
 
 
 def test_a_schema_1_catalog_is_upgraded_in_place(tmp_path):
-    with Catalog(tmp_path) as catalog:
-        catalog.record_request(RequestRecord("q", "full", (), 1.0, 2.0, 2.0))
-    con = sqlite3.connect(catalog_path(tmp_path))  # back to what schema 1 looked like
-    con.execute("DROP INDEX ix_requests_uid")
-    con.execute("ALTER TABLE requests DROP COLUMN uid")
-    con.execute("DROP TABLE model_profiles")
-    con.execute("ALTER TABLE requests DROP COLUMN num_tokens")
-    con.execute("ALTER TABLE requests DROP COLUMN policy")
-    con.execute("ALTER TABLE requests DROP COLUMN hits_redis")
-    con.execute("ALTER TABLE requests DROP COLUMN node")
-    con.execute("ALTER TABLE entries DROP COLUMN node")
-    con.execute("UPDATE schema_info SET value='1' WHERE key='schema_version'")
-    con.commit()
-    con.close()
+    catalog_of_schema(tmp_path, 1)
     with Catalog(tmp_path) as catalog:
         assert catalog.upgraded_from == 1
         assert catalog.get_request(1).ttft_s == 2.0  # what was recorded is kept
