@@ -111,12 +111,19 @@ def test_available_variants_of_many_chunks_in_one_query_match_one_chunk_at_a_tim
     assert many == one
 
 
-def test_stored_variants_are_those_some_tier_holds(catalog):
+def test_stored_variants_are_those_some_tier_holds(catalog, monkeypatch):
     add_variant(catalog, "v2", "c1", tier="disk")
     add_variant(catalog, "v1", "c1", tier="cpu", owner="other-process")
     add_variant(catalog, "v3", "c2", tier=None)  # recorded, never stored
+    add_variant(catalog, "v0", "c4", tier="disk")
+    monkeypatch.setattr("cachecraft.catalog.db._IN_BATCH", 1)  # one query per chunk asked
     with catalog.read() as tx:
-        assert [v.key for v in tx.stored_variants()] == ["v1", "v2"]
+        assert [v.key for v in tx.stored_variants()] == ["v0", "v1", "v2"]
+        assert [v.key for v in tx.stored_variants(["c4", "c1", "c2", "c9"])] == ["v0", "v1", "v2"]
+        assert [v.key for v in tx.stored_variants(["c1"])] == ["v1", "v2"]
+        assert tx.stored_variants([]) == []
+    with catalog.write() as tx:
+        tx.remove_entry("v0", "disk")
     with catalog.write() as tx:
         tx.remove_entry("v2", "disk")
     with catalog.read() as tx:

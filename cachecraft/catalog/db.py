@@ -314,11 +314,16 @@ class CatalogTx:
                                     .order_by(Variant.created_at))
         return [_variant_record(r) for r in rows]
 
-    def stored_variants(self) -> list[VariantRecord]:
-        """Every variant whose bytes some tier holds (any owner), by key."""
-        placed = select(Entry.variant_key).distinct()
-        rows = self.session.scalars(select(Variant).where(Variant.key.in_(placed)).order_by(Variant.key))
-        return [_variant_record(r) for r in rows]
+    def stored_variants(self, chunks: Iterable[str] | None = None) -> list[VariantRecord]:
+        """Every variant whose bytes some tier holds (any owner), of ``chunks`` only when
+        given, by key."""
+        stored = select(Variant).where(Variant.key.in_(select(Entry.variant_key).distinct()))
+        if chunks is None:
+            return [_variant_record(r) for r in self.session.scalars(stored.order_by(Variant.key))]
+        wanted = sorted(set(chunks))
+        rows = [row for start in range(0, len(wanted), _IN_BATCH)  # bound the IN list a query carries
+                for row in self.session.scalars(stored.where(Variant.chunk_key.in_(wanted[start:start + _IN_BATCH])))]
+        return sorted((_variant_record(r) for r in rows), key=lambda r: r.key)
 
     def available_variants(self, chunk_key: str, owner: str, node: str = "") -> list[VariantRecord]:
         """Variants of a chunk that ``owner`` (a store on ``node``) can read: in its node's disk

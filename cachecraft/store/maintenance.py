@@ -198,9 +198,7 @@ def _variants_of_chunk(store: TieredStore, prefix: str) -> list[str]:
     if len(prefix) < MIN_PREFIX:
         raise SelectorError(f"give at least {MIN_PREFIX} characters of the chunk key (see `cachecraft query` "
                             "or `cachecraft explain`)")
-    with store.catalog.read() as tx:
-        chunks = tx.chunk_keys(prefix=prefix)
-    keys = _cached_variants(store, chunks)
+    keys = _cached_variants(store, prefix=prefix)
     matched = {chunk for chunk, _ in keys}
     if not matched:
         raise SelectorError(f"no cached chunk matches {prefix!r}")
@@ -222,7 +220,7 @@ def _variants_of_source(store: TieredStore, source: str) -> list[str]:
     if len(named) > 1:
         raise SelectorError(f"{wanted!r} names {len(named)} documents; give the path: "
                             + ", ".join(sorted(named)[:3]))
-    keys = _variants_of_documents(store, named)
+    keys = [key for _, key in _cached_variants(store, sources=named)]
     if not keys:
         raise SelectorError(f"no cached chunk comes from {wanted!r} (see the source column of `cachecraft stats`)")
     return keys
@@ -232,31 +230,22 @@ def evict_documents(store: TieredStore, sources: Iterable[str]) -> EvictReport:
     """Delete, from every tier ``store`` reaches, the variants of every chunk the catalog
     says came from one of ``sources`` (paths exactly as ingested); none is no error."""
     failures = _shared_failures(store)
-    removed = tuple(key for key in _variants_of_documents(store, set(sources)) if store.delete(key))
+    removed = tuple(key for _, key in _cached_variants(store, sources=sources) if store.delete(key))
     return EvictReport(removed, unreached=_unreached(store, failures))
 
 
-def _variants_of_documents(store: TieredStore, sources: set[str]) -> list[str]:
-    """Stored variant keys of every chunk the catalog says came from one of ``sources``."""
-    if not sources:
-        return []
+def _cached_variants(store: TieredStore, *, sources: Iterable[str] = (),
+                     prefix: str | None = None) -> list[tuple[str, str]]:
+    """(chunk key, variant key), sorted, of every variant that a tier ``store`` reaches
+    holds, of the chunks the catalog says came from one of ``sources`` or whose key (or a
+    variant's key) starts with ``prefix``: those the catalog places in a tier (any owner),
+    and those the shared tier holds, which the catalog need not place (put by another
+    node, or gone from this node's tiers since)."""
     with store.catalog.read() as tx:
-        chunks = tx.chunk_keys(sources=sources)
-    return [key for _, key in _cached_variants(store, chunks)]
-
-
-def _cached_variants(store: TieredStore, chunks: Iterable[str]) -> list[tuple[str, str]]:
-    """(chunk key, variant key) of every variant of ``chunks`` that a tier ``store`` reaches
-    holds: those the catalog places in a tier (any owner), and those the shared tier holds,
-    which the catalog need not place (put by another node, or gone from this node's tiers
-    since), sorted."""
-    wanted = set(chunks)
-    if not wanted:
-        return []
-    with store.catalog.read() as tx:
-        found = {(r.chunk_key, r.key) for r in tx.stored_variants() if r.chunk_key in wanted}
-    if store.shared is not None:
-        held = store.shared.variants_of_chunks(sorted(wanted))
+        chunks = tx.chunk_keys(sources=sources, prefix=prefix)
+        found = {(r.chunk_key, r.key) for r in tx.stored_variants(chunks)} if chunks else set()
+    if chunks and store.shared is not None:
+        held = store.shared.variants_of_chunks(chunks)
         found.update((chunk, meta.variant) for chunk, metas in held.items() for meta in metas)
     return sorted(found)
 
