@@ -233,6 +233,30 @@ def test_a_server_that_stops_answering_is_given_up_on_and_counted_lost_until_it_
     catalog.close()
 
 
+@pytest.mark.parametrize("kind", ["read", "write"])
+def test_a_pooled_connection_to_a_hung_server_is_given_up_on_within_the_ping_deadline(kind, tmp_path, lost_pg,
+                                                                                    monkeypatch):
+    """The pool checks a pooled connection before handing it out; that check, and the
+    reconnect after it fails, take their own short deadlines, not the transaction's."""
+    monkeypatch.setattr(db, "PING_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(db, "CONNECT_TIMEOUT_S", 1)
+    url = lost_pg.create_database()
+    catalog = Catalog(tmp_path / "c", url=url, timeout_s=10, answer_timeout_s=10)
+    catalog.upsert_chunk(ChunkRecord("k1", "fp", 7))  # its connection goes back to the pool
+    lost_pg.freeze()
+    if kind == "read":
+        error, took = finishes_within(40, lambda: catalog.chunk("k1"))
+    else:
+        error, took = finishes_within(40, lambda: catalog.upsert_chunk(ChunkRecord("k2", "fp", 9)))
+    assert isinstance(error, CatalogUnavailableError), error
+    assert took < 1 + 1 + 2  # the ping's and a reconnect's deadlines; the read's own is 10 s, the write's 20 s
+    assert catalog.outage is not None
+    lost_pg.thaw()
+    catalog.outage.retry_at = 0.0
+    assert catalog.chunk("k1").num_tokens == 7 and catalog.outage is None
+    catalog.close()
+
+
 def test_a_write_waiting_for_another_writers_lock_is_not_cut_by_the_answer_deadline(tmp_path, lost_pg):
     url = lost_pg.create_database()
     holder = Catalog(tmp_path / "a", url=url)

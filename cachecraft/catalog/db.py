@@ -56,6 +56,11 @@ KEEPALIVES = {"keepalives": 1, "keepalives_idle": 10, "keepalives_interval": 5, 
 # wait its lock timeout for another writer, legitimately); the connection is closed and
 # the catalog counted lost, so requests go on without it.
 ANSWER_TIMEOUT_S = 15.0
+# The pool's liveness check on a pooled connection (SELECT 1) gets no longer than a new
+# connection would: a server that cannot answer it in that time is hung, and the pool's
+# reconnect that follows fails within CONNECT_TIMEOUT_S too. Without it, the first call
+# after a hang began waited a whole read or write deadline before the reconnect.
+PING_TIMEOUT_S = 5.0
 # After the catalog's server is lost mid-run, calls fail at once (no connect timeout
 # each) until the next retry; the wait doubles from the first to the last value.
 RETRY_FIRST_S = 1.0
@@ -193,6 +198,20 @@ def _answering_connection() -> type:
                 raise ServerSilent(f"did not answer within {within:g} s") from None
 
     return AnsweringConnection
+
+
+def _pinged_briefly(ping):
+    """``ping`` (the dialect's liveness check of a pooled connection) under
+    :data:`PING_TIMEOUT_S`, or the transaction's own deadline where that is shorter."""
+
+    def ping_briefly(dbapi_connection) -> bool:
+        within = _ANSWER_WITHIN.set(min(PING_TIMEOUT_S, _ANSWER_WITHIN.get()))
+        try:
+            return ping(dbapi_connection)
+        finally:
+            _ANSWER_WITHIN.reset(within)
+
+    return ping_briefly
 
 
 class CatalogOutage:
@@ -736,6 +755,8 @@ class Catalog:
         @event.listens_for(self._engine, "do_connect")
         def _connect(_dialect, _record, cargs, cparams):
             return _answering_connection().connect(*cargs, **cparams)
+
+        self._engine.dialect.do_ping = _pinged_briefly(self._engine.dialect.do_ping)
 
         # reads: one REPEATABLE READ snapshot per transaction, as SQLite's deferred reads
         self._read_engine = self._engine.execution_options(isolation_level="REPEATABLE READ")
