@@ -26,6 +26,7 @@ CONFIG_ENV = "CACHECRAFT_CONFIG"
 
 log = logging.getLogger(__name__)
 _warned_env: set[str] = set()  # unknown variables already named in this process
+_warned_tables: set[str] = set()  # config files whose other tables were already named
 
 DEFAULT_SYSTEM_PROMPT = (
     "You are a helpful assistant. Answer the question using the passages below. "
@@ -380,10 +381,27 @@ def _read_toml(path: Path) -> dict[str, Any]:
         data = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory; give a TOML file") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the config file {path}: {exc.strerror}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    # Accept either a flat file or one with a [cachecraft] table.
-    return dict(data.get("cachecraft", data))
+    # Accept either a flat file or one with a [cachecraft] table, not both: a key outside
+    # the table would be ignored without a word.
+    if "cachecraft" not in data:
+        return dict(data)
+    outside = sorted(k for k, v in data.items() if k != "cachecraft" and not isinstance(v, dict))
+    if outside:
+        raise ConfigError(f"config file {path} has settings outside its [cachecraft] table ({', '.join(outside)}); "
+                          "put them all in the table, or drop the table header")
+    others = sorted(k for k in data if k not in ("cachecraft", *outside))
+    if others and str(path) not in _warned_tables:  # another tool's tables in a shared file; said once
+        _warned_tables.add(str(path))
+        log.warning("config file %s: only the [cachecraft] table is read; ignoring [%s]", path, "], [".join(others))
+    if not isinstance(data["cachecraft"], dict):
+        raise ConfigError(f"config file {path}: cachecraft must be a table ([cachecraft]), not a value")
+    return dict(data["cachecraft"])
 
 
 def _coerce(f: dataclasses.Field, value: Any) -> Any:
@@ -392,15 +410,22 @@ def _coerce(f: dataclasses.Field, value: Any) -> Any:
         if f.name.endswith("_bytes"):
             return parse_bytes(value)
         if kind == "Path":
+            if not str(value).strip():  # Path("") is the current directory: never what was meant
+                raise ConfigError(f"{f.name}: an empty path names nothing; give a directory or leave it unset")
             return Path(str(value)).expanduser()
         if kind == "int":
             if isinstance(value, float) or isinstance(value, bool):
                 raise ValueError
             return int(value)
         if kind == "float":
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):  # inf or nan pass every bound check, and JSON has no word for them
+                raise ConfigError(f"{f.name}: {value!r} is not a finite number")
+            return number
         if kind == "bool":
             return _parse_bool(value)
         return str(value)
+    except ConfigError:
+        raise
     except (TypeError, ValueError):
         raise ConfigError(f"{f.name}: cannot read {value!r} as {kind}") from None

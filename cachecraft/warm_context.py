@@ -101,7 +101,16 @@ def load_text(setting: str) -> str:
         return BUILTIN_TEXT
     if setting == NONE:
         return ""
-    return Path(setting).expanduser().read_text(encoding="utf-8")
+    from cachecraft.config import ConfigError
+
+    path = Path(setting).expanduser()
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"warm_context {path} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                          "give a text file, 'builtin' or 'none'") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read the warm_context file {path}: {exc.strerror}") from None
 
 
 def token_ids(text: str, encode: Callable[[str], Sequence[int]], max_tokens: int, max_context: int) -> tuple[int, ...]:

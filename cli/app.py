@@ -27,7 +27,8 @@ from . import STARTED
 from .bench import bench_app
 from .serve import register as register_serve
 from .common import (CONTEXT, METHODS_HELP, UserError, console, err_console, friendly, invocation, load_config,
-                     load_model_quietly, quiet_libraries, shared_tier_failures_reported_here, summarize_commands)
+                     load_model_quietly, nonempty_path, quiet_libraries, shared_tier_failures_reported_here,
+                     summarize_commands)
 
 app = typer.Typer(help="cachecraft: reuse per-chunk KV caches for RAG, recompute only what matters.",
                   context_settings=CONTEXT, no_args_is_help=True, add_completion=False)
@@ -40,9 +41,9 @@ app.add_typer(config_app, name="config")
 @app.callback()
 def main_options(
     ctx: typer.Context,
-    config: Optional[Path] = typer.Option(None, "--config", help="TOML config file (else $CACHECRAFT_CONFIG)."),
+    config: Optional[Path] = typer.Option(None, "--config", parser=nonempty_path, help="TOML config file (else $CACHECRAFT_CONFIG)."),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir",
-                                             help="Cache directory (else $CACHECRAFT_CACHE_DIR or the user cache dir)."),
+                                             parser=nonempty_path, help="Cache directory (else $CACHECRAFT_CACHE_DIR or the user cache dir)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress details."),
 ) -> None:
     """Chunk-cache manager for RAG. Try `cachecraft demo`, or your own documents:
@@ -92,7 +93,7 @@ FEW_ITEMS = 10  # below this many items, calibrate calls its paired intervals ro
 @friendly
 def calibrate_cmd(
     ctx: typer.Context,
-    dataset: Path = typer.Option(..., help="MuSiQue-format JSON file (list of {ctxs, question, answers})."),
+    dataset: Path = typer.Option(..., parser=nonempty_path, help="MuSiQue-format JSON file (list of {ctxs, question, answers})."),
     limit: int = typer.Option(20, help="Use N items (after --skip)."),
     skip: int = typer.Option(0, min=0, help="Leave out the first N items: fit on items kept apart from the ones "
                                             "you report results on."),
@@ -139,7 +140,7 @@ def calibrate_cmd(
                                                         "config warm_context, as `warm` makes them)."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
-    out: Optional[Path] = typer.Option(None, help="Also write the result (every candidate, the chosen one, each "
+    out: Optional[Path] = typer.Option(None, parser=nonempty_path, help="Also write the result (every candidate, the chosen one, each "
                                                   "answer's figures item by item for paired comparisons, the "
                                                   "command, date, machine and code) to this JSON file, as the "
                                                   "benchmarks do."),
@@ -249,9 +250,9 @@ def calibrate_cmd(
 @friendly
 def demo_cmd(
     ctx: typer.Context,
-    corpus: Path = typer.Option(Path("data/kestrel"), help="Folder of .md/.txt documents to ingest."),
+    corpus: Path = typer.Option(Path("data/kestrel"), parser=nonempty_path, help="Folder of .md/.txt documents to ingest."),
     questions: Path = typer.Option(Path("data/kestrel_questions.json"),
-                                   help="MuSiQue-format file; its questions (and gold answers) are asked."),
+                                   parser=nonempty_path, help="MuSiQue-format file; its questions (and gold answers) are asked."),
     limit: int = typer.Option(4, min=1, help="How many questions to answer."),
 ) -> None:
     """Ingest the sample manual, warm its chunk-caches, then answer a few questions with
@@ -271,7 +272,7 @@ def demo_cmd(
 @friendly
 def ingest_cmd(
     ctx: typer.Context,
-    paths: list[Path] = typer.Argument(..., help="Files (.txt, .md, .markdown, .html, .htm, .pdf, .docx) or "
+    paths: list[Path] = typer.Argument(..., parser=nonempty_path, help="Files (.txt, .md, .markdown, .html, .htm, .pdf, .docx) or "
                                                  "directories (read recursively, hidden files skipped)."),
     model: Optional[str] = typer.Option(None, help="Generator whose tokenizer measures chunks (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
@@ -345,7 +346,7 @@ def documents_cmd(
 @friendly
 def forget_cmd(
     ctx: typer.Context,
-    paths: list[Path] = typer.Argument(..., help="Files as ingested, directories (every ingested file under "
+    paths: list[Path] = typer.Argument(..., parser=nonempty_path, help="Files as ingested, directories (every ingested file under "
                                                  "them), or bare file names naming one ingested file; they "
                                                  "need not exist any more."),
     keep_caches: bool = typer.Option(False, "--keep-caches", help="Leave the chunk-caches of their chunks in "

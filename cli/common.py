@@ -120,7 +120,20 @@ def load_config(ctx: typer.Context, **overrides: Any) -> Config:
     """The effective config for this invocation."""
     obj = ctx.obj or {}
     merged = {**obj.get("overrides", {}), **overrides}
-    return Config.load(obj.get("config_path"), overrides=merged)
+    config = Config.load(obj.get("config_path"), overrides=merged)
+    _usable_cache_dir(config.cache_dir)
+    return config
+
+
+def _usable_cache_dir(path: Path) -> None:
+    """Refuse a cache directory that is a file, or lies under one, before any command reads
+    it (as an empty cache) or writes it."""
+    for place in (path, *path.parents):
+        if place.exists():
+            if not place.is_dir():
+                where = "is a file" if place == path else f"lies under {place}, a file"
+                raise UserError(f"the cache directory {path} {where}, not a directory; set cache_dir elsewhere")
+            return
 
 
 def invocation(ctx: typer.Context, command: str) -> str:
@@ -133,6 +146,15 @@ def invocation(ctx: typer.Context, command: str) -> str:
     name = command.split()[-1]
     rest = args[args.index(name) + 1:] if name in args else []
     return with_settings(" ".join([f"cachecraft {command}", *map(shlex.quote, rest)]), load_config(ctx))
+
+
+def nonempty_path(value: str | Path) -> Path:
+    """A path given on the command line; an empty one is refused: converted as it is, it
+    would name the current directory, so `forget "$UNSET"` would forget every file
+    ingested from here."""
+    if not str(value).strip():
+        raise typer.BadParameter("an empty path names nothing (an unset shell variable?)")
+    return Path(value)
 
 
 def ensure_dir(path: Path) -> Path:

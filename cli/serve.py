@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import errno
 import signal
+import socket
 import time
 from typing import Any, Optional
 
@@ -40,13 +42,24 @@ def serve_cmd(ctx: typer.Context,
         from cachecraft.server.service import Service
     except ImportError:
         raise UserError("cachecraft serve needs the server extra: pip install 'cachecraft[server]'") from None
+    from uvicorn.config import LOG_LEVELS
+
     from .product import open_pipeline
 
+    if log_level.lower() not in LOG_LEVELS:
+        raise UserError(f"unknown --log-level {log_level!r}; one of {', '.join(LOG_LEVELS)}")
     config = load_config(ctx, model=model)
+    # the address is taken before the model loads: a port in use is told at once, and
+    # "serving" is printed only once the server can be reached there
+    listening = _listening_socket(host, port)
     if host not in LOOPBACK and not config.api_key:
         err_console.print(f"[yellow]warning:[/yellow] listening on {host} without an API key: anyone who can "
                           "reach it may ask, ingest and warm; set CACHECRAFT_API_KEY", highlight=False)
-    pipe = open_pipeline(config)
+    try:
+        pipe = open_pipeline(config)
+    except BaseException:
+        listening.close()
+        raise
     try:
         with console.status("measuring the prefill cost (once per model and machine) ..."):
             pipe.ensure_cost_model()
@@ -63,9 +76,29 @@ def serve_cmd(ctx: typer.Context,
         console.print(f"serving {pipe.lm.name} on http://{host}:{port} (OpenAI base URL http://{host}:{port}/v1), "
                       f"{len(pipe.corpus)} chunks ingested; ready in {time.perf_counter() - STARTED:.1f} s",
                       highlight=False)
-        uvicorn.run(create_app(service), host=host, port=port, log_level=log_level)
+        server = uvicorn.Server(uvicorn.Config(create_app(service), host=host, port=port, log_level=log_level.lower()))
+        server.run(sockets=[listening])
     finally:
+        listening.close()
         service.close()
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port`` for the server, or a one-line error."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise UserError(f"cannot listen on {host}: {exc.strerror}; give an address of this machine with --host") \
+            from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        hint = "; another server is there: stop it or pick another --port" if exc.errno == errno.EADDRINUSE else ""
+        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror}{hint}") from None
+    return sock
 
 
 def _exit_quietly(signum, frame) -> None:

@@ -111,6 +111,28 @@ def test_bad_input_is_one_line_and_exit_1(args, needle, tmp_path, dataset, cache
     one_line_error(runner.invoke(app, args), needle)
 
 
+@pytest.mark.parametrize("args", [["forget", ""], ["ingest", "docs", " "], ["--cache-dir", "", "stats"],
+                                  ["--config", "", "config", "show"], ["bench", "quality", "--dataset", ""]])
+def test_an_empty_path_is_refused_not_taken_for_the_current_directory(args, tmp_path, cache_dir, monkeypatch):
+    """`forget "$UNSET"` would otherwise forget every file ingested from the current directory."""
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and "an empty path names nothing" in result.output, result.output
+    assert not (tmp_path / "catalog.sqlite").exists() and not cache_dir.exists()
+
+
+@pytest.mark.parametrize("command", [["documents"], ["verify"], ["clear", "--yes"], ["stats"], ["query", "hi"],
+                                     ["warm"]])
+def test_a_cache_dir_that_is_a_file_is_one_line_and_exit_1(command, tmp_path, monkeypatch):
+    taken = tmp_path / "taken"
+    taken.write_text("a file")
+    monkeypatch.setenv("CACHECRAFT_CACHE_DIR", str(taken))
+    one_line_error(runner.invoke(app, command), f"the cache directory {taken} is a file, not a directory")
+    monkeypatch.setenv("CACHECRAFT_CACHE_DIR", str(taken / "sub"))
+    one_line_error(runner.invoke(app, command), f"lies under {taken}, a file")
+    assert taken.read_text() == "a file"
+
+
 @pytest.mark.parametrize("command", ["quality", "workload", "eviction", "scaling"])
 def test_bench_commands_need_a_dataset(command):
     result = runner.invoke(app, ["bench", command])

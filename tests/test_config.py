@@ -51,6 +51,31 @@ def test_corrupted_or_missing_config_file(tmp_path):
         Config.load(tmp_path / "nope.toml", environ={})
 
 
+def test_a_config_path_that_is_a_directory_or_keys_beside_the_table_are_refused(tmp_path, caplog):
+    with pytest.raises(ConfigError, match="is a directory; give a TOML file"):
+        Config.load(tmp_path, environ={})
+    mixed = tmp_path / "mixed.toml"
+    mixed.write_text("top_k = 5\n[cachecraft]\nchunk_overlap = 2\n")  # top_k would be ignored
+    with pytest.raises(ConfigError, match=r"settings outside its \[cachecraft\] table \(top_k\)"):
+        Config.load(mixed, environ={})
+    shared = tmp_path / "shared.toml"
+    shared.write_text("[cachecraft]\ntop_k = 5\n[other_tool]\nx = 1\n")
+    assert Config.load(shared, environ={}).top_k == 5
+    assert "only the [cachecraft] table is read; ignoring [other_tool]" in caplog.text
+
+
+@pytest.mark.parametrize("key,value", [("server_timeout_s", "inf"), ("policy_alpha", float("nan")),
+                                       ("cacheblend_ratio", "-inf")])
+def test_a_setting_that_is_not_a_finite_number_is_refused(key, value):
+    with pytest.raises(ConfigError, match=f"{key}: .* is not a finite number"):
+        Config.from_mapping({key: value})
+
+
+def test_an_empty_cache_dir_is_refused_not_taken_for_the_current_directory():
+    with pytest.raises(ConfigError, match="cache_dir: an empty path names nothing"):
+        Config.load(environ={"CACHECRAFT_CACHE_DIR": ""})
+
+
 def test_parse_bytes():
     assert parse_bytes("512MiB") == 512 * 2**20
     assert parse_bytes("2GB") == 2 * 10**9
@@ -100,6 +125,10 @@ def test_warm_context_takes_builtin_none_or_an_existing_file(tmp_path):
     assert load_text("builtin") == BUILTIN_TEXT and load_text("none") == ""
     with pytest.raises(ConfigError, match="warm_context must be"):
         Config.load(overrides={"cache_dir": tmp_path, "warm_context": str(tmp_path / "missing.txt")}, environ={})
+    binary = tmp_path / "context.bin"
+    binary.write_bytes(b"plain start \xb8\xff")
+    with pytest.raises(ConfigError, match=r"warm_context .*context.bin is not UTF-8 text \(invalid start byte at byte 12\)"):
+        load_text(str(binary))
 
 
 def test_a_result_command_carries_the_settings_that_differ_from_the_defaults(tmp_path):

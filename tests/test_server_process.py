@@ -123,6 +123,18 @@ def test_query_with_no_server_there_is_one_line(tmp_path):
     assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
+def test_a_port_in_use_or_a_bad_log_level_is_one_line_before_anything_loads(server, tiny_dir, tmp_path):
+    port = server.url.rsplit(":", 1)[1]
+    second = server.cli("serve", "--port", port)
+    assert second.returncode == 1 and "serving" not in second.stdout
+    assert second.stderr.strip() == (f"error: cannot listen on 127.0.0.1:{port}: Address already in use; another "
+                                     "server is there: stop it or pick another --port")
+    bad = server.cli("serve", "--port", str(free_port()), "--log-level", "loud")
+    assert bad.returncode == 1 and "serving" not in bad.stdout and "Traceback" not in bad.stderr
+    assert "unknown --log-level 'loud'; one of critical, error, warning, info, debug, trace" in bad.stderr
+    assert server.cli("stats", "--json").returncode == 0  # the first server still answers
+
+
 def test_kill_9_during_a_warm_leaves_the_cache_consistent(tiny_dir, tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()
