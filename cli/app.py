@@ -618,7 +618,8 @@ def verify_cmd(ctx: typer.Context,
 @app.command("explain")
 @friendly
 def explain_cmd(ctx: typer.Context,
-                request_id: Optional[int] = typer.Argument(None, help="Request id (default: the latest)."),
+                request_id: Optional[int] = typer.Argument(None, min=1, max=2**63 - 1,
+                                                          help="Request id (default: the latest)."),
                 as_json: bool = typer.Option(False, "--json", help="Print one JSON document.")) -> None:
     """Why a request was planned the way it was: per chunk the variant used and its tier,
     CCI, beta', Cache Fix Overhead, recompute fraction and stop layer."""

@@ -236,3 +236,10 @@ def test_help_formatting_tweak_leaves_a_typer_without_rich_types_alone(monkeypat
     monkeypatch.setattr(TyperOption, "display_type_rich", None)  # as if typer had none
     common._flags_without_types()  # no error, and nothing patched in
     assert TyperOption.display_type_rich is None
+
+
+@pytest.mark.parametrize("request_id", ["0", "99999999999999999999999"])
+def test_explain_refuses_an_id_no_catalog_can_hold(request_id, cache_dir):
+    result = runner.invoke(app, ["explain", request_id])
+    assert result.exit_code == 2 and "Invalid value for 'request_id'" in result.output
+    assert "Traceback" not in result.output

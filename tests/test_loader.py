@@ -48,6 +48,27 @@ def test_bad_model_names_are_explained(tmp_path, cache_dir):
         load_model(str(tmp_path / "file.txt"), config)
 
 
+def test_damaged_model_files_are_one_error_naming_the_file(tmp_path, cache_dir):
+    config = Config.load(environ={})
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf file at all" * 10)
+    with pytest.raises(ModelLoadError, match=r"cannot read the GGUF file .*fake.gguf: .*GGUF magic"):
+        load_model(str(fake), config)
+    lm = tiny_model("llama")
+    for damage in ("config", "weights", "no weights"):
+        folder = tmp_path / damage.replace(" ", "-")
+        lm.model.save_pretrained(folder)
+        lm.tokenizer.save_pretrained(folder)
+        if damage == "config":
+            (folder / "config.json").write_text("{not json")
+        elif damage == "weights":
+            (folder / "model.safetensors").write_bytes(b"\xff" * 64)
+        else:
+            (folder / "model.safetensors").unlink()
+        with pytest.raises(ModelLoadError, match=f"cannot load the model directory {folder}: "):
+            load_model(str(folder), config)
+
+
 def test_a_broken_link_for_the_model_cache_is_one_clear_error(tmp_path):
     from cachecraft.model.loader import convert_gguf
 

@@ -208,34 +208,55 @@ def load_model(name: str | None = None, config: Config | None = None) -> LoadedM
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     path = Path(name).expanduser()
+    converted = True  # a folder this cache made from a GGUF file (made again when deleted)
     if name in BUNDLED:
-        source = convert_gguf(bundled_gguf(name, config.models_dir), config.models_dir)
+        local = convert_gguf(bundled_gguf(name, config.models_dir), config.models_dir)
     elif path.suffix == ".gguf":
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
-        source = convert_gguf(path.resolve(), config.models_dir)
+        try:
+            local = convert_gguf(path.resolve(), config.models_dir)
+        except (ValueError, KeyError, OSError) as exc:  # not GGUF, cut short, or a layout we cannot convert
+            raise ModelLoadError(f"cannot read the GGUF file {path}: {_first_line(exc)}") from None
     elif path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
-        source = path
+        local, converted = path, False
     elif path.exists():
         raise ModelLoadError(f"{path} is neither a model directory nor a .gguf file")
     else:
-        source = name  # a hub id; works from the local HF cache, or where the network allows
+        return _load_from_hub(name, device, dtype)
     try:
-        tokenizer, model = _from_pretrained(str(source), dtype, local_only=True)
-    except (OSError, ValueError) as local_exc:
-        known = ", ".join(sorted(BUNDLED))
-        if not isinstance(source, str) or not _hub_reachable():
-            reason = str(local_exc).splitlines()[0] if isinstance(source, Path) else "the hub is unreachable"
-            raise ModelLoadError(
-                f"cannot load model {name!r}: not a bundled name ({known}), a local model directory "
-                f"or a .gguf file, and not in the local Hugging Face cache ({reason})") from None
-        try:
-            tokenizer, model = _from_pretrained(source, dtype, local_only=False)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"cannot load model {name!r} from the hub: {str(exc).splitlines()[0]}") from None
+        tokenizer, model = _from_pretrained(str(local), dtype, local_only=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged file fails in many libraries' own ways
+        if converted:
+            raise ModelLoadError(f"cannot load the model {name!r} from its conversion {local}: {_first_line(exc)}; "
+                                 "delete that folder and it is converted again") from None
+        raise ModelLoadError(f"cannot load the model directory {local}: {_first_line(exc)}") from None
     return wrap_model(name, model, tokenizer, device, dtype)
+
+
+def _load_from_hub(name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """A hub id, from the local Hugging Face cache, else from the hub where the network allows."""
+    try:
+        tokenizer, model = _from_pretrained(name, dtype, local_only=True)
+    except (OSError, ValueError):
+        if not _hub_reachable():
+            raise ModelLoadError(
+                f"cannot load model {name!r}: not a bundled name ({', '.join(sorted(BUNDLED))}), a local model "
+                "directory or a .gguf file, and not in the local Hugging Face cache (the hub is unreachable)") \
+                from None
+        try:
+            tokenizer, model = _from_pretrained(name, dtype, local_only=False)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot load model {name!r} from the hub: {_first_line(exc)}") from None
+    return wrap_model(name, model, tokenizer, device, dtype)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _from_pretrained(source: str, dtype: torch.dtype, local_only: bool):
