@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 
@@ -142,6 +143,12 @@ def test_stop_strings_end_the_answer_before_them(client, reference):
     ({"messages": [{"role": "user", "content": "q"}], "documents": ["a"], "max_tokens": 10**6}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "q"}], "retrieval_order": "date"}, 400, "score, document"),
     ({"messages": [{"role": "user", "content": "q"}], "documents": ["a"], "chunk_order": "x"}, 400, "given, cache"),
+    ({"messages": [{"role": "user", "content": "q"}], "documents": ["a"], "stream": "yes"}, 400, "stream: Input should be a valid boolean"),
+    ({"messages": [{"role": "user", "content": "q"}], "documents": ["a"], "stream": 1}, 400, "stream"),
+    ({"messages": [{"role": "user", "content": "q"}], "documents": ["a"], "max_tokens": "5"}, 400, "max_tokens: Input should be a valid integer"),
+    ({"messages": [{"role": "user", "content": "q"}], "documents": ["a"], "method": ""}, 400, "method: unknown method ''"),
+    ({"messages": [{"role": "user", "content": 5}], "documents": ["a"]}, 400, "messages.0.content: "),
+    ("", 400, "the request has no body; send a JSON object"),
 ])
 def test_bad_requests_are_one_line_json_errors(client, body, status, words):
     if isinstance(body, str):
@@ -199,13 +206,42 @@ def test_the_queue_refuses_past_its_length_and_times_out(tmp_path):
         service.close()
 
 
+def test_upkeep_is_not_cut_by_the_answer_timeout(tmp_path, monkeypatch):
+    """Ingest, forget and warm run to their end once started: answering 503 "retry later"
+    for one that then finished would have the client do it twice."""
+    service = make_service(tmp_path / "u", server_timeout_s=0.2)
+
+    class Done:
+        def to_dict(self):
+            return {"done": True}
+
+    def slowly(*args, **kwargs):
+        time.sleep(0.6)
+        return Done()
+
+    monkeypatch.setattr(service.pipeline, "ingest", slowly)
+    monkeypatch.setattr(service.pipeline, "forget_documents", slowly)
+    try:
+        with TestClient(create_app(service)) as c:
+            assert c.post("/v1/ingest", json={"paths": ["a.txt"]}).json() == {"done": True}
+            assert c.post("/v1/forget", json={"paths": ["a.txt"]}).json() == {"done": True}
+            assert service.counters.timed_out == 0
+    finally:
+        service.close()
+
+
 def test_ingest_query_stats_health_and_metrics(client, service, tmp_path, monkeypatch):
     docs = tmp_path / "docs"
     docs.mkdir()
     for i, chunk in enumerate(CHUNKS):
         (docs / f"d{i}.txt").write_text(chunk)
+    empty = client.post("/v1/warm", json={})
+    assert empty.status_code == 400 and empty.json()["error"]["message"].endswith("is empty: POST /v1/ingest first")
     ingested = client.post("/v1/ingest", json={"paths": [str(docs)]})
     assert ingested.status_code == 200 and ingested.json()["skipped"] == []
+    for shard in ([1, 0], [5, 2], [-1, 2], ["0", "1"]):
+        refused = client.post("/v1/warm", json={"shard": shard})
+        assert refused.status_code == 400 and refused.json()["error"]["message"].startswith("shard"), refused.text
     assert client.post("/v1/warm", json={}).json()["total"] >= len(CHUNKS)
     corpus, searches = service.pipeline.corpus, []
     search = corpus.search
@@ -228,7 +264,8 @@ def test_ingest_query_stats_health_and_metrics(client, service, tmp_path, monkey
     assert forgot.json()["files"] == [str((docs / "d0.txt").resolve())] and forgot.json()["evicted"] >= 1
     assert str((docs / "d0.txt").resolve()) not in corpus.documents()
     missing = client.post("/v1/forget", json={"paths": ["d0.txt"]})  # gone already
-    assert missing.status_code == 400 and "nothing was ingested from d0.txt" in missing.json()["error"]["message"]
+    assert missing.status_code == 400 and missing.json()["error"]["message"].endswith(
+        "nothing was ingested from d0.txt (`cachecraft documents` on the server lists what was)")
 
     def redis_away(paths, keep_caches=False):
         raise ForgetIncomplete("forgot 1 file(s), but the shared tier at redis://h:1/0 did not answer")

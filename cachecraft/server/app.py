@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 import threading
 import time
@@ -43,6 +44,8 @@ log = logging.getLogger(__name__)
 
 MODEL_ALIASES = ("cachecraft", "default")
 """Model names every server answers to, besides its model's own name."""
+UPKEEP_TIMEOUT_S = 24 * 3600.0
+"""How long ingest, forget and warm may wait and run (at least server_timeout_s)."""
 
 
 class ApiError(Exception):
@@ -122,22 +125,27 @@ def create_app(service: Service) -> FastAPI:
             raise ApiError(400, "invalid_request_error", str(exc), "prompt") from None
         return await _complete(service, metrics, body, prompt, chat=False, request=request)
 
+    # Ingest, forget and warm run to the end once started (they cannot be cut midway), so
+    # they get a day, not server_timeout_s: a 503 "retry later" for work that then
+    # finished would have clients do it twice.
+    upkeep_s = max(service.config.server_timeout_s, UPKEEP_TIMEOUT_S)
+
     @app.post("/v1/ingest")
     async def ingest(body: IngestRequest) -> dict:
-        outcome = await _queued(service, lambda: service.pipeline.ingest(body.paths))
+        outcome = await _queued(service, lambda: service.pipeline.ingest(body.paths), timeout_s=upkeep_s)
         return outcome.to_dict()
 
     @app.post("/v1/forget")
     async def forget(body: ForgetRequest) -> dict:
         outcome = await _queued(service, lambda: service.pipeline.forget_documents(body.paths,
-                                                                                  keep_caches=body.keep_caches))
+                                                                                  keep_caches=body.keep_caches),
+                                timeout_s=upkeep_s)
         return outcome.to_dict()
 
     @app.post("/v1/warm")
     async def warm(body: WarmRequest | None = None) -> dict:
         shard = body.shard if body is not None and body.shard is not None else (0, 1)
-        report = await _queued(service, lambda: service.pipeline.warm_corpus(shard=shard),
-                               timeout_s=max(service.config.server_timeout_s, 24 * 3600.0))
+        report = await _queued(service, lambda: service.pipeline.warm_corpus(shard=shard), timeout_s=upkeep_s)
         return {"made": report.made, "skipped": report.skipped, "total": report.total,
                 "in_context": report.in_context}
 
@@ -168,13 +176,19 @@ def _authorised(request: Request, key: str) -> bool:
     return secrets.compare_digest(token.encode(), key.encode())
 
 
+_TYPE_TAG = re.compile(r"(str|int|float|bool|none|(list|dict|tuple|function-[a-z]+)\[.*\])")
+
+
 def _validation_error(exc: RequestValidationError) -> ApiError:
     """The first problem of a request body, as one line naming the field."""
     first = exc.errors()[0] if exc.errors() else {}
-    where = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # the location without pydantic's tags for the member of a union it tried (str, list[...])
+    where = [str(p) for p in first.get("loc", ()) if p != "body" and not _TYPE_TAG.fullmatch(str(p))]
     kind = first.get("type", "")
     if kind == "json_invalid":
         return ApiError(400, "invalid_request_error", "the request body is not valid JSON")
+    if kind == "missing" and not where:
+        return ApiError(400, "invalid_request_error", "the request has no body; send a JSON object")
     if kind == "extra_forbidden":
         return ApiError(400, "invalid_request_error", f"unknown field {'.'.join(where)!r}", ".".join(where))
     if kind == "missing":
@@ -195,7 +209,19 @@ async def _queued(service: Service, fn: Callable[[], Any], cancel: threading.Eve
     except (CatalogUnavailableError, ForgetIncomplete) as exc:  # answers go on; what needs a server waits for it
         raise ApiError(503, "server_error", str(exc)) from None
     except (BadRequest, PromptInputError, CorpusError, DocumentError) as exc:
-        raise ApiError(400, "invalid_request_error", str(exc)) from None
+        raise ApiError(400, "invalid_request_error", _said_to_clients(str(exc))) from None
+
+
+# the library's messages name the commands a user at the server's shell would run; a
+# client of the API has the endpoints instead
+_CLIENT_WORDS = (("run `cachecraft ingest PATH` first", "POST /v1/ingest first"),
+                 ("(`cachecraft documents` lists what was)", "(`cachecraft documents` on the server lists what was)"))
+
+
+def _said_to_clients(message: str) -> str:
+    for cli_words, api_words in _CLIENT_WORDS:
+        message = message.replace(cli_words, api_words)
+    return message
 
 
 def _job_factory(service: Service, body: Generation, question: str,

@@ -4,14 +4,15 @@ fields cachecraft adds (``documents``, ``method``, ``top_k``, ``question_templat
 
 Fields OpenAI defines that change nothing here (``user``, ``n`` of 1, zero penalties,
 ``stream_options``) are accepted; any other field is refused by name, so a typo is never
-silently ignored.
+silently ignored. Numbers and flags take JSON's own types: ``"stream": "yes"`` or
+``"max_tokens": "5"`` are refused, not guessed at.
 """
 
 from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationInfo, field_validator
 
 from cachecraft.config import CHUNK_ORDERS, RETRIEVAL_ORDERS
 
@@ -53,13 +54,13 @@ class Generation(_Strict):
     """What OpenAI's completion endpoints share."""
 
     model: Optional[str] = None
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[StrictInt] = Field(None, ge=1)
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=1)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: Union[str, list[str], None] = None
-    stream: bool = False
-    seed: Optional[int] = None
+    stream: StrictBool = False
+    seed: Optional[StrictInt] = None
     # accepted because clients send them; they change nothing here
     user: Optional[str] = None
     n: Literal[1] = 1
@@ -71,7 +72,7 @@ class Generation(_Strict):
                                                              "client's own retrieval); none: retrieve from "
                                                              "the ingested corpus")
     method: Optional[str] = None
-    top_k: Optional[int] = Field(None, ge=1)
+    top_k: Optional[StrictInt] = Field(None, ge=1)
     question_template: Optional[str] = Field(None, description="How the question is put after the chunks, "
                                                                "with a {question} placeholder; "
                                                                "\"{question}\": as sent (a client that "
@@ -84,7 +85,7 @@ class Generation(_Strict):
                                                          "right after a chunk one of its caches was made after "
                                                          "(default: the server's config)")
 
-    fit_max_tokens: bool = Field(False, description="Cap max_tokens at what the context window leaves after "
+    fit_max_tokens: StrictBool = Field(False, description="Cap max_tokens at what the context window leaves after "
                                                     "the prompt instead of refusing the request")
 
     @field_validator("question_template")
@@ -149,10 +150,18 @@ class ForgetRequest(_Strict):
     (unless ``keep_caches``) their chunk-caches from the store."""
 
     paths: list[str] = Field(min_length=1)
-    keep_caches: bool = False
+    keep_caches: StrictBool = False
 
 
 class WarmRequest(_Strict):
     """``POST /v1/warm``: make the chunk-caches of the ingested corpus."""
 
-    shard: Optional[tuple[int, int]] = None
+    shard: Optional[tuple[StrictInt, StrictInt]] = Field(None, description="[i, n]: the i-th of n parts of the "
+                                                                        "corpus (0 <= i < n), for several servers")
+
+    @field_validator("shard")
+    @classmethod
+    def _a_part_of_the_corpus(cls, value: Optional[tuple[int, int]]) -> Optional[tuple[int, int]]:
+        if value is not None and not 0 <= value[0] < value[1]:
+            raise ValueError(f"[i, n] needs 0 <= i < n, got {list(value)}")
+        return value

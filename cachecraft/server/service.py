@@ -108,7 +108,7 @@ class Service:
             raise BadRequest("documents is empty: give at least one, or leave it out to search the corpus")
         if chunks is None and not len(self.pipeline.corpus):
             raise BadRequest("the server's corpus is empty: POST /v1/ingest first, or send documents")
-        name = method or "cachecraft"
+        name = "cachecraft" if method is None else method  # "" is no method, not the default
         try:
             self.pipeline.method(name)
         except ValueError as exc:
