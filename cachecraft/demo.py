@@ -21,6 +21,27 @@ from cachecraft.metrics import first_line
 from cachecraft.model.loader import LoadedModel
 
 DEMO_METHODS = ("cachecraft", "full")
+SAMPLE_CORPUS = Path("data/kestrel")
+SAMPLE_QUESTIONS = Path("data/kestrel_questions.json")
+# the project's folder, where the sample data lies beside the package (a checkout, or an
+# editable install of one)
+PROJECT_DIR = Path(__file__).resolve().parents[1]
+
+
+def sample_paths(corpus: Path, questions: Path) -> tuple[Path, Path]:
+    """The demo's corpus folder and questions file: as given, else (for the defaults) the
+    project's own sample data, so the demo runs from any folder; a ``FileNotFoundError``
+    naming what is missing, before anything loads."""
+    def found(path: Path, default: Path, is_there) -> Path:
+        if is_there(path):
+            return path
+        if path == default and is_there(PROJECT_DIR / default):
+            return PROJECT_DIR / default
+        hint = " (run the demo from the project's folder, or give --corpus and --questions)" if path == default else ""
+        raise FileNotFoundError(f"the demo's {'corpus folder' if default == SAMPLE_CORPUS else 'questions file'} "
+                                f"{path} is not there{hint}")
+
+    return found(corpus, SAMPLE_CORPUS, Path.is_dir), found(questions, SAMPLE_QUESTIONS, Path.is_file)
 
 
 def demo_config(config: Config) -> Config:

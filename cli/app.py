@@ -250,9 +250,10 @@ def calibrate_cmd(
 @friendly
 def demo_cmd(
     ctx: typer.Context,
-    corpus: Path = typer.Option(Path("data/kestrel"), parser=nonempty_path, help="Folder of .md/.txt documents to ingest."),
-    questions: Path = typer.Option(Path("data/kestrel_questions.json"),
-                                   parser=nonempty_path, help="MuSiQue-format file; its questions (and gold answers) are asked."),
+    corpus: Path = typer.Option(Path("data/kestrel"), parser=nonempty_path,
+                                help="Folder of .md/.txt documents to ingest (default: the project's sample manual)."),
+    questions: Path = typer.Option(Path("data/kestrel_questions.json"), parser=nonempty_path,
+                                   help="MuSiQue-format file; its questions (and gold answers) are asked."),
     limit: int = typer.Option(4, min=1, help="How many questions to answer."),
 ) -> None:
     """Ingest the sample manual, warm its chunk-caches, then answer a few questions with
@@ -262,8 +263,9 @@ def demo_cmd(
 
     Example: cachecraft demo --limit 2
     """
-    from cachecraft.demo import run_demo
+    from cachecraft.demo import run_demo, sample_paths
     config = load_config(ctx)
+    corpus, questions = sample_paths(corpus, questions)
     lm = load_model_quietly(config)
     run_demo(lm, config, corpus, questions, limit, console)
 

@@ -56,3 +56,19 @@ def test_demo_command_rejects_a_missing_corpus(tmp_path, cache_dir, tiny_dir, mo
     result = CliRunner().invoke(app, ["demo", "--corpus", str(tmp_path / "nope"), "--questions", str(questions)])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "nope" in result.output
+
+
+def test_the_demo_finds_its_sample_data_from_any_folder_and_says_what_is_missing(tmp_path, monkeypatch):
+    from cachecraft.demo import PROJECT_DIR, SAMPLE_CORPUS, SAMPLE_QUESTIONS, sample_paths
+
+    monkeypatch.chdir(tmp_path)  # no data/ here
+    assert sample_paths(SAMPLE_CORPUS, SAMPLE_QUESTIONS) == (PROJECT_DIR / SAMPLE_CORPUS,
+                                                             PROJECT_DIR / SAMPLE_QUESTIONS)
+    assert (PROJECT_DIR / SAMPLE_CORPUS / "29-factory-reset.md").is_file()
+    corpus, questions = sample(tmp_path)
+    assert sample_paths(corpus, questions) == (corpus, questions)
+    monkeypatch.setattr("cachecraft.demo.PROJECT_DIR", tmp_path / "installed")  # a wheel: no sample beside it
+    result = CliRunner().invoke(app, ["demo"])  # fails before any model loads
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert ("the demo's corpus folder data/kestrel is not there (run the demo from the project's folder, or give "
+            "--corpus and --questions)") in result.output
