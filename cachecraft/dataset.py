@@ -29,6 +29,8 @@ def load_items(path: str | Path, limit: int | None = None, skip: int = 0) -> lis
     """Load and validate a MuSiQue-format file; ``skip`` drops the first items (held-out
     runs), then ``limit`` keeps the next N."""
     path = Path(path)
+    if path.is_dir():
+        raise DatasetError(f"the dataset {path} is a directory; give a MuSiQue-format JSON file")
     if not path.is_file():
         raise DatasetError(f"dataset file not found: {path}")
     try:

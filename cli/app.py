@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -41,9 +42,12 @@ app.add_typer(config_app, name="config")
 @app.callback()
 def main_options(
     ctx: typer.Context,
-    config: Optional[Path] = typer.Option(None, "--config", parser=nonempty_path, help="TOML config file (else $CACHECRAFT_CONFIG)."),
+    config: Optional[Path] = typer.Option(None, "--config", parser=nonempty_path,
+                                          help="TOML config file (else $CACHECRAFT_CONFIG)."),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir",
-                                             parser=nonempty_path, help="Cache directory (else $CACHECRAFT_CACHE_DIR or the user cache dir)."),
+                                             parser=nonempty_path,
+                                             help="Cache directory (else $CACHECRAFT_CACHE_DIR or the user cache "
+                                                  "dir)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Log progress details."),
 ) -> None:
     """Chunk-cache manager for RAG. Try `cachecraft demo`, or your own documents:
@@ -60,7 +64,8 @@ def check_model_cmd(
     model: str = typer.Argument(..., help="A bundled name (smollm2, qwen2.5-coder-0.5b), a local HF model "
                                           "directory, a .gguf file or a hub id."),
     prompts: int = typer.Option(3, min=1, help="How many generated prompts to check."),
-    tolerance: Optional[float] = typer.Option(None, help="Max |logit difference| allowed (default by dtype; 1e-4 in float32)."),
+    tolerance: Optional[float] = typer.Option(None, min=0.0, help="Max |logit difference| allowed (default by "
+                                                                  "dtype; 1e-4 in float32)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Check that blending is exact on MODEL: fractions at 1.0 and exact-prefix reuse must
@@ -93,7 +98,8 @@ FEW_ITEMS = 10  # below this many items, calibrate calls its paired intervals ro
 @friendly
 def calibrate_cmd(
     ctx: typer.Context,
-    dataset: Path = typer.Option(..., parser=nonempty_path, help="MuSiQue-format JSON file (list of {ctxs, question, answers})."),
+    dataset: Path = typer.Option(..., parser=nonempty_path,
+                                 help="MuSiQue-format JSON file (list of {ctxs, question, answers})."),
     limit: int = typer.Option(20, help="Use N items (after --skip)."),
     skip: int = typer.Option(0, min=0, help="Leave out the first N items: fit on items kept apart from the ones "
                                             "you report results on."),
@@ -140,10 +146,11 @@ def calibrate_cmd(
                                                         "config warm_context, as `warm` makes them)."),
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
-    out: Optional[Path] = typer.Option(None, parser=nonempty_path, help="Also write the result (every candidate, the chosen one, each "
-                                                  "answer's figures item by item for paired comparisons, the "
-                                                  "command, date, machine and code) to this JSON file, as the "
-                                                  "benchmarks do."),
+    out: Optional[Path] = typer.Option(None, parser=nonempty_path,
+                                       help="Also write the result (every candidate, the chosen one, each "
+                                            "answer's figures item by item for paired comparisons, the "
+                                            "command, date, machine and code) to this JSON file, as the "
+                                            "benchmarks do."),
 ) -> None:
     """Fit the policy to a model: run `full` and `cachecraft` with every candidate alpha
     (and check layer, floor, sink tokens, drift shift and estimator, relevance) on a
@@ -251,7 +258,8 @@ def calibrate_cmd(
 def demo_cmd(
     ctx: typer.Context,
     corpus: Path = typer.Option(Path("data/kestrel"), parser=nonempty_path,
-                                help="Folder of .md/.txt documents to ingest (default: the project's sample manual)."),
+                                help="Folder of .md/.txt documents to ingest (default: the project's sample "
+                                     "manual)."),
     questions: Path = typer.Option(Path("data/kestrel_questions.json"), parser=nonempty_path,
                                    help="MuSiQue-format file; its questions (and gold answers) are asked."),
     limit: int = typer.Option(4, min=1, help="How many questions to answer."),
@@ -274,8 +282,9 @@ def demo_cmd(
 @friendly
 def ingest_cmd(
     ctx: typer.Context,
-    paths: list[Path] = typer.Argument(..., parser=nonempty_path, help="Files (.txt, .md, .markdown, .html, .htm, .pdf, .docx) or "
-                                                 "directories (read recursively, hidden files skipped)."),
+    paths: list[Path] = typer.Argument(..., parser=nonempty_path,
+                                       help="Files (.txt, .md, .markdown, .html, .htm, .pdf, .docx) or "
+                                            "directories (read recursively, hidden files skipped)."),
     model: Optional[str] = typer.Option(None, help="Generator whose tokenizer measures chunks (default: config model)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
@@ -284,8 +293,10 @@ def ingest_cmd(
     them (embedder, default the bundled MiniLM) and index them for `cachecraft query`.
     Identical chunks are stored once; ingesting a changed file again replaces its chunks,
     and a directory ingested again also drops the files gone from it. Large files are
-    read and chunked piece by piece. A file that cannot be read (type, encoding, damage,
-    permissions) is skipped and listed with its reason, and the others are ingested. The
+    read and chunked piece by piece. A path that does not exist stops the command before
+    anything is read (a typo is not half an ingest). A file that cannot be read (type,
+    encoding, damage, permissions) is skipped and listed with its reason, and the others
+    are ingested. The
     exit code is 1 when a skipped file is a problem: one named on the command line, or one
     of a type that is read but could not be; files of other types met in a directory are
     listed but do not fail the command, so `ingest docs/ && warm` warms what was read.
@@ -294,6 +305,9 @@ def ingest_cmd(
     """
     from .product import open_pipeline, progress_bar
     config = load_config(ctx, model=model)
+    missing = [str(p) for p in paths if not os.path.lexists(p)]
+    if missing:  # told before the model loads and the cache directory is made
+        raise UserError(f"no such file or directory: {', '.join(missing)}")
     with open_pipeline(config) as pipe, progress_bar() as bar:
         tasks: dict[str, int] = {}
 
@@ -348,9 +362,10 @@ def documents_cmd(
 @friendly
 def forget_cmd(
     ctx: typer.Context,
-    paths: list[Path] = typer.Argument(..., parser=nonempty_path, help="Files as ingested, directories (every ingested file under "
-                                                 "them), or bare file names naming one ingested file; they "
-                                                 "need not exist any more."),
+    paths: list[Path] = typer.Argument(..., parser=nonempty_path,
+                                       help="Files as ingested, directories (every ingested file under "
+                                            "them), or bare file names naming one ingested file; they "
+                                            "need not exist any more."),
     keep_caches: bool = typer.Option(False, "--keep-caches", help="Leave the chunk-caches of their chunks in "
                                                                   "the store (eviction drops them in time); "
                                                                   "opens no store, so a catalog server may be "
@@ -443,8 +458,8 @@ def query_cmd(
     ctx: typer.Context,
     question: str = typer.Argument(..., help="The question, in quotes."),
     method: str = typer.Option("cachecraft", help="The method. " + METHODS_HELP + ". name@ratio sets a ratio "
-                               "(alpha for cachecraft), e.g. cacheblend@0.3; prefix reuses prompts kept in this "
-                               "process's memory only."),
+                               "within [0, 1] (alpha for cachecraft: a larger policy_alpha goes in the config), "
+                               "e.g. cacheblend@0.3; prefix reuses prompts kept in this process's memory only."),
     top_k: Optional[int] = typer.Option(None, "--top-k", "-k", min=1, help="Chunks to retrieve (default: config "
                                         "top_k, 3)."),
     max_new_tokens: Optional[int] = typer.Option(None, min=1, help="Answer length limit (default: config)."),
@@ -613,7 +628,7 @@ def verify_cmd(ctx: typer.Context,
             console.print(table)
         counts = ", ".join(f"{k}: {v}" for k, v in report.counts.items())
         state = "[green]consistent[/green]" if report.consistent else "[red]inconsistent[/red] (run with --repair)"
-        console.print(f"{len(report.problems)} problem(s); {counts}; {state}")
+        console.print("; ".join(part for part in (f"{len(report.problems)} problem(s)", counts, state) if part))
     raise typer.Exit(0 if report.consistent else 1)
 
 

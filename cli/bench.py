@@ -20,14 +20,17 @@ bench_app = typer.Typer(help="Benchmarks that write JSON results and print a tab
 @friendly
 def bench_quality_cmd(
     ctx: typer.Context,
-    dataset: Path = typer.Option(..., parser=nonempty_path, help="MuSiQue-format JSON file (list of {ctxs, question, answers})."),
-    out: Path = typer.Option(Path("benchmarks/results/quality.json"), parser=nonempty_path, help="Where to write the JSON result."),
+    dataset: Path = typer.Option(..., parser=nonempty_path,
+                                 help="MuSiQue-format JSON file (list of {ctxs, question, answers})."),
+    out: Path = typer.Option(Path("benchmarks/results/quality.json"), parser=nonempty_path,
+                             help="Where to write the JSON result."),
     limit: int = typer.Option(10, min=1, help="Use the first N items (after --skip)."),
     skip: int = typer.Option(0, min=0, help="Leave out the first N items, e.g. to test on items a setting "
                                             "was not chosen on."),
     methods: str = typer.Option("full,reuse,cacheblend",
                                 help="Comma-separated methods. " + METHODS_HELP + ". name@ratio sets a ratio "
-                                     "(alpha for cachecraft), e.g. cacheblend@0.3."),
+                                     "within [0, 1] (alpha for cachecraft: a larger policy_alpha goes in the "
+                                     "config), e.g. cacheblend@0.3."),
     ratio: Optional[float] = typer.Option(None, min=0.0, max=1.0,
                                           help="Default recompute ratio (default: config cacheblend_ratio, 0.15)."),
     max_new_tokens: int = typer.Option(32, min=1, help="Answer length for agreement and gold F1."),
@@ -36,8 +39,9 @@ def bench_quality_cmd(
                                                   "uses by default) or a text file."),
     model: Optional[str] = typer.Option(None, help="Model: smollm2, qwen2.5-coder-0.5b (the judge) or a path "
                                                    "(default: config model)."),
-    rows: Optional[Path] = typer.Option(None, parser=nonempty_path, help="JSON-lines file each item's rows are appended to as it "
-                                                   "finishes (default: OUT with the suffix .rows.jsonl)."),
+    rows: Optional[Path] = typer.Option(None, parser=nonempty_path,
+                                        help="JSON-lines file each item's rows are appended to as it "
+                                             "finishes (default: OUT with the suffix .rows.jsonl)."),
     resume: bool = typer.Option(False, "--resume", help="Continue an interrupted run: items already in the rows "
                                 "file are not run again (same settings required; --limit and --skip may "
                                 "differ, e.g. to extend a run to more items)."),
@@ -136,8 +140,10 @@ def bench_quality_cmd(
 @friendly
 def bench_diagnose_cmd(
     ctx: typer.Context,
-    dataset: Path = typer.Option(..., parser=nonempty_path, help="MuSiQue-format JSON file (list of {ctxs, question, answers})."),
-    out: Path = typer.Option(Path("benchmarks/results/diagnose.json"), parser=nonempty_path, help="Where to write the JSON result."),
+    dataset: Path = typer.Option(..., parser=nonempty_path,
+                                 help="MuSiQue-format JSON file (list of {ctxs, question, answers})."),
+    out: Path = typer.Option(Path("benchmarks/results/diagnose.json"), parser=nonempty_path,
+                             help="Where to write the JSON result."),
     limit: int = typer.Option(6, min=1, help="Use the first N items (after --skip)."),
     skip: int = typer.Option(30, min=0, help="Leave out the first N items (default: those the yardstick "
                                              "reports on)."),
@@ -200,8 +206,9 @@ def bench_diagnose_cmd(
 @friendly
 def bench_dataset_cmd(
     ctx: typer.Context,
-    questions: Path = typer.Option(..., parser=nonempty_path, help="Text file of questions, one per line (blank lines and lines "
-                                             "starting with # are skipped)."),
+    questions: Path = typer.Option(..., parser=nonempty_path,
+                                   help="Text file of questions, one per line (blank lines and lines "
+                                        "starting with # are skipped)."),
     out: Path = typer.Option(..., parser=nonempty_path, help="Where to write the MuSiQue-format JSON file."),
     top_k: Optional[int] = typer.Option(None, min=1, help="Chunks retrieved per question (default: config "
                                                           "top_k, as `query` retrieves)."),
@@ -238,9 +245,11 @@ def bench_dataset_cmd(
 @friendly
 def bench_workload_cmd(
     ctx: typer.Context,
-    dataset: Path = typer.Option(..., parser=nonempty_path, help="MuSiQue-format JSON file; all its passages form the corpus."),
+    dataset: Path = typer.Option(..., parser=nonempty_path,
+                                 help="MuSiQue-format JSON file; all its passages form the corpus."),
     requests: int = typer.Option(40, min=1, help="Requests in the trace."),
-    out: Path = typer.Option(Path("benchmarks/results/workload.json"), parser=nonempty_path, help="Where to write the JSON result."),
+    out: Path = typer.Option(Path("benchmarks/results/workload.json"), parser=nonempty_path,
+                             help="Where to write the JSON result."),
     limit: int = typer.Option(20, min=1, help="Items of the dataset to pool (10 passages each)."),
     top_k: int = typer.Option(5, help="Chunks retrieved per request."),
     methods: str = typer.Option("full,prefix,reuse,cacheblend,cachecraft", help="Methods to replay the trace with."),
@@ -262,7 +271,9 @@ def bench_workload_cmd(
 ) -> None:
     """Replay a RAG trace (Zipf popularity, top-k retrieval over the pooled corpus) with
     each method: TTFT mean/p95, throughput, recompute, hit rate per tier, compute saved
-    against `full` and `prefix`, and the variants each store kept, e.g.
+    against `full` and `prefix`, and the variants each store kept.
+
+    Example:
 
         cachecraft bench workload --model qwen2.5-coder-0.5b --dataset ../shared/data/musique_dev.json
             --limit 4 --top-k 3 --methods full,cachecraft --evictions pgdsf,lru --warm --neighbours 1
@@ -325,8 +336,10 @@ def bench_workload_cmd(
 @friendly
 def bench_eviction_cmd(
     ctx: typer.Context,
-    dataset: Path = typer.Option(..., parser=nonempty_path, help="MuSiQue-format JSON file; all its passages form the corpus."),
-    out: Path = typer.Option(Path("benchmarks/results/eviction_replay.json"), parser=nonempty_path, help="Where to write the JSON result."),
+    dataset: Path = typer.Option(..., parser=nonempty_path,
+                                 help="MuSiQue-format JSON file; all its passages form the corpus."),
+    out: Path = typer.Option(Path("benchmarks/results/eviction_replay.json"), parser=nonempty_path,
+                             help="Where to write the JSON result."),
     requests: int = typer.Option(3000, min=1, help="Requests in the trace."),
     limit: int = typer.Option(100, min=1, help="Items of the dataset to pool (10 passages each)."),
     top_k: int = typer.Option(5, help="Chunks retrieved per request."),
@@ -468,7 +481,8 @@ def print_comparisons(comparisons: dict[str, dict]) -> None:
 @bench_app.command("store")
 @friendly
 def bench_store_cmd(ctx: typer.Context,
-                    out: Path = typer.Option(Path("benchmarks/results/store.json"), parser=nonempty_path, help="Where to write the JSON result."),
+                    out: Path = typer.Option(Path("benchmarks/results/store.json"), parser=nonempty_path,
+                                             help="Where to write the JSON result."),
                     chunks: int = typer.Option(8, min=1, help="Chunks per measurement."),
                     tokens: int = typer.Option(600, min=1, help="Tokens per chunk (SmolLM2 passages are ~600)."),
                     repeats: int = typer.Option(3, min=1, help="Best of this many runs.")) -> None:
@@ -495,8 +509,10 @@ def bench_store_cmd(ctx: typer.Context,
 @friendly
 def bench_cluster_cmd(
     ctx: typer.Context,
-    dataset: Path = typer.Option(..., parser=nonempty_path, help="MuSiQue-format JSON file; all its passages form the corpus."),
-    out: Path = typer.Option(Path("benchmarks/results/cluster.json"), parser=nonempty_path, help="Where to write the JSON result."),
+    dataset: Path = typer.Option(..., parser=nonempty_path,
+                                 help="MuSiQue-format JSON file; all its passages form the corpus."),
+    out: Path = typer.Option(Path("benchmarks/results/cluster.json"), parser=nonempty_path,
+                             help="Where to write the JSON result."),
     nodes: int = typer.Option(3, min=1, help="Node processes (each its own cache directory)."),
     requests: int = typer.Option(36, min=1, help="Requests in the trace, dealt round-robin to the nodes."),
     limit: int = typer.Option(20, min=1, help="Items of the dataset to pool (10 passages each)."),
@@ -584,8 +600,10 @@ def bench_cluster_cmd(
 @friendly
 def bench_serve_cmd(
     ctx: typer.Context,
-    dataset: Path = typer.Option(..., parser=nonempty_path, help="MuSiQue-format JSON file; all its passages form the corpus."),
-    out: Path = typer.Option(Path("benchmarks/results/serve.json"), parser=nonempty_path, help="Where to write the JSON result."),
+    dataset: Path = typer.Option(..., parser=nonempty_path,
+                                 help="MuSiQue-format JSON file; all its passages form the corpus."),
+    out: Path = typer.Option(Path("benchmarks/results/serve.json"), parser=nonempty_path,
+                             help="Where to write the JSON result."),
     clients: str = typer.Option("1,2,4,8", help="Concurrent client counts to run."),
     methods: str = typer.Option("cachecraft,full", help="Methods the clients ask for (full: the baseline)."),
     requests: int = typer.Option(32, min=1, help="Requests in the trace."),
@@ -701,8 +719,10 @@ def _ints(text: str, what: str) -> list[int]:
 @friendly
 def bench_scaling_cmd(
     ctx: typer.Context,
-    dataset: Path = typer.Option(..., parser=nonempty_path, help="MuSiQue-format JSON file whose passages make the contexts."),
-    out: Path = typer.Option(Path("benchmarks/results/scaling.json"), parser=nonempty_path, help="Where to write the JSON result."),
+    dataset: Path = typer.Option(..., parser=nonempty_path,
+                                 help="MuSiQue-format JSON file whose passages make the contexts."),
+    out: Path = typer.Option(Path("benchmarks/results/scaling.json"), parser=nonempty_path,
+                             help="Where to write the JSON result."),
     contexts: str = typer.Option("1000,2000,4000,7900",
                                  help="Prompt lengths in tokens for the context sweep ('' skips it)."),
     chunks: str = typer.Option("2,5,10,20", help="Chunk counts for the chunk sweep ('' skips it)."),
@@ -793,9 +813,11 @@ def print_scaling_table(result: dict) -> None:
 @friendly
 def bench_gpu_cmd(
     ctx: typer.Context,
-    dataset: Path = typer.Option(..., parser=nonempty_path, help="MuSiQue-format JSON file whose passages make the contexts."),
-    out: Path = typer.Option(Path("benchmarks/results/gpu.json"), parser=nonempty_path, help="Where to write the JSON result "
-                             "(rewritten after each shape and tier, so a stopped run keeps what it finished)."),
+    dataset: Path = typer.Option(..., parser=nonempty_path,
+                                 help="MuSiQue-format JSON file whose passages make the contexts."),
+    out: Path = typer.Option(Path("benchmarks/results/gpu.json"), parser=nonempty_path,
+                             help="Where to write the JSON result "
+                                  "(rewritten after each shape and tier, so a stopped run keeps what it finished)."),
     shapes: str = typer.Option("llama-3.1-8b,qwen2.5-7b", help="Model shapes, built with random weights: "
                                "llama-3.1-8b, qwen2.5-7b, or tiny-llama (a few layers, to try it on a CPU)."),
     tiers: str = typer.Option("gpu,cpu,disk", help="Tiers the chunk-caches are loaded from, one sweep each "
@@ -905,31 +927,45 @@ def _tokenizer_source(given: list[str], config):
 @friendly
 def bench_report_cmd(
     ctx: typer.Context,
-    out: Path = typer.Option(Path("benchmarks/report"), parser=nonempty_path, help="Folder for report.md and the PNG plots."),
-    quality: Path = typer.Option(Path("benchmarks/results/quality_report.json"), parser=nonempty_path, help="`bench quality` result."),
-    workload: Path = typer.Option(Path("benchmarks/results/workload.json"), parser=nonempty_path, help="`bench workload` result."),
+    out: Path = typer.Option(Path("benchmarks/report"), parser=nonempty_path,
+                             help="Folder for report.md and the PNG plots."),
+    quality: Path = typer.Option(Path("benchmarks/results/quality_report.json"), parser=nonempty_path,
+                                 help="`bench quality` result."),
+    workload: Path = typer.Option(Path("benchmarks/results/workload.json"), parser=nonempty_path,
+                                  help="`bench workload` result."),
     eviction: Path = typer.Option(Path("benchmarks/results/workload_eviction.json"),
-                                  parser=nonempty_path, help="`bench workload --evictions ...` result comparing eviction policies."),
+                                  parser=nonempty_path,
+                                  help="`bench workload --evictions ...` result comparing eviction policies."),
     replay: Path = typer.Option(Path("benchmarks/results/eviction_replay.json"),
-                                parser=nonempty_path, help="`bench eviction` result: the policies on a long trace, without the model."),
-    also_quality: list[Path] = typer.Option([], parser=nonempty_path, help="Another `bench quality` result (another model, say), "
-                                                     "with a section of its own; repeat for more."),
+                                parser=nonempty_path,
+                                help="`bench eviction` result: the policies on a long trace, without the model."),
+    also_quality: list[Path] = typer.Option([], parser=nonempty_path,
+                                            help="Another `bench quality` result (another model, say), "
+                                                 "with a section of its own; repeat for more."),
     diagnose: Path = typer.Option(Path("benchmarks/results/diagnose_qwen.json"),
-                                  parser=nonempty_path, help="`bench diagnose` result: where reused caches drift, what selectors buy."),
-    also_diagnose: list[Path] = typer.Option([], parser=nonempty_path, help="Another `bench diagnose` result; repeat for more."),
-    scaling: Path = typer.Option(Path("benchmarks/results/scaling.json"), parser=nonempty_path, help="`bench scaling` result."),
+                                  parser=nonempty_path,
+                                  help="`bench diagnose` result: where reused caches drift, what selectors buy."),
+    also_diagnose: list[Path] = typer.Option([], parser=nonempty_path,
+                                             help="Another `bench diagnose` result; repeat for more."),
+    scaling: Path = typer.Option(Path("benchmarks/results/scaling.json"), parser=nonempty_path,
+                                 help="`bench scaling` result."),
     revisit: Path = typer.Option(Path("benchmarks/results/scaling_8k_revisit.json"),
-                                 parser=nonempty_path, help="`bench scaling --revisit` result: chunks an earlier request saw, shuffled."),
+                                 parser=nonempty_path,
+                                 help="`bench scaling --revisit` result: chunks an earlier request saw, shuffled."),
     loading: Path = typer.Option(Path("benchmarks/results/scaling_8k_disk.json"),
-                                 parser=nonempty_path, help="`bench scaling --whole-read` result: chunk-caches streamed in, or read whole."),
+                                 parser=nonempty_path,
+                                 help="`bench scaling --whole-read` result: chunk-caches streamed in, or read whole."),
     tradeoff: Path = typer.Option(Path("benchmarks/results/scaling_8k_sweep.json"),
-                                  parser=nonempty_path, help="`bench scaling` result at one long context over a sweep of recompute "
+                                  parser=nonempty_path,
+                                  help="`bench scaling` result at one long context over a sweep of recompute "
                                        "ratios: agreement bought against speed, next to the goal."),
-    gpu_json: Optional[Path] = typer.Option(None, parser=nonempty_path, help="A result measured on a GPU, for the GPU section."),
+    gpu_json: Optional[Path] = typer.Option(None, parser=nonempty_path,
+                                            help="A result measured on a GPU, for the GPU section."),
     run: bool = typer.Option(False, "--run", help="Run the missing benchmarks first (long: see the report's "
                                                   "commands)."),
-    dataset: Optional[Path] = typer.Option(None, parser=nonempty_path, help="MuSiQue-format JSON file the missing benchmarks read "
-                                                      "(needed with --run)."),
+    dataset: Optional[Path] = typer.Option(None, parser=nonempty_path,
+                                           help="MuSiQue-format JSON file the missing benchmarks read "
+                                                "(needed with --run)."),
 ) -> None:
     """Plots and a Markdown report (quality vs TTFT, per-method figures, the workload,
     eviction policies, scaling, where cachecraft loses) from the benchmark JSONs."""

@@ -95,6 +95,8 @@ def friendly(func: Callable) -> Callable:
 
 def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # a damaged PDF is reported as ingest's own one line; pypdf's warnings about it add nothing
+    logging.getLogger("pypdf").setLevel(logging.ERROR)
     try:
         from transformers.utils import logging as hf_logging
         hf_logging.set_verbosity_error()
@@ -184,5 +186,7 @@ def summarize_commands(*apps: typer.Typer) -> None:
             doc = inspect.getdoc(info.callback) if info.callback else None
             if info.short_help is None and doc:
                 paragraph = " ".join(doc.split("\n\n")[0].split())
-                sentence = paragraph.split(". ")[0].rstrip(".")
+                # the first sentence: up to the first ". " that does not end an abbreviation
+                shielded = paragraph.replace("e.g. ", "e.g.\0").replace("i.e. ", "i.e.\0")
+                sentence = shielded.split(". ")[0].rstrip(".").replace("\0", " ")
                 info.short_help = sentence + "."
