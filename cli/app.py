@@ -494,6 +494,9 @@ def query_cmd(
                          **({"chunk_order": chunk_order} if chunk_order is not None else {}),
                          **({"retrieval_order": retrieval_order} if retrieval_order is not None else {}))
     if config.server:  # the server has the model, corpus and tiers loaded (and checks the method)
+        if model is not None:
+            raise UserError(f"--model does not apply with a server: {config.server} answers with the model it "
+                            "loaded (`cachecraft serve --model`)")
         from .serve import remote_answer, remote_query
         result = remote_query(config, question, method=method, top_k=top_k, max_new_tokens=max_new_tokens,
                               as_json=as_json, retrieval_order=retrieval_order, chunk_order=chunk_order)
@@ -704,7 +707,7 @@ def stats_cmd(ctx: typer.Context, top: int = typer.Option(10, min=1, help="How m
     config = load_config(ctx, **({"server": server} if server is not None else {}))
     if config.server:
         from .serve import remote_stats
-        data = remote_stats(config)
+        data = remote_stats(config, top)
         if as_json:
             print(json.dumps(data, indent=2, default=str))
         else:

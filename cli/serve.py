@@ -157,12 +157,12 @@ def remote_answer(result: dict):
                   report.get("order"))
 
 
-def remote_stats(config) -> dict:
-    """``GET /v1/stats`` of a running server."""
+def remote_stats(config, top: int = 10) -> dict:
+    """``GET /v1/stats`` of a running server, its ``top`` chunks listed."""
     from cachecraft.server.client import ServerError
 
     try:
-        return _client(config).get("/v1/stats")
+        return _client(config).get(f"/v1/stats?top={top}")
     except ServerError as exc:
         raise UserError(str(exc)) from None
 

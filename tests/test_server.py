@@ -149,6 +149,7 @@ def test_stop_strings_end_the_answer_before_them(client, reference):
     ({"messages": [{"role": "user", "content": "q"}], "documents": ["a"], "method": ""}, 400, "method: unknown method ''"),
     ({"messages": [{"role": "user", "content": 5}], "documents": ["a"]}, 400, "messages.0.content: "),
     ("", 400, "the request has no body; send a JSON object"),
+    ({"messages": [{"role": "user", "content": "  "}], "documents": ["a"]}, 400, "the question is empty"),
 ])
 def test_bad_requests_are_one_line_json_errors(client, body, status, words):
     if isinstance(body, str):

@@ -113,6 +113,10 @@ def test_query_and_stats_ask_the_running_server(server, tmp_path):
     assert shown.returncode == 0 and "TTFT" in shown.stdout and f"answered by the server at {server.url}" in shown.stdout
     stats = server.cli("stats", "--json")
     assert stats.returncode == 0 and json.loads(stats.stdout)["counts"]["requests"] == 3
+    assert len(json.loads(stats.stdout)["top_chunks"]) == 2  # the two retrieved
+    assert len(json.loads(server.cli("stats", "--json", "--top", "1").stdout)["top_chunks"]) == 1
+    other = server.cli("query", CHUNKS[2], "--model", "smollm2")
+    assert other.returncode == 1 and "--model does not apply with a server" in other.stderr
 
 
 def test_query_with_no_server_there_is_one_line(tmp_path):

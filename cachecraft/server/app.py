@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -150,10 +150,10 @@ def create_app(service: Service) -> FastAPI:
                 "in_context": report.in_context}
 
     @app.get("/v1/stats")
-    async def stats() -> dict:
+    async def stats(top: int = Query(10, ge=1, le=1000)) -> dict:
         from cachecraft.catalog.stats import summary
         try:
-            data = await asyncio.to_thread(summary, service.pipeline.catalog)
+            data = await asyncio.to_thread(lambda: summary(service.pipeline.catalog, top=top))
         except CatalogUnavailableError as exc:  # away (or hung): answers go on, the statistics wait for it
             raise ApiError(503, "server_error", str(exc)) from None
         config = service.config

@@ -96,14 +96,15 @@ class Service:
         config's). Raises :class:`BadRequest`."""
         separator = self.config.chunk_separator
         chunks = list(documents) if documents is not None else None
-        if chunks is None and separator in question:
+        marked = chunks is None and separator in question
+        if marked:
             *chunks, question = question.split(separator)
         if chunks is not None:
             chunks = [c.strip() for c in chunks if c.strip()]
         question = question.strip()
         if not question:
-            raise BadRequest("the question is empty (with the chunk separator, the question comes after the "
-                             "last separator)")
+            raise BadRequest("the question is empty" + (" (with the chunk separator, the question comes after "
+                                                        "the last separator)" if marked else ""))
         if chunks is not None and not chunks:
             raise BadRequest("documents is empty: give at least one, or leave it out to search the corpus")
         if chunks is None and not len(self.pipeline.corpus):
