@@ -275,7 +275,7 @@ def test_ingest_query_stats_health_and_metrics(client, service, tmp_path, monkey
     away = client.post("/v1/forget", json={"paths": ["d1.txt"]})
     assert away.status_code == 503 and "did not answer" in away.json()["error"]["message"]
 
-    def catalog_away(catalog):
+    def catalog_away(catalog, top=10):
         raise CatalogUnavailableError("cannot reach the catalog at catalog_url postgresql+psycopg://db/c")
 
     monkeypatch.setattr("cachecraft.catalog.stats.summary", catalog_away)
