@@ -391,16 +391,16 @@ def _read_toml(path: Path) -> dict[str, Any]:
     # the table would be ignored without a word.
     if "cachecraft" not in data:
         return dict(data)
+    if not isinstance(data["cachecraft"], dict):
+        raise ConfigError(f"config file {path}: cachecraft must be a table ([cachecraft]), not a value")
     outside = sorted(k for k, v in data.items() if k != "cachecraft" and not isinstance(v, dict))
     if outside:
         raise ConfigError(f"config file {path} has settings outside its [cachecraft] table ({', '.join(outside)}); "
                           "put them all in the table, or drop the table header")
-    others = sorted(k for k in data if k not in ("cachecraft", *outside))
-    if others and str(path) not in _warned_tables:  # another tool's tables in a shared file; said once
+    others = sorted(k for k in data if k != "cachecraft")  # only tables are left: another tool's
+    if others and str(path) not in _warned_tables:  # said once per file
         _warned_tables.add(str(path))
         log.warning("config file %s: only the [cachecraft] table is read; ignoring [%s]", path, "], [".join(others))
-    if not isinstance(data["cachecraft"], dict):
-        raise ConfigError(f"config file {path}: cachecraft must be a table ([cachecraft]), not a value")
     return dict(data["cachecraft"])
 
 

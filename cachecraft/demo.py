@@ -32,16 +32,16 @@ def sample_paths(corpus: Path, questions: Path) -> tuple[Path, Path]:
     """The demo's corpus folder and questions file: as given, else (for the defaults) the
     project's own sample data, so the demo runs from any folder; a ``FileNotFoundError``
     naming what is missing, before anything loads."""
-    def found(path: Path, default: Path, is_there) -> Path:
+    def found(path: Path, default: Path, what: str, is_there) -> Path:
         if is_there(path):
             return path
         if path == default and is_there(PROJECT_DIR / default):
             return PROJECT_DIR / default
         hint = " (run the demo from the project's folder, or give --corpus and --questions)" if path == default else ""
-        raise FileNotFoundError(f"the demo's {'corpus folder' if default == SAMPLE_CORPUS else 'questions file'} "
-                                f"{path} is not there{hint}")
+        raise FileNotFoundError(f"the demo's {what} {path} is not there{hint}")
 
-    return found(corpus, SAMPLE_CORPUS, Path.is_dir), found(questions, SAMPLE_QUESTIONS, Path.is_file)
+    return (found(corpus, SAMPLE_CORPUS, "corpus folder", Path.is_dir),
+            found(questions, SAMPLE_QUESTIONS, "questions file", Path.is_file))
 
 
 def demo_config(config: Config) -> Config:
