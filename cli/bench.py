@@ -348,6 +348,8 @@ def bench_eviction_cmd(
     policies: str = typer.Option("lru,lfu,pgdsf,cachecraft", help="Eviction policies to compare."),
     zipf: float = typer.Option(1.2, min=0.0, help="Zipf exponent of item popularity."),
     seed: int = typer.Option(0, help="Trace seed."),
+    shift_every: int = typer.Option(0, min=0, help="Draw the items' popularity anew every N requests "
+                                                  "(interests that move on); 0: one popularity throughout."),
     model: Optional[str] = typer.Option(None, help="Model whose tokenizer and KV shape size the chunks "
                                                    "(default: config model)."),
 ) -> None:
@@ -378,7 +380,8 @@ def bench_eviction_cmd(
         try:
             result = run_replay(lm, items, requests=requests, top_k=top_k, zipf_s=zipf, seed=seed,
                                 kv_dtype=config.kv_dtype,
-                                policies=names, budget_fractions=fractions, embed=Embedder().embed)
+                                policies=names, budget_fractions=fractions, embed=Embedder().embed,
+                                shift_every=shift_every)
         except ValueError as exc:
             raise UserError(str(exc)) from None
     write_result(out, {"benchmark": "eviction", "command": invocation(ctx, "bench eviction"), "model": lm.name,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from cachecraft.bench.eviction import replay
 from cachecraft.config import _EVICTION
 from cachecraft.store.eviction import (POLICIES, CacheCraftPolicy, EntryInfo, LFUPolicy, LRUPolicy,
                                        PGDSFPolicy, estimate_cost_s, make_policy, measured_quality)
@@ -115,10 +116,56 @@ def test_cachecraft_prefers_one_good_variant_over_redundant_ones():
         lfu.on_hit(k)
     assert lfu.candidates()[0] == "y1"
     p.on_evict("x2")
-    assert p.clock == 1.5
     assert p.priorities() == {"x1": 3.0, "y1": 2.0}  # x1 is alone now: full value
-    p.on_put(info("z1", chunk="Z"))  # 1.5 + 1
-    assert p.candidates() == ["y1", "z1", "x1"]
+    p.on_put(info("z1", chunk="Z"))  # a newcomer's one access, no clock to lift it
+    assert p.candidates() == ["z1", "y1", "x1"]
+    p.on_put(info("x2", chunk="X"))  # back with its history: 3 + 1 = 4, x1 now second
+    assert p.priorities() == {"x1": 1.5, "x2": 4.0, "y1": 2.0, "z1": 1.0}
+
+
+def test_cachecraft_counts_outlive_eviction_and_seed_only_unknown_keys():
+    p = CacheCraftPolicy()
+    p.on_put(info("a"))
+    p.on_hit("a")
+    p.on_hit("a")
+    p.on_evict("a")
+    assert p.keys() == set() and p.count("a") == 3.0
+    p.on_put(info("a", hits=10))  # known here: its own count goes on, the carried hits are ignored
+    assert p.count("a") == 4.0
+    p.on_put(info("b", hits=4))  # never seen here: carried hits + 1
+    assert p.count("b") == 5.0
+    p.on_hit("zzz")  # an unknown key is not counted
+    assert p.count("zzz") == 0.0
+
+
+def test_cachecraft_halves_every_count_after_history_factor_accesses_per_entry():
+    p = CacheCraftPolicy(history_factor=2)
+    p.on_put(info("a"))  # 1 access, 1 entry: the period is 2 accesses
+    p.on_put(info("b"))  # 2 accesses: halved, a 0.5, b 0.5
+    assert (p.count("a"), p.count("b")) == (0.5, 0.5)
+    for _ in range(3):
+        p.on_hit("a")  # a 3.5; 2 entries: the period is 4 accesses
+    p.on_hit("b")  # b 1.5, the 4th access: a 1.75, b 0.75
+    assert (p.count("a"), p.count("b")) == (1.75, 0.75)
+    p.on_evict("b")  # b's count stays; one entry left: the period is 2
+    p.on_hit("a")
+    p.on_hit("a")  # a 3.75 -> 1.875, b 0.375
+    assert (p.count("a"), p.count("b")) == (1.875, 0.375)
+    p.on_hit("a")
+    p.on_hit("a")  # a 3.875 -> 1.9375, b 0.1875: under a quarter, a key not held is forgotten
+    assert (p.count("a"), p.count("b")) == (1.9375, 0.0)
+    assert p.priorities() == {"a": 1.9375}
+
+
+def test_one_off_chunks_do_not_push_out_a_proven_one_as_pgdsf_s_clock_lets_them():
+    """Room for two chunks of one byte each; A is used three times, then four one-off
+    chunks pass, then A again. PGDSF's clock rises with each eviction (B 1, C 2, D 3), so
+    E arrives at 4 and A's 3 goes first; our counts keep A (3 against the newcomers' 1)."""
+    trace = [["A"], ["A"], ["A"], ["B"], ["C"], ["D"], ["E"], ["A"]]
+    sizes = {k: 1 for k in "ABCDE"}
+    costs = {k: 1.0 for k in "ABCDE"}
+    assert replay(trace, sizes, costs, 2, "pgdsf").hits == 2
+    assert replay(trace, sizes, costs, 2, "cachecraft").hits == 3
 
 
 def test_cachecraft_weighs_compute_saved_per_byte():

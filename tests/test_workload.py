@@ -41,6 +41,18 @@ def test_trace_repeats_and_retrieves_top_k():
         build_trace(ITEMS, 5, 13, embed=fake_embed)
 
 
+def test_a_shifting_trace_draws_popularity_anew_every_n_requests():
+    # Zipf 50: the top-ranked item takes every request, so each stretch shows its ranking.
+    steady, _ = build_trace(ITEMS, 30, 2, zipf_s=50.0, embed=fake_embed, seed=5)
+    assert len({r.item for r in steady}) == 1
+    moving, _ = build_trace(ITEMS, 30, 2, zipf_s=50.0, embed=fake_embed, seed=5, shift_every=6)
+    stretches = [{r.item for r in moving[i:i + 6]} for i in range(0, 30, 6)]
+    assert all(len(s) == 1 for s in stretches) and len(set.union(*stretches)) > 1
+    assert moving[:6] == steady[:6]  # the first stretch is the steady trace's
+    with pytest.raises(ValueError, match="shift_every"):
+        build_trace(ITEMS, 5, 2, embed=fake_embed, shift_every=-1)
+
+
 def test_replay_counts_compute_and_compares_with_full(cache_dir):
     config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32"}, environ={})
     cache_dir.mkdir(parents=True)

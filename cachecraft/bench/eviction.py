@@ -114,13 +114,14 @@ def chunk_sizes_and_costs(lm, texts, kv_dtype: str) -> tuple[dict[str, int], dic
 
 def run_replay(lm, items, *, requests: int, top_k: int, zipf_s: float, seed: int, kv_dtype: str,
                policies: Sequence[str] = DEFAULT_POLICIES, budget_fractions: Sequence[float] = DEFAULT_BUDGETS,
-               embed: Callable) -> dict:
+               embed: Callable, shift_every: int = 0) -> dict:
     """Build the trace (as ``bench workload`` does) and replay it under every policy and
     budget; the result's payload fields, ``corpus_chunks`` included."""
     from cachecraft.bench.workload import build_trace
 
-    trace, corpus = build_trace(items, requests, top_k, zipf_s=zipf_s, seed=seed, embed=embed)
+    trace, corpus = build_trace(items, requests, top_k, zipf_s=zipf_s, seed=seed, embed=embed,
+                                shift_every=shift_every)
     sizes, costs = chunk_sizes_and_costs(lm, {t for r in trace for t in r.chunks}, kv_dtype)
     result = run_eviction([r.chunks for r in trace], sizes, costs, policies, budget_fractions)
     return {"items": len(items), "corpus_chunks": corpus, "requests": requests, "top_k": top_k, "zipf": zipf_s,
-            "seed": seed, **result}
+            "seed": seed, "shift_every": shift_every, **result}

@@ -81,8 +81,13 @@ class TraceRequest:
 
 
 def build_trace(items: Sequence[QAItem], requests: int, top_k: int, *, zipf_s: float = 1.2, seed: int = 0,
-                embed: Callable[[list[str]], np.ndarray]) -> tuple[list[TraceRequest], int]:
-    """The request trace and the corpus size; ``embed`` maps texts to unit vectors."""
+                embed: Callable[[list[str]], np.ndarray],
+                shift_every: int = 0) -> tuple[list[TraceRequest], int]:
+    """The request trace and the corpus size; ``embed`` maps texts to unit vectors.
+    ``shift_every`` > 0 draws the items' popularity ranks anew every that many requests
+    (interests that move on); 0 keeps one popularity for the whole trace."""
+    if shift_every < 0:
+        raise ValueError(f"shift_every must be 0 or more, got {shift_every}")
     from cachecraft.retrieval.index import ChunkIndex
 
     corpus = pooled_corpus(items)
@@ -97,7 +102,11 @@ def build_trace(items: Sequence[QAItem], requests: int, top_k: int, *, zipf_s: f
     popularity /= popularity.sum()
     trace = []
     queries: dict[tuple[int, int], TraceRequest] = {}
-    for _ in range(requests):
+    for n in range(requests):
+        if shift_every and n and n % shift_every == 0:
+            ranks = rng.permutation(len(items)) + 1
+            popularity = 1.0 / ranks.astype(float) ** zipf_s
+            popularity /= popularity.sum()
         item_index = int(rng.choice(len(items), p=popularity))
         item = items[item_index]
         subject = int(rng.integers(len(item.passages)))

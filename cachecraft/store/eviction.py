@@ -14,12 +14,15 @@ Orders (ties are broken by the older access first, ``tick``):
   computed at each access with the tier's current ``clock``; lowest priority goes
   first; evicting raises ``clock`` to the evicted priority, which ages entries that
   are not used again.
-- ``cachecraft`` (the default): like PGDSF, but the value of an entry is its expected
-  reuse (frequency) times the compute it saves (``cost * quality``, quality being the
+- ``cachecraft`` (the default): the value of an entry is its expected reuse (a decayed
+  access count) times the compute it saves (``cost * quality``, quality being the
   fraction of the chunk's prefill a reuse avoids) per byte, and the variants of one
   chunk are ranked by that value: the best keeps it, the next one half of it, the
   third a quarter, and so on. One good variant of a chunk is kept ahead of several
-  redundant ones.
+  redundant ones. The access counts outlive eviction (a chunk that comes back
+  returns with its history) and are all halved once the tier has seen
+  ``history_factor`` accesses per entry it holds, so popularity that moves on fades
+  without a clock that lets every newcomer push out entries of proven worth.
 
 Quality starts as the planner's estimate when an entry is stored and is then measured:
 each request that reuses a variant reports the share of the chunk's prefill it saved
@@ -243,33 +246,89 @@ class PGDSFPolicy(EvictionPolicy):
         return set(self._state)
 
 
-class CacheCraftPolicy(PGDSFPolicy):
-    """Expected reuse x compute saved per byte, with redundant variants discounted."""
+@dataclass
+class _Held:
+    info: EntryInfo
+    tick: int  # the last access, for ties
+
+
+class CacheCraftPolicy(EvictionPolicy):
+    """Expected reuse x compute saved per byte, with redundant variants discounted.
+
+    Expected reuse is a decayed count of accesses that is kept for keys the tier no
+    longer holds, so a popular chunk evicted in a burst of one-off ones comes back with
+    its count instead of starting from one.
+    """
 
     name = "cachecraft"
 
-    def __init__(self, redundancy_discount: float = 0.5) -> None:
+    def __init__(self, redundancy_discount: float = 0.5, history_factor: float = 20.0) -> None:
         super().__init__()
         assert 0.0 <= redundancy_discount <= 1.0, f"redundancy_discount={redundancy_discount}"
+        assert history_factor > 0, f"history_factor={history_factor}"
         self.redundancy_discount = redundancy_discount
+        self.history_factor = history_factor
+        self._state: dict[str, _Held] = {}
+        self._counts: dict[str, float] = {}  # key -> decayed accesses, held or not
+        self._since_halving = 0
 
-    def value(self, s: _Scored) -> float:
+    def _access(self, key: str, first: float = 1.0) -> None:
+        """Count one access of ``key`` (``first`` when the tier has no history of it)."""
+        self._counts[key] = self._counts[key] + 1.0 if key in self._counts else first
+        self._since_halving += 1
+        if self._since_halving >= self.history_factor * max(len(self._state), 1):
+            self._since_halving = 0
+            # A key seen once survives two halvings; older one-offs are forgotten.
+            self._counts = {k: c / 2 for k, c in self._counts.items() if c / 2 >= 0.25 or k in self._state}
+
+    def on_put(self, info: EntryInfo) -> None:
+        # Hits carried from another tier (or the catalog) seed a key this tier never saw.
+        self._access(info.key, first=float(info.hits + 1))
+        self._state[info.key] = _Held(info, self._tick())
+
+    def on_hit(self, key: str) -> None:
+        held = self._state.get(key)
+        if held is not None:
+            self._access(key)
+            held.tick = self._tick()
+
+    def discard(self, key: str) -> None:
+        self._state.pop(key, None)  # its count stays, and fades
+
+    def on_measure(self, key: str, quality: float) -> None:
+        held = self._state.get(key)
+        if held is not None:  # not an access: the count stays
+            held.info = replace(held.info, quality=quality)
+
+    def count(self, key: str) -> float:
+        """The decayed access count of ``key`` (0 when unknown)."""
+        return self._counts.get(key, 0.0)
+
+    def value(self, key: str) -> float:
         """Expected reuse x compute saved per byte."""
-        return s.freq * s.info.cost_s * s.info.quality / s.info.nbytes
+        info = self._state[key].info
+        return self._counts.get(key, 1.0) * info.cost_s * info.quality / info.nbytes
 
     def priorities(self) -> dict[str, float]:
-        """Priorities with each chunk's variants ranked and discounted by rank."""
+        """Each entry's value, the variants of a chunk ranked and discounted by rank
+        (lowest is evicted first)."""
         by_chunk: dict[str, list[str]] = {}
-        for key, s in self._state.items():
-            by_chunk.setdefault(s.info.chunk, []).append(key)
+        for key, held in self._state.items():
+            by_chunk.setdefault(held.info.chunk, []).append(key)
         prio: dict[str, float] = {}
         for keys in by_chunk.values():
             # Best variant first; among equals the more recently used one ranks higher.
-            ranked = sorted(keys, key=lambda k: (-self.value(self._state[k]), -self._state[k].tick))
+            ranked = sorted(keys, key=lambda k: (-self.value(k), -self._state[k].tick))
             for rank, key in enumerate(ranked):
-                s = self._state[key]
-                prio[key] = s.base + self.value(s) * self.redundancy_discount ** rank
+                prio[key] = self.value(key) * self.redundancy_discount ** rank
         return prio
+
+    def candidates(self) -> list[str]:
+        prio = self.priorities()
+        return sorted(self._state, key=lambda k: (prio[k], self._state[k].tick))
+
+    def keys(self) -> set[str]:
+        return set(self._state)
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
