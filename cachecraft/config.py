@@ -40,7 +40,7 @@ DEFAULT_QUESTION_TEMPLATE = (
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _KV_DTYPES = ("float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
-_EVICTION = ("cachecraft", "lru", "lfu", "pgdsf")
+_EVICTION = ("cachecraft", "lru", "lfu", "pgdsf", "decay")
 CHUNK_ORDERS = ("given", "cache")
 # score: retrieved chunks best first; document: one file's chunks together, in the file's
 # order, where its best chunk ranks (a page cut in two then reads top to bottom)

@@ -345,7 +345,7 @@ def bench_eviction_cmd(
     top_k: int = typer.Option(5, help="Chunks retrieved per request."),
     budgets: str = typer.Option("0.05,0.1,0.25", help="Cache budgets as fractions of the trace's distinct "
                                                       "chunks' KV bytes."),
-    policies: str = typer.Option("lru,lfu,pgdsf,cachecraft", help="Eviction policies to compare."),
+    policies: str = typer.Option("lru,lfu,pgdsf,decay,cachecraft", help="Eviction policies to compare."),
     zipf: float = typer.Option(1.2, min=0.0, help="Zipf exponent of item popularity."),
     seed: int = typer.Option(0, help="Trace seed."),
     shift_every: int = typer.Option(0, min=0, help="Draw the items' popularity anew every N requests "
@@ -942,6 +942,9 @@ def bench_report_cmd(
     replay: Path = typer.Option(Path("benchmarks/results/eviction_replay.json"),
                                 parser=nonempty_path,
                                 help="`bench eviction` result: the policies on a long trace, without the model."),
+    also_replay: list[Path] = typer.Option([], parser=nonempty_path,
+                                           help="Another `bench eviction` result (another trace seed, or "
+                                                "--shift-every), with a section of its own; repeat for more."),
     also_quality: list[Path] = typer.Option([], parser=nonempty_path,
                                             help="Another `bench quality` result (another model, say), "
                                                  "with a section of its own; repeat for more."),
@@ -978,14 +981,15 @@ def bench_report_cmd(
     from cachecraft.bench.runs import RUNS
 
     sources: dict[str, Path] = {}
-    for kind, first, extras in (("quality", quality, also_quality), ("diagnose", diagnose, also_diagnose)):
+    for kind, first, extras in (("quality", quality, also_quality), ("diagnose", diagnose, also_diagnose),
+                                ("workload", workload, []), ("eviction", eviction, []),
+                                ("replay", replay, also_replay), ("scaling", scaling, []), ("revisit", revisit, []),
+                                ("loading", loading, []), ("tradeoff", tradeoff, [])):
         sources[kind] = first
-        for extra in extras:  # right after the first: the same figures on another model
+        for extra in extras:  # right after the first: the same figures on another model or trace
             if not extra.is_file():
                 raise UserError(f"--also-{kind}: no result at {extra}")
             sources[f"{kind}:{extra.stem}"] = extra
-    sources.update({"workload": workload, "eviction": eviction, "replay": replay, "scaling": scaling,
-                    "revisit": revisit, "loading": loading, "tradeoff": tradeoff})
     missing = [name for name, path in sources.items() if not path.is_file()]
     if run and missing:
         if dataset is None:

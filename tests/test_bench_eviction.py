@@ -71,5 +71,5 @@ def test_report_run_makes_the_replay_with_its_command(dataset, tmp_path, cache_d
     data = json.loads(out.read_text())
     assert data["benchmark"] == "eviction" and data["command"].startswith("cachecraft bench eviction --dataset")
     assert data["summary"]["lookups"] == 80 and data["kv_dtype"] == "float16"
-    assert {r["policy"] for r in data["rows"]} == {"lru", "lfu", "pgdsf", "cachecraft"}
-    assert len(data["rows"]) == 4 * 3 and all(0.0 <= r["hit_rate"] <= 1.0 for r in data["rows"])
+    assert {r["policy"] for r in data["rows"]} == {"lru", "lfu", "pgdsf", "decay", "cachecraft"}
+    assert len(data["rows"]) == 5 * 3 and all(0.0 <= r["hit_rate"] <= 1.0 for r in data["rows"])

@@ -221,6 +221,17 @@ def test_an_eviction_replay_gets_its_section_plot_and_losses(tmp_path):
     assert (tmp_path / "r" / "eviction_replay.png").read_bytes()[:8] == PNG_MAGIC
     assert "at a 25% budget: `lru` beats cachecraft's own policy on hit rate: 0.700 vs 0.600" in text
     assert "at a 10% budget" not in text  # cachecraft ahead there
+    # ``replay:TAG`` (``--also-replay``): another trace, its own section, plot and losses
+    shifted = tmp_path / "shift.json"
+    shifted.write_text(json.dumps({**replay, "seed": 7, "shift_every": 10,
+                                   "rows": [{**r, "hits": 80, "hit_rate": 0.8} if r["policy"] == "lru" else r
+                                            for r in rows]}))
+    text = write_report(tmp_path / "r2", {"replay": path, "replay:shift": shifted}).read_text()
+    assert "## Eviction policies on a long trace (seed ?)" in text
+    assert "## Eviction policies on a long trace (seed 7, popularity drawn anew every 10 requests)" in text
+    assert (tmp_path / "r2" / "eviction_replay_shift.png").read_bytes()[:8] == PNG_MAGIC
+    assert "at a 10% budget: `lru` beats cachecraft's own policy on hit rate: 0.800 vs 0.400" in text
+    assert "--also-replay " + str(shifted) in text
 
 
 def one_context_result(path, command: str, rows: list[dict], summary: dict, setup: dict):

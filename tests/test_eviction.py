@@ -6,7 +6,7 @@ import pytest
 
 from cachecraft.bench.eviction import replay
 from cachecraft.config import _EVICTION
-from cachecraft.store.eviction import (POLICIES, CacheCraftPolicy, EntryInfo, LFUPolicy, LRUPolicy,
+from cachecraft.store.eviction import (POLICIES, CacheCraftPolicy, DecayPolicy, EntryInfo, LFUPolicy, LRUPolicy,
                                        PGDSFPolicy, estimate_cost_s, make_policy, measured_quality)
 
 
@@ -116,15 +116,14 @@ def test_cachecraft_prefers_one_good_variant_over_redundant_ones():
         lfu.on_hit(k)
     assert lfu.candidates()[0] == "y1"
     p.on_evict("x2")
+    assert p.clock == 1.5
     assert p.priorities() == {"x1": 3.0, "y1": 2.0}  # x1 is alone now: full value
-    p.on_put(info("z1", chunk="Z"))  # a newcomer's one access, no clock to lift it
-    assert p.candidates() == ["z1", "y1", "x1"]
-    p.on_put(info("x2", chunk="X"))  # back with its history: 3 + 1 = 4, x1 now second
-    assert p.priorities() == {"x1": 1.5, "x2": 4.0, "y1": 2.0, "z1": 1.0}
+    p.on_put(info("z1", chunk="Z"))  # 1.5 + 1
+    assert p.candidates() == ["y1", "z1", "x1"]
 
 
-def test_cachecraft_counts_outlive_eviction_and_seed_only_unknown_keys():
-    p = CacheCraftPolicy()
+def test_decay_counts_outlive_eviction_and_seed_only_unknown_keys():
+    p = DecayPolicy()
     p.on_put(info("a"))
     p.on_hit("a")
     p.on_hit("a")
@@ -138,8 +137,8 @@ def test_cachecraft_counts_outlive_eviction_and_seed_only_unknown_keys():
     assert p.count("zzz") == 0.0
 
 
-def test_cachecraft_halves_every_count_after_history_factor_accesses_per_entry():
-    p = CacheCraftPolicy(history_factor=2)
+def test_decay_halves_every_count_after_history_factor_accesses_per_entry():
+    p = DecayPolicy(history_factor=2)
     p.on_put(info("a"))  # 1 access, 1 entry: the period is 2 accesses
     p.on_put(info("b"))  # 2 accesses: halved, a 0.5, b 0.5
     assert (p.count("a"), p.count("b")) == (0.5, 0.5)
@@ -160,12 +159,29 @@ def test_cachecraft_halves_every_count_after_history_factor_accesses_per_entry()
 def test_one_off_chunks_do_not_push_out_a_proven_one_as_pgdsf_s_clock_lets_them():
     """Room for two chunks of one byte each; A is used three times, then four one-off
     chunks pass, then A again. PGDSF's clock rises with each eviction (B 1, C 2, D 3), so
-    E arrives at 4 and A's 3 goes first; our counts keep A (3 against the newcomers' 1)."""
+    E arrives at 4 and A's 3 goes first (so in ``cachecraft``); decayed counts keep A (3 against the newcomers' 1)."""
     trace = [["A"], ["A"], ["A"], ["B"], ["C"], ["D"], ["E"], ["A"]]
     sizes = {k: 1 for k in "ABCDE"}
     costs = {k: 1.0 for k in "ABCDE"}
-    assert replay(trace, sizes, costs, 2, "pgdsf").hits == 2
-    assert replay(trace, sizes, costs, 2, "cachecraft").hits == 3
+    assert replay(trace, sizes, costs, 2, "pgdsf").hits == replay(trace, sizes, costs, 2, "cachecraft").hits == 2
+    assert replay(trace, sizes, costs, 2, "decay").hits == 3
+
+
+def test_decay_ranks_a_chunks_variants_as_cachecraft_does_without_a_clock():
+    p = DecayPolicy()
+    p.on_put(info("x1", chunk="X"))
+    p.on_put(info("x2", chunk="X"))
+    p.on_put(info("y1", chunk="Y"))
+    for k in ("x2", "x2", "y1", "x1", "x1"):
+        p.on_hit(k)
+    assert p.priorities() == {"x1": 3.0, "x2": 1.5, "y1": 2.0}  # as for cachecraft above
+    p.on_evict("x2")
+    p.on_put(info("z1", chunk="Z"))  # a newcomer's one access, no clock to lift it
+    assert p.candidates() == ["z1", "y1", "x1"]
+    p.on_put(info("x2", chunk="X"))  # back with its history: 3 + 1 = 4, x1 now second
+    assert p.priorities() == {"x1": 1.5, "x2": 4.0, "y1": 2.0, "z1": 1.0}
+    p.on_measure("x2", 0.25)  # quality as in cachecraft: 4 * 0.25 = 1, so x1 ranks first again
+    assert p.priorities() == {"x1": 3.0, "x2": 0.5, "y1": 2.0, "z1": 1.0}
 
 
 def test_cachecraft_weighs_compute_saved_per_byte():

@@ -8,8 +8,9 @@ file's items, top-k retrieval over the pooled passages, see
 chunk by chunk through each policy with a byte budget. Sizes are the chunks' KV bytes
 (their token counts under the model's tokenizer and shape), costs the prefill seconds
 the store assigns them, each chunk one variant, and a chunk re-entering after eviction
-starts afresh, as a put into the store does. A request's own chunks are never evicted
-to make room for each other.
+is put with no carried hits, as a put into the store is (a policy that remembers the
+keys it evicted, like the default, brings back its own count). A request's own chunks
+are never evicted to make room for each other.
 
 Hit rate counts chunk lookups served from the cache; compute saved is the prefill cost
 of those lookups over the cost of all lookups.
@@ -24,7 +25,7 @@ from cachecraft.kv import kv_bytes_per_token
 from cachecraft.store.eviction import EntryInfo, estimate_cost_s, make_policy
 
 DEFAULT_BUDGETS = (0.05, 0.1, 0.25)
-DEFAULT_POLICIES = ("lru", "lfu", "pgdsf", "cachecraft")
+DEFAULT_POLICIES = ("lru", "lfu", "pgdsf", "decay", "cachecraft")
 
 
 @dataclass(frozen=True)

@@ -147,14 +147,18 @@ def eviction_policies(data: dict, out: Path) -> list[str]:
                            for label, m in policies.items()])
 
 
-def replay_section(data: dict, source: Path, out: Path) -> list[str]:
+def replay_section(data: dict, source: Path, out: Path, tag: str = "") -> list[str]:
     """A `bench eviction` replay: the policies on a long trace, without the model."""
-    lines = ["## Eviction policies on a long trace", "", *provenance(data, source)]
+    trace = f"seed {data.get('seed', '?')}"
+    if data.get("shift_every"):
+        trace += f", popularity drawn anew every {data['shift_every']} requests"
+    lines = [f"## Eviction policies on a long trace ({trace})", "", *provenance(data, source)]
     summary = data.get("summary") or {}
     lines += [f"{data.get('requests', '?')} requests, {summary.get('lookups', '?')} chunk lookups over "
               f"{summary.get('distinct_chunks', '?')} distinct chunks, replayed through each policy alone "
               "(no model runs: only what eviction decides is measured).", ""]
-    lines += _plots(out, data, [("eviction_replay.png", plots.eviction_replay, "eviction policies against budget")])
+    lines += _plots(out, data, [(f"eviction_replay{tag}.png", plots.eviction_replay,
+                                 "eviction policies against budget")])
     return lines + _table(["budget", "policy", "hit rate", "compute saved", "evictions"],
                           [[f"{r['budget_fraction']:.0%} ({r['budget_bytes'] / 2**20:.0f} MiB)", r["policy"],
                             f"{r['hit_rate']:.3f}", f"{r['compute_saved']:.1%}", str(r["evictions"])]
@@ -356,7 +360,7 @@ def write_report(out: Path, sources: dict[str, Path], gpu_source: Path | None = 
     losses = (sum((findings.quality_losses(results[n]) for n in sources if n.partition(":")[0] == "quality"), [])
               + findings.workload_losses(results.get("workload"))
               + findings.eviction_losses(results.get("workload")) + findings.eviction_losses(results.get("eviction"))
-              + findings.replay_losses(results.get("replay"))
+              + sum((findings.replay_losses(results[n]) for n in sources if n.partition(":")[0] == "replay"), [])
               + findings.scaling_losses(results.get("scaling"))
               + findings.scaling_losses(results.get("revisit"), what="Revisit")
               + findings.loading_losses(results.get("loading"))

@@ -6,7 +6,7 @@ how much to recompute; the store keeps, moves, verifies and hands out the bytes.
 
 from cachecraft.store.errors import (CacheDirError, CorruptEntryError, DiskFullError, SelectorError,
                                      StoreBusyError, StoreConfigError, StoreError)
-from cachecraft.store.eviction import (POLICIES, CacheCraftPolicy, EntryInfo, EvictionPolicy,
+from cachecraft.store.eviction import (POLICIES, CacheCraftPolicy, DecayPolicy, EntryInfo, EvictionPolicy,
                                        LFUPolicy, LRUPolicy, PGDSFPolicy, make_policy)
 from cachecraft.store.maintenance import DestroyReport, EvictReport, destroy
 from cachecraft.store.readers import LayerReader
@@ -17,7 +17,7 @@ from cachecraft.store.verify import Problem, VerifyReport, verify
 __all__ = [
     "CacheDirError", "CorruptEntryError", "DiskFullError", "StoreBusyError", "StoreConfigError",
     "SelectorError", "DestroyReport", "EvictReport", "destroy",
-    "StoreError", "POLICIES", "CacheCraftPolicy", "EntryInfo", "EvictionPolicy", "LFUPolicy",
+    "StoreError", "POLICIES", "CacheCraftPolicy", "DecayPolicy", "EntryInfo", "EvictionPolicy", "LFUPolicy",
     "LRUPolicy", "PGDSFPolicy", "make_policy", "LayerReader", "LayerStream", "StreamedKV",
     "StoreCounters", "TieredStore", "TierState", "store_paths", "Problem", "VerifyReport", "verify",
 ]
