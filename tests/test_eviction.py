@@ -6,8 +6,8 @@ import pytest
 
 from cachecraft.bench.eviction import replay
 from cachecraft.config import _EVICTION
-from cachecraft.store.eviction import (POLICIES, CacheCraftPolicy, DecayPolicy, EntryInfo, LFUPolicy, LRUPolicy,
-                                       PGDSFPolicy, estimate_cost_s, make_policy, measured_quality)
+from cachecraft.store.eviction import (POLICIES, CacheCraftPolicy, DecayPolicy, EntryInfo, LFUPolicy,
+                                       LRUPolicy, PGDSFPolicy, estimate_cost_s, make_policy, measured_quality)
 
 
 def info(key: str, chunk: str | None = None, nbytes: int = 1, cost: float = 1.0, quality: float = 1.0,
@@ -159,7 +159,8 @@ def test_decay_halves_every_count_after_history_factor_accesses_per_entry():
 def test_one_off_chunks_do_not_push_out_a_proven_one_as_pgdsf_s_clock_lets_them():
     """Room for two chunks of one byte each; A is used three times, then four one-off
     chunks pass, then A again. PGDSF's clock rises with each eviction (B 1, C 2, D 3), so
-    E arrives at 4 and A's 3 goes first (so in ``cachecraft``); decayed counts keep A (3 against the newcomers' 1)."""
+    E arrives at 4 and A's 3 goes first (in ``cachecraft`` too, which keeps that clock);
+    decayed counts keep A (3 against the newcomers' 1)."""
     trace = [["A"], ["A"], ["A"], ["B"], ["C"], ["D"], ["E"], ["A"]]
     sizes = {k: 1 for k in "ABCDE"}
     costs = {k: 1.0 for k in "ABCDE"}

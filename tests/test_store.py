@@ -255,7 +255,8 @@ def test_measured_use_moves_quality_in_memory_on_disk_and_in_the_catalog(store_f
     assert store.info(far.variant).quality == pytest.approx(0.45)
 
 
-@pytest.mark.parametrize("policy,steps", [("cachecraft", 1000), ("lru", 250), ("lfu", 250), ("pgdsf", 250)])
+@pytest.mark.parametrize("policy,steps", [("cachecraft", 1000), ("lru", 250), ("lfu", 250), ("pgdsf", 250),
+                                          ("decay", 250)])
 def test_randomized_budgets_hold_and_only_the_last_tier_drops(store_factory, policy, steps):
     """Every tier stays within budget after every step; a key disappears only by a
     delete or an eviction from the disk tier; every read returns the last put, bit for bit."""

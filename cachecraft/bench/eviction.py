@@ -9,7 +9,7 @@ chunk by chunk through each policy with a byte budget. Sizes are the chunks' KV 
 (their token counts under the model's tokenizer and shape), costs the prefill seconds
 the store assigns them, each chunk one variant, and a chunk re-entering after eviction
 is put with no carried hits, as a put into the store is (a policy that remembers the
-keys it evicted, like the default, brings back its own count). A request's own chunks
+keys it evicted, like ``decay``, brings back its own count). A request's own chunks
 are never evicted to make room for each other.
 
 Hit rate counts chunk lookups served from the cache; compute saved is the prefill cost
