@@ -296,10 +296,10 @@ def ingest_cmd(
     read and chunked piece by piece. A path that does not exist stops the command before
     anything is read (a typo is not half an ingest). A file that cannot be read (type,
     encoding, damage, permissions) is skipped and listed with its reason, and the others
-    are ingested. The
-    exit code is 1 when a skipped file is a problem: one named on the command line, or one
-    of a type that is read but could not be; files of other types met in a directory are
-    listed but do not fail the command, so `ingest docs/ && warm` warms what was read.
+    are ingested. The exit code is 1 when a skipped file is a problem: one named on the
+    command line, or one of a type that is read but could not be; files of other types
+    met in a directory are listed but do not fail the command, so `ingest docs/ && warm`
+    warms what was read.
 
     Example: cachecraft ingest docs/ notes.md   (then: cachecraft warm)
     """

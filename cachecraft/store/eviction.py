@@ -269,17 +269,24 @@ class CacheCraftPolicy(PGDSFPolicy):
 
     def priorities(self) -> dict[str, float]:
         """Priorities with each chunk's variants ranked and discounted by rank."""
-        by_chunk: dict[str, list[str]] = {}
-        for key, s in self._state.items():
-            by_chunk.setdefault(s.info.chunk, []).append(key)
-        prio: dict[str, float] = {}
-        for keys in by_chunk.values():
-            # Best variant first; among equals the more recently used one ranks higher.
-            ranked = sorted(keys, key=lambda k: (-self.value(self._state[k]), -self._state[k].tick))
-            for rank, key in enumerate(ranked):
-                s = self._state[key]
-                prio[key] = s.base + self.value(s) * self.redundancy_discount ** rank
-        return prio
+        worth = _discounted_by_rank({k: (s.info.chunk, self.value(s), s.tick) for k, s in self._state.items()},
+                                    self.redundancy_discount)
+        return {k: self._state[k].base + w for k, w in worth.items()}
+
+
+def _discounted_by_rank(entries: dict[str, tuple[str, float, int]], discount: float) -> dict[str, float]:
+    """``entries`` maps each key to (chunk, value, tick). Ranks each chunk's variants,
+    best value first (among equals the more recently used one); the first keeps its
+    value, the next ``discount`` of it, the third ``discount ** 2``, and so on."""
+    by_chunk: dict[str, list[str]] = {}
+    for key, (chunk, _, _) in entries.items():
+        by_chunk.setdefault(chunk, []).append(key)
+    worth: dict[str, float] = {}
+    for keys in by_chunk.values():
+        ranked = sorted(keys, key=lambda k: (-entries[k][1], -entries[k][2]))
+        for rank, key in enumerate(ranked):
+            worth[key] = entries[key][1] * discount ** rank
+    return worth
 
 
 @dataclass
@@ -348,16 +355,8 @@ class DecayPolicy(EvictionPolicy):
     def priorities(self) -> dict[str, float]:
         """Each entry's value, the variants of a chunk ranked and discounted by rank
         (lowest is evicted first)."""
-        by_chunk: dict[str, list[str]] = {}
-        for key, held in self._state.items():
-            by_chunk.setdefault(held.info.chunk, []).append(key)
-        prio: dict[str, float] = {}
-        for keys in by_chunk.values():
-            # Best variant first; among equals the more recently used one ranks higher.
-            ranked = sorted(keys, key=lambda k: (-self.value(k), -self._state[k].tick))
-            for rank, key in enumerate(ranked):
-                prio[key] = self.value(key) * self.redundancy_discount ** rank
-        return prio
+        return _discounted_by_rank({k: (h.info.chunk, self.value(k), h.tick) for k, h in self._state.items()},
+                                   self.redundancy_discount)
 
     def candidates(self) -> list[str]:
         prio = self.priorities()
