@@ -168,21 +168,31 @@ def test_one_off_chunks_do_not_push_out_a_proven_one_as_pgdsf_s_clock_lets_them(
     assert replay(trace, sizes, costs, 2, "decay").hits == 3
 
 
-def test_decay_ranks_a_chunks_variants_as_cachecraft_does_without_a_clock():
+def test_decay_ranks_a_chunks_variants_by_last_access():
+    """A variant just made keeps its whole value against a sibling with more history
+    (ranked by value, as ``cachecraft`` ranks them, it would keep half and go first)."""
     p = DecayPolicy()
     p.on_put(info("x1", chunk="X"))
-    p.on_put(info("x2", chunk="X"))
     p.on_put(info("y1", chunk="Y"))
-    for k in ("x2", "x2", "y1", "x1", "x1"):
-        p.on_hit(k)
-    assert p.priorities() == {"x1": 3.0, "x2": 1.5, "y1": 2.0}  # as for cachecraft above
+    p.on_hit("x1")
+    p.on_hit("x1")  # x1: 3 accesses
+    p.on_put(info("x2", chunk="X"))  # made last: ranks first with its 1; x1 keeps 3 / 2
+    assert p.priorities() == {"x1": 1.5, "x2": 1.0, "y1": 1.0}
+    assert p.candidates() == ["y1", "x2", "x1"]  # y1 and x2 tie: the older access goes first
+    by_value = CacheCraftPolicy()
+    for key in ("x1", "y1"):
+        by_value.on_put(info(key, chunk=key[0].upper()))
+    by_value.on_hit("x1")
+    by_value.on_hit("x1")
+    by_value.on_put(info("x2", chunk="X"))
+    assert by_value.candidates()[0] == "x2"  # 1 / 2 against y1's 1
+    p.on_hit("x1")  # x1 used again: 4, first of X; x2 keeps 1 / 2
+    assert p.priorities() == {"x1": 4.0, "x2": 0.5, "y1": 1.0}
+    p.on_measure("x1", 0.25)  # quality scales the value, not the rank: 4 * 0.25
+    assert p.priorities() == {"x1": 1.0, "x2": 0.5, "y1": 1.0}
     p.on_evict("x2")
-    p.on_put(info("z1", chunk="Z"))  # a newcomer's one access, no clock to lift it
-    assert p.candidates() == ["z1", "y1", "x1"]
-    p.on_put(info("x2", chunk="X"))  # back with its history: 3 + 1 = 4, x1 now second
-    assert p.priorities() == {"x1": 1.5, "x2": 4.0, "y1": 2.0, "z1": 1.0}
-    p.on_measure("x2", 0.25)  # quality as in cachecraft: 4 * 0.25 = 1, so x1 ranks first again
-    assert p.priorities() == {"x1": 3.0, "x2": 0.5, "y1": 2.0, "z1": 1.0}
+    p.on_put(info("x2", chunk="X"))  # back with its history, 1 + 1, and the most recent
+    assert p.priorities() == {"x1": 0.5, "x2": 2.0, "y1": 1.0}
 
 
 def test_cachecraft_weighs_compute_saved_per_byte():

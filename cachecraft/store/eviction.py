@@ -274,16 +274,21 @@ class CacheCraftPolicy(PGDSFPolicy):
         return {k: self._state[k].base + w for k, w in worth.items()}
 
 
-def _discounted_by_rank(entries: dict[str, tuple[str, float, int]], discount: float) -> dict[str, float]:
+def _discounted_by_rank(entries: dict[str, tuple[str, float, int]], discount: float,
+                        most_recent_first: bool = False) -> dict[str, float]:
     """``entries`` maps each key to (chunk, value, tick). Ranks each chunk's variants,
-    best value first (among equals the more recently used one); the first keeps its
-    value, the next ``discount`` of it, the third ``discount ** 2``, and so on."""
+    best value first (among equals the more recently used one), or with
+    ``most_recent_first`` by their last access alone; the first keeps its value, the next
+    ``discount`` of it, the third ``discount ** 2``, and so on."""
     by_chunk: dict[str, list[str]] = {}
     for key, (chunk, _, _) in entries.items():
         by_chunk.setdefault(chunk, []).append(key)
     worth: dict[str, float] = {}
     for keys in by_chunk.values():
-        ranked = sorted(keys, key=lambda k: (-entries[k][1], -entries[k][2]))
+        if most_recent_first:
+            ranked = sorted(keys, key=lambda k: -entries[k][2])
+        else:
+            ranked = sorted(keys, key=lambda k: (-entries[k][1], -entries[k][2]))
         for rank, key in enumerate(ranked):
             worth[key] = entries[key][1] * discount ** rank
     return worth
@@ -353,10 +358,13 @@ class DecayPolicy(EvictionPolicy):
         return self._counts.get(key, 1.0) * info.cost_s * info.quality / info.nbytes
 
     def priorities(self) -> dict[str, float]:
-        """Each entry's value, the variants of a chunk ranked and discounted by rank
-        (lowest is evicted first)."""
+        """Each entry's value, the variants of a chunk ranked by their last access and
+        discounted by rank (lowest is evicted first)."""
+        # By recency, not value: a variant just made has one access against its sibling's
+        # history, and with no clock it would rank second, keep half its value and go
+        # before any request could use it. The sibling used last fits today's requests.
         return _discounted_by_rank({k: (h.info.chunk, self.value(k), h.tick) for k, h in self._state.items()},
-                                   self.redundancy_discount)
+                                   self.redundancy_discount, most_recent_first=True)
 
     def candidates(self) -> list[str]:
         prio = self.priorities()
