@@ -21,15 +21,16 @@ Orders (ties are broken by the older access first, ``tick``):
   third a quarter, and so on. One good variant of a chunk is kept ahead of several
   redundant ones.
 
-- ``decay`` (opt-in): ``cachecraft``'s value and variant ranking, with a decayed access
-  count in place of the clock. The counts outlive eviction (a chunk that comes back
-  returns with its history) and are all halved once the tier has seen
-  ``history_factor`` accesses per entry it holds, so popularity that moves on fades
-  without a clock that lets every newcomer push out entries of proven worth. It serves
-  more lookups than every other order on long replays, but with no recency left it
-  keeps a chunk's first-made variant over an in-context one that requests have not used
-  yet (measured on the judge: whole-prefix reuse 1% against PGDSF's 39%), so it is not
-  the default.
+- ``decay`` (opt-in): ``cachecraft``'s value with a decayed access count in place of the
+  clock. The counts outlive eviction (a chunk that comes back returns with its history)
+  and are all halved once the tier has seen ``history_factor`` accesses per entry it
+  holds, so popularity that moves on fades without a clock that lets every newcomer push
+  out entries of proven worth. A chunk's variants are ranked by their last use, not by
+  value: with no clock, a variant just made would rank second to a sibling with history
+  and go before a request could use it. It serves more lookups than every other order on
+  long replays; it is not the default because on the judge's short variant trace its
+  answers agreed with full's less (the README says why: there the default misses more,
+  and its misses leave exact caches).
 
 Quality starts as the planner's estimate when an entry is stored and is then measured:
 each request that reuses a variant reports the share of the chunk's prefill it saved
