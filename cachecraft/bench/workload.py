@@ -97,16 +97,19 @@ def build_trace(items: Sequence[QAItem], requests: int, top_k: int, *, zipf_s: f
     index = ChunkIndex(vectors.shape[1])
     index.add(vectors, corpus, [str(i) for i in range(len(corpus))])
     rng = np.random.default_rng(seed)
-    ranks = rng.permutation(len(items)) + 1
-    popularity = 1.0 / ranks.astype(float) ** zipf_s
-    popularity /= popularity.sum()
+
+    def draw_popularity() -> np.ndarray:
+        """Zipf shares over the items, in a random order of ranks."""
+        ranks = rng.permutation(len(items)) + 1
+        shares = 1.0 / ranks.astype(float) ** zipf_s
+        return shares / shares.sum()
+
+    popularity = draw_popularity()
     trace = []
     queries: dict[tuple[int, int], TraceRequest] = {}
     for n in range(requests):
         if shift_every and n and n % shift_every == 0:
-            ranks = rng.permutation(len(items)) + 1
-            popularity = 1.0 / ranks.astype(float) ** zipf_s
-            popularity /= popularity.sum()
+            popularity = draw_popularity()
         item_index = int(rng.choice(len(items), p=popularity))
         item = items[item_index]
         subject = int(rng.integers(len(item.passages)))
