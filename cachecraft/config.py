@@ -149,6 +149,10 @@ class Config:
     # an answer from reused chunk-caches that degenerates into repetition is answered again
     # from a full prefill (not for a streamed answer whose streamer cannot start over)
     repetition_fallback: bool = True
+    # a chunk order asked this many times before whose chunk-caches are not all a full
+    # prefill's KV is computed in full once (from its first such chunk on) and kept exact,
+    # so that later asks reuse it exactly and answer as full prefill does (0: never)
+    exact_after_asks: int = 2
     early_stop_layers: str = ""  # comma-separated layers or depths, e.g. "12,20" or "0.4,0.67"; empty: off
     early_stop_share: float = 0.25
     stats_layer_step: int = 4  # attention statistics at every 4th layer (1: every layer)
@@ -216,6 +220,7 @@ class Config:
             ok = False
         check(ok, "early_stop_layers must be comma-separated layer numbers or depths below 1 (e.g. 12,20 or "
                   f"0.4,0.67), got {self.early_stop_layers!r}")
+        check(self.exact_after_asks >= 0, f"exact_after_asks must be >= 0, got {self.exact_after_asks}")
         check(self.stats_layer_step >= 1, f"stats_layer_step must be >= 1, got {self.stats_layer_step}")
         check(self.miss_stats_stride >= 1, f"miss_stats_stride must be >= 1, got {self.miss_stats_stride}")
         check(bool(str(self.embedder).strip()), "embedder must not be empty")

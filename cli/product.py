@@ -257,6 +257,9 @@ def print_report(answer, low_relevance: float | None = LOW_RELEVANCE, *, command
     if answer.escalated:
         console.print(f"the first answer (first token after {seconds(answer.first_try_ttft_s)}) repeated itself and "
                       "was answered again from a full prefill; TTFT above is the kept answer's", highlight=False)
+    if answer.kept_exact:
+        console.print("these chunks had been asked in this order before: they were computed in full and kept "
+                      "exact, so the next ask in this order reuses them exactly (exact_after_asks)", highlight=False)
     if command_s is not None and server is not None:
         console.print(f"whole command {seconds(command_s)}; answered by the server at {server}", highlight=False)
     elif command_s is not None:

@@ -174,6 +174,19 @@ def test_a_request_written_twice_is_recorded_once(catalog):
         assert tx.request(first).uid == rec.uid and tx.request(older[0]).uid is None
 
 
+def test_order_asks_counts_the_requests_that_held_exactly_these_chunks_in_this_order(catalog):
+    for keys in (["a", "b", "c"], ["a", "b", "c"], ["b", "a", "c"], ["a", "b"], ["a", "b", "c", "d"], ["a", "b", "c"]):
+        catalog.record_request(RequestRecord("q", "cachecraft", tuple(RequestChunk(i, k) for i, k in enumerate(keys)),
+                                             0.1, 1.0, 2.0))
+    assert catalog.order_asks(["a", "b", "c"], limit=10) == 3
+    assert catalog.order_asks(["a", "b", "c"], limit=2) == 2  # counted up to the limit
+    assert catalog.order_asks(["b", "a", "c"], limit=10) == 1
+    assert catalog.order_asks(["a", "b"], limit=10) == 1  # not the longer requests it starts
+    assert catalog.order_asks(["c", "b", "a"], limit=10) == 0
+    assert catalog.order_asks(["a"], limit=10) == 0
+    assert catalog.order_asks([], limit=10) == 0 and catalog.order_asks(["a", "b"], limit=0) == 0
+
+
 # what each schema version added, undone: the way back to the one before it
 DOWNGRADES = {
     3: ["DROP INDEX ix_requests_uid", "ALTER TABLE requests DROP COLUMN uid"],

@@ -615,6 +615,91 @@ def test_a_looping_answer_keeps_its_exact_chunks_past_the_cap_in_place_of_the_va
     assert again.recompute_fraction == 0.0 and [c.variant for c in again.chunks] == chained
 
 
+def repeating_pipeline(cache_dir, after_asks: int, **overrides) -> Pipeline:
+    config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 6, "kv_dtype": "float32",
+                                    "exact_after_asks": after_asks, **overrides}, environ={})
+    store = TieredStore(config, tiers=("cpu", "disk"))
+    return Pipeline(config, lm=tiny_model("llama"), store=store,
+                    policy=PolicyParams(alpha=0.5, check_layer=2, exact_after_asks=after_asks))
+
+
+def chained_variants(pipeline, chunks) -> list[str]:
+    pieces = pipeline.builder.build(chunks, QUESTION)
+    prefix = chunk_key(pipeline.lm.fingerprint, pieces.prefix)
+    keys = [chunk_key(pipeline.lm.fingerprint, ids) for ids in pieces.chunks]
+    return [variant_key(key, (prefix, *keys[:i])) for i, key in enumerate(keys)]
+
+
+def test_a_chunk_order_asked_twice_before_is_computed_in_full_once_and_then_reused_exactly(cache_dir):
+    pipe = repeating_pipeline(cache_dir, 2)
+    with pipe.store:
+        pipe.warm(CHUNKS[:3])  # after the warm context: reused, never exact
+        order = CHUNKS[2::-1]
+        chained = chained_variants(pipe, order)
+        full = traced(pipe, order, QUESTION, method="full")  # recorded too: an ask of this order
+        first = traced(pipe, order, QUESTION)
+        assert not first.kept_exact and 0 < first.recompute_fraction < 1
+        assert not any(pipe.store.contains(name) for name in chained)
+        traced(pipe, CHUNKS[:3], QUESTION)  # another order of the same chunks: not an ask of this one
+        third = traced(pipe, order, QUESTION)  # asked twice before (full's and the first)
+        assert third.kept_exact and third.recompute_fraction == 1.0
+        assert all(c.fraction == 1.0 and c.tier in ("cpu", "disk") for c in third.chunks)  # found: hits at 1.0
+        assert (third.logits - full.logits).abs().max() < 1e-4 and third.text == full.text
+        assert all(pipe.store.info(name).stats == {"made_exactly": 1.0} for name in chained)
+        fourth = traced(pipe, order, QUESTION)
+        assert not fourth.kept_exact and fourth.recompute_fraction == 0.0
+        assert [c.variant for c in fourth.chunks] == chained
+        assert (fourth.logits - full.logits).abs().max() < 1e-4 and fourth.text == full.text
+        assert pipe.catalog.get_request(fourth.request_id).recompute_fraction == 0.0
+
+
+def test_a_repeated_order_reuses_its_leading_exact_chunks_and_computes_the_rest(cache_dir):
+    # no warm context: each warmed chunk is exact as the first chunk of a request
+    pipe = repeating_pipeline(cache_dir, 1, warm_context="none")
+    with pipe.store:
+        pipe.warm(CHUNKS[:3])
+        chained = chained_variants(pipe, CHUNKS[:3])
+        full = traced(pipe, CHUNKS[:3], QUESTION, method="full")
+        again = traced(pipe, CHUNKS[:3], QUESTION)
+        assert again.kept_exact
+        assert [c.fraction for c in again.chunks] == [0.0, 1.0, 1.0]
+        assert again.chunks[0].variant == chained[0]
+        assert (again.logits - full.logits).abs().max() < 1e-4 and again.text == full.text
+        assert all(pipe.store.info(name).stats == {"made_exactly": 1.0} for name in chained)
+
+
+def test_exact_after_asks_zero_never_computes_a_repeated_order_in_full(cache_dir):
+    pipe = repeating_pipeline(cache_dir, 0)
+    with pipe.store:
+        pipe.warm(CHUNKS[:3])
+        answers = [pipe.answer(CHUNKS[:3], QUESTION) for _ in range(4)]
+        assert not any(a.kept_exact for a in answers)
+        assert all(0 < a.recompute_fraction < 1 for a in answers)
+
+
+def test_a_repeated_orders_exact_chunks_take_the_place_of_the_variant_used_least_at_the_cap(cache_dir):
+    from cachecraft.policy.rules import MAX_VARIANTS_PER_CHUNK
+
+    pipe = repeating_pipeline(cache_dir, 1)
+    with pipe.store:
+        pipe.warm(CHUNKS)
+        pipe.warm_after([(before, CHUNKS[3]) for before in CHUNKS[:3]])  # the last chunk at the cap
+        pieces = pipe.builder.build(CHUNKS, QUESTION)
+        prefix = chunk_key(pipe.lm.fingerprint, pieces.prefix)
+        last = chunk_key(pipe.lm.fingerprint, pieces.chunks[3])
+        after = [variant_key(last, (prefix, chunk_key(pipe.lm.fingerprint, ids))) for ids in pieces.chunks[:3]]
+        for name, reads in zip(after, (1, 2, 0)):  # the third is used least
+            for _ in range(reads):
+                pipe.store.get(name)
+        before = {r.key for r in pipe.store.variants_of(last)}
+        assert len(before) == MAX_VARIANTS_PER_CHUNK
+        pipe.answer(CHUNKS, QUESTION)
+        assert pipe.answer(CHUNKS, QUESTION).kept_exact
+        chained = chained_variants(pipe, CHUNKS)
+        assert {r.key for r in pipe.store.variants_of(last)} == before - {after[2]} | {chained[3]}
+        assert pipe.answer(CHUNKS, QUESTION).recompute_fraction == 0.0
+
+
 def test_a_full_disk_costs_the_new_chunk_caches_not_the_answer(cache_dir, tmp_path, monkeypatch, caplog):
     import errno
 

@@ -5,7 +5,7 @@ import math
 import torch
 
 from cachecraft.policy.planner import PolicyParams, VariantInfo, apply_budget, choose_variant, plan_request
-from cachecraft.policy.rules import early_stop_decision, pool_by_need, share_by_attention
+from cachecraft.policy.rules import early_stop_decision, exact_from, pool_by_need, share_by_attention
 
 INTER = torch.tensor([[1.0, 1.0]])
 INTRA = torch.tensor([2.0])
@@ -125,3 +125,13 @@ def test_a_floor_raises_every_reused_chunk_but_an_exact_match():
     higher = plan_request(["a", "b"], [10, 10], {"a": [alone("a0")], "b": [alone("b0")]},
                           PolicyParams(alpha=0.1, cci_prior=0.6, floor=0.35))
     assert [p.count for p in higher.chunks] == [0, 3]
+
+
+def test_exact_from_by_hand():
+    # asked twice before, the setting two: from the first chunk not stored exactly
+    assert exact_from(2, 2, [True, False, True, False]) == 1
+    assert exact_from(5, 2, [False, False]) == 0
+    assert exact_from(1, 2, [False, False]) is None  # asked once before: not yet
+    assert exact_from(0, 1, [False]) is None  # never asked
+    assert exact_from(9, 0, [False]) is None  # off
+    assert exact_from(3, 1, [True, True, True]) is None  # stored exactly already: nothing to make

@@ -236,7 +236,8 @@ def _measure(pipeline, request: TraceRequest, method: str) -> dict:
     whole_prefix = sum(1 for c in answer.chunks if c.variant is not None and c.cfo == 0 and c.fraction < 1)
     return {"whole_prefix_reuses": whole_prefix, "prompt_tokens": answer.prompt_tokens, "ttft_s": answer.ttft_s,
             "request_s": total, "recompute_fraction": answer.recompute_fraction, "token_layers": trace.token_layers,
-            "hits": {t: tiers.count(t) for t in set(tiers)}, "chunks": len(tiers), "answer": answer.text}
+            "hits": {t: tiers.count(t) for t in set(tiers)}, "chunks": len(tiers), "answer": answer.text,
+            "kept_exact": answer.kept_exact}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -259,4 +260,5 @@ def summarize(rows: list[dict]) -> dict:
         "hit_rate_by_tier": {t: hits.get(t, 0) / chunks for t in ("gpu", "cpu", "disk")} if chunks else {},
         "agreement_f1_mean": statistics.fmean(r["agreement_f1"] for r in rows),
         "whole_prefix_reuse_rate": sum(r.get("whole_prefix_reuses", 0) for r in rows) / chunks if chunks else 0.0,
+        "kept_exact_requests": sum(1 for r in rows if r.get("kept_exact")),
     }

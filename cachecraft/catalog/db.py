@@ -25,7 +25,7 @@ from functools import cache
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
-from sqlalchemy import create_engine, delete, event, func, inspect, select, text, update
+from sqlalchemy import and_, create_engine, delete, event, func, inspect, or_, select, text, update
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
@@ -572,6 +572,21 @@ class CatalogTx:
             full_prefill_s=row.full_prefill_s, created_at=row.created_at, id=row.id,
             num_tokens=row.num_tokens, policy=_json_object(row.policy), node=row.node, uid=row.uid)
 
+    def order_asks(self, chunk_keys: Sequence[str], limit: int) -> int:
+        """How many stored requests had exactly ``chunk_keys`` as their chunks, in this
+        order, counted up to ``limit``."""
+        if not chunk_keys or limit <= 0:
+            return 0
+        wanted = or_(*(and_(RequestChunkRow.position == i, RequestChunkRow.chunk_key == key)
+                       for i, key in enumerate(chunk_keys)))
+        matches = (select(RequestChunkRow.request_id)
+                   .join(Request, Request.id == RequestChunkRow.request_id)
+                   .where(Request.num_chunks == len(chunk_keys), wanted)
+                   .group_by(RequestChunkRow.request_id)
+                   .having(func.count() == len(chunk_keys))
+                   .limit(limit))
+        return len(self.session.scalars(matches).all())
+
     # what was measured or fitted per model ----------------------------------------------
 
     def profile(self, fingerprint: str, device: str, kind: str) -> dict | None:
@@ -924,6 +939,11 @@ class Catalog:
         """A stored request (for ``cachecraft explain``), or None."""
         with self.read() as tx:
             return tx.request(request_id)
+
+    def order_asks(self, chunk_keys: Sequence[str], limit: int) -> int:
+        """How many stored requests asked ``chunk_keys`` in this order (up to ``limit``)."""
+        with self.read() as tx:
+            return tx.order_asks(chunk_keys, limit)
 
     def profile(self, fingerprint: str, device: str, kind: str) -> dict | None:
         """A stored model profile (see :meth:`CatalogTx.profile`), or None."""

@@ -41,6 +41,13 @@ class VariantLookup(Protocol):
     def tier_of(self, variant: str) -> str | None:
         """The tier ``variant`` would load from (None: not stored)."""
 
+    def made_exactly(self, key: str, variant: str) -> bool:
+        """Whether ``variant`` of chunk ``key`` was made after a full prefill's KV of its prefix."""
+
+    def asked_before(self, keys: Sequence[str], limit: int) -> int:
+        """How many earlier requests asked the chunks ``keys`` in this order, counted up to
+        ``limit`` (0 where the pipeline keeps no new variants, or cannot tell)."""
+
 
 @dataclass(frozen=True)
 class RequestContext:
@@ -60,11 +67,14 @@ class RequestContext:
 @dataclass(frozen=True)
 class LoadPlan:
     """Which stored variant of each chunk to load (None: compute the chunk in full).
-    ``found``: the variant the policy found, also where it chose to compute in full."""
+    ``found``: the variant the policy found, also where it chose to compute in full.
+    ``keep_exact``: the chunks computed in full are a full prefill's KV, to be kept under
+    their exact prefixes even at the cap, in place of inexact variants."""
 
     wanted: tuple[str | None, ...]
     plan: RecomputePlan | None = None
     found: tuple[str | None, ...] | None = None
+    keep_exact: bool = False
 
 
 @dataclass

@@ -8,6 +8,9 @@ recomputed is computed in full and kept as a new variant. Select: the planned co
 in total, to the cached tokens the question looks at most at the check layer (with a
 drift shift: evenly over each chunk, whose other tokens then move by the drift those
 show). Observe: with early termination on, chunks the question ignores stop recomputing.
+A chunk order asked often enough (``exact_after_asks``) whose chunks are not all stored as
+a full prefill's KV is computed in full once instead, from its first such chunk on, and kept
+so: every later ask reuses it exactly and answers as a full prefill does.
 """
 
 from __future__ import annotations
@@ -17,11 +20,12 @@ from dataclasses import replace
 import torch
 
 from cachecraft.engine import Segment
-from cachecraft.kv import ChunkKV
+from cachecraft.kv import ChunkKV, variant_key
 from cachecraft.methods.base import LoadPlan, Method, PrefillHooks, RequestContext
 from cachecraft.methods.experimental import select_question_guided
-from cachecraft.policy.planner import PolicyParams, RecomputePlan, VariantInfo, layer_at, plan_request
-from cachecraft.policy.rules import (early_stop_decision, hide_loading, keep_in_full, pool_by_need,
+from cachecraft.policy.planner import (ChunkPlan, PolicyParams, RecomputePlan, VariantInfo, layer_at,
+                                       plan_request)
+from cachecraft.policy.rules import (early_stop_decision, exact_from, hide_loading, keep_in_full, pool_by_need,
                                      share_by_attention, worth_loading)
 from cachecraft.selection import QuestionAttention, chunk_attention, first_tokens, spread_tokens
 
@@ -84,8 +88,11 @@ class CacheCraft(Method):
         # a variant slower to load than its chunk is to recompute is left out: its chunk is
         # computed in full (a miss), and its statistics are not read
         loadable = lambda variant: worth_loading(lookup.load_fraction(variant))  # noqa: E731
-        infos = {key: lookup.variant_infos(key, request.prefix_key, keep=loadable) for key in dict.fromkeys(keys)}
         params = self.params(request)
+        exact = exact_plan(request, params.exact_after_asks, loadable)
+        if exact is not None:
+            return exact
+        infos = {key: lookup.variant_infos(key, request.prefix_key, keep=loadable) for key in dict.fromkeys(keys)}
         planned = pool_by_need(plan_request(keys, [len(c) for c in request.pieces.chunks], infos, params),
                                params.pool)
         planned = hide_loading(planned, [lookup.hide_fraction(p.variant) if p.variant else None
@@ -103,6 +110,38 @@ class CacheCraft(Method):
         if params.early_stop_layers:
             _observe_for_early_stop(hooks, segments, params)
         return hooks
+
+
+def exact_plan(request: RequestContext, after_asks: int, loadable) -> LoadPlan | None:
+    """The plan that keeps a repeated chunk order exact (:func:`exact_from`): the chunks
+    before the first one not stored exactly reuse their exact variants, nothing recomputed,
+    and the rest are computed in full and kept; None where the order is not due for it."""
+    if after_asks <= 0:
+        return None
+    lookup, keys = request.lookup, request.keys
+    chained = [variant_key(key, (request.prefix_key, *keys[:i])) for i, key in enumerate(keys)]
+    stored = []
+    for key, variant in zip(keys, chained):  # up to the first chunk not stored exactly
+        if not (lookup.made_exactly(key, variant) and loadable(variant)):
+            break
+        stored.append(True)
+    if len(stored) == len(keys):
+        return None  # every chunk reused exactly: the policy's plan recomputes nothing
+    start = exact_from(lookup.asked_before(keys, after_asks), after_asks,
+                       stored + [False] * (len(keys) - len(stored)))
+    if start is None:
+        return None
+    tokens = [len(ids) for ids in request.pieces.chunks]
+    wanted = tuple(chained[i] if i < start else None for i in range(len(keys)))
+    # a chunk computed in full although a variant of it is stored is still a hit, at 1.0
+    independent = [lookup.independent_variant(key, request.prefix_key) for key in keys]
+    found = tuple(variant or (other if other and loadable(other) else None)
+                  for variant, other in zip(wanted, independent))
+    plan = RecomputePlan(tuple(ChunkPlan(key, variant, None, 0 if variant else n, n)
+                               for key, variant, n in zip(keys, wanted, tokens)),
+                         notes=(f"this chunk order was asked {after_asks} time(s) or more before: chunks "
+                                f"{start + 1}-{len(keys)} computed in full and kept exact",))
+    return LoadPlan(wanted, plan, found, keep_exact=True)
 
 
 def _observe_for_early_stop(hooks: PrefillHooks, segments: list[Segment], params: PolicyParams) -> None:

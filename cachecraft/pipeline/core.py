@@ -95,6 +95,7 @@ class PreparedRequest:
     used: tuple[str | None, ...]  # per chunk, the variant used (or found, where computed in full)
     tiers: tuple[str, ...]  # per chunk, the tier it came from, or "miss"
     started: float = 0.0  # time.perf_counter() as the prefill began (loading and planning done)
+    keep_exact: bool = False  # its chunks computed here are kept as exact, in place of inexact ones
 
 
 class Pipeline:
@@ -194,7 +195,9 @@ class Pipeline:
         if self.keep_new_variants:
             if not loops:  # a prefill that looped keeps nothing: its second try keeps exact chunks
                 result.complete()  # the new chunk-caches' statistics, measured once the answer is out
-                self._save(request, result.saved, exact)  # chunks computed here, and the prefix where it was too
+                # chunks computed here, and the prefix where it was too (a repeated order's
+                # exact chunks in place of inexact variants of the same prefix)
+                self._save(request, result.saved, exact, replace=prepared.keep_exact)
             self._learn_use(reports, saved_nothing=loops)
         abandoned = first_try_ttft = None
         if loops:
@@ -220,7 +223,8 @@ class Pipeline:
                         request.pieces.num_tokens, len(new_ids), recompute, reports,
                         full_prefill_estimate_s=self._estimate_full(request.pieces.num_tokens),
                         abandoned_text=abandoned, first_try_ttft_s=first_try_ttft,
-                        order=list(request.order) if request.order is not None else None)
+                        order=list(request.order) if request.order is not None else None,
+                        kept_exact=prepared.keep_exact)
         if record:
             answer.request_id = self._record(question, answer)
             self.store.record_pending()  # hit counts kept while the catalog was away
@@ -432,7 +436,7 @@ class Pipeline:
         self._note_sources(keys, sources)
         lookup = RequestLookup(self.store, keys, self.planner_stats, self._warm_key_of, self._chunk_tokens,
                                lambda tier: self.ensure_cost_model().r_load(tier),
-                               lambda tier: self.ensure_cost_model().r_hide(tier))
+                               lambda tier: self.ensure_cost_model().r_hide(tier), self._order_asks)
         prefix_key = chunk_key(self.lm.fingerprint, pieces.prefix)
         order = None
         if chunk_order == "cache" and len(keys) > 1:
@@ -441,6 +445,17 @@ class Pipeline:
             keys = tuple(keys[i] for i in order)
         return RequestContext(pieces, prefix_key, keys, self.lm.adapter, self.policy, self.config.check_layer,
                               lookup, self.prefix_cache, order)
+
+    def _order_asks(self, keys: Sequence[str], limit: int) -> int:
+        """How many recorded requests asked ``keys`` in this order (up to ``limit``); 0 where
+        new variants are not kept (nothing would come of knowing) or the catalog cannot say."""
+        if not self.keep_new_variants:
+            return 0
+        try:
+            return self.catalog.order_asks(keys, limit)
+        except CatalogError as exc:  # advice for the plan: the request goes on without it
+            log.warning("cannot count earlier asks of this chunk order (%s)", exc)
+            return 0
 
     def _prefill(self, method: Method, request: RequestContext) -> tuple[PreparedRequest, BlendResult]:
         """Plan, load and run the blended prefill; a damaged chunk-cache found on the way
@@ -485,8 +500,12 @@ class Pipeline:
             if tier is not None:  # found but computed in full by choice: still a hit, at fraction 1.0
                 tiers[i], used[i] = tier, found
         segments = method.segments(request, prefix_kv, kvs)
+        if load.keep_exact:  # a full prefill's KV is kept even at the cap (the save makes room)
+            for segment in segments:
+                if segment.role == "chunk" and segment.cached is None:
+                    segment.save = segment.collect_stats = True
         hooks = method.prepare(request, segments, load)
-        return PreparedRequest(segments, hooks, load.plan, tuple(used), tuple(tiers))
+        return PreparedRequest(segments, hooks, load.plan, tuple(used), tuple(tiers), keep_exact=load.keep_exact)
 
     def _load_variants(self, wanted: Sequence[str | None], loading: ExitStack,
                        count_hits: bool) -> tuple[list[LayerSource | None], list[str]]:
@@ -562,7 +581,8 @@ class Pipeline:
         return {"alpha": self.policy.alpha, "check_layer": self.policy.check_layer, "floor": self.policy.floor,
                 "sink_tokens": self.policy.sink_tokens, "drift_shift": self.policy.drift_shift,
                 "drift_estimator": self.policy.drift_estimator, "relevance": self.policy.relevance,
-                "early_stop_layers": list(self.policy.early_stop_layers), "num_layers": self.lm.adapter.num_layers,
+                "early_stop_layers": list(self.policy.early_stop_layers),
+                "exact_after_asks": self.policy.exact_after_asks, "num_layers": self.lm.adapter.num_layers,
                 "sources": dict(self.policy_sources)}
 
     def _fitted_policy(self) -> dict | None:

@@ -71,15 +71,18 @@ class RequestLookup:
 
     def __init__(self, store, keys: Sequence[str], stats: PlannerStatsMemo, warm_prefix: Callable,
                  chunk_tokens: Callable[[str], int], r_load: Callable[[str], float],
-                 r_hide: Callable[[str], float] | None = None):
+                 r_hide: Callable[[str], float] | None = None,
+                 asked: Callable[[Sequence[str], int], int] | None = None):
         """``warm_prefix(prefix_key)``: the prefix tuple of the variants ``warm`` makes (None
         when there is no warm context); ``chunk_tokens(key)``: a chunk's token count;
         ``r_load(tier)``: the recompute fraction that takes as long as loading from ``tier``;
         ``r_hide(tier)``: the one that hides that load beside the blend's own cost (default
-        ``r_load``)."""
+        ``r_load``); ``asked(keys, limit)``: how many earlier requests asked ``keys`` in
+        that order (default: none)."""
         self._store, self._keys, self._stats = store, tuple(dict.fromkeys(keys)), stats
         self._warm_prefix, self._chunk_tokens, self._r_load = warm_prefix, chunk_tokens, r_load
         self._r_hide = r_hide or r_load
+        self._asked = asked
         self._records: dict[str, list[VariantRecord]] | None = None
         self._tiers: dict[str, str] = {}  # variant -> the tier its record names
 
@@ -164,6 +167,10 @@ class RequestLookup:
         """Whether ``variant`` of chunk ``key`` was computed after a full prefill's KV of its
         prefix (its catalog statistics say so)."""
         return any(record.key == variant and _made_exactly(record) for record in self.records(key))
+
+    def asked_before(self, keys: Sequence[str], limit: int) -> int:
+        """How many earlier requests asked the chunks ``keys`` in this order, up to ``limit``."""
+        return 0 if self._asked is None else self._asked(keys, limit)
 
     def tier_of(self, variant: str) -> str | None:
         """The tier ``variant`` would load from, or None: the one its record names where

@@ -99,6 +99,10 @@ class Answer:
     # With ``chunk_order = "cache"``: the chunks' given positions (0 = the first chunk given,
     # in a query the best retrieved) in the order the prompt held them; None: as given
     order: list[int] | None = None
+    # The chunk order had been asked ``exact_after_asks`` times before and its chunks were
+    # not all stored exactly: they were computed in full (from the first such chunk on) and
+    # kept, so that later asks in this order reuse them exactly
+    kept_exact: bool = False
 
     def chunk_of_source(self) -> list[tuple[Source, ChunkReport]]:
         """Each source (best first) with the report of its chunk, wherever the prompt held it."""
@@ -135,6 +139,6 @@ class Answer:
                 "full_prefill_estimate_s": self.full_prefill_estimate_s, "saved_s": self.saved_s,
                 "retrieval_s": self.retrieval_s, "escalated": self.escalated,
                 "abandoned_text": self.abandoned_text, "first_try_ttft_s": self.first_try_ttft_s,
-                "order": self.order,
+                "order": self.order, "kept_exact": self.kept_exact,
                 "chunks": [c.__dict__ for c in self.chunks],
                 "sources": [s.__dict__ for s in self.sources]}

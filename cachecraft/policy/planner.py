@@ -45,6 +45,10 @@ class PolicyParams:
     pool: float = 0.0
     early_stop_layers: tuple[int, ...] = ()
     early_stop_share: float = 0.25
+    # a chunk order asked at least this many times before, some of whose chunks are not
+    # stored as a full prefill's KV after the chunks before them, is computed in full from
+    # its first such chunk on and kept so, once (0: never; see rules.exact_from)
+    exact_after_asks: int = 2
 
     def __post_init__(self) -> None:
         assert self.alpha >= 0, f"alpha must be >= 0, got {self.alpha}"
@@ -54,6 +58,7 @@ class PolicyParams:
         assert self.drift_shift >= 0, f"drift_shift must be >= 0, got {self.drift_shift}"
         assert 0.0 <= self.relevance <= 1.0, f"relevance must be within [0, 1], got {self.relevance}"
         assert 0.0 <= self.pool <= 1.0, f"pool must be within [0, 1], got {self.pool}"
+        assert self.exact_after_asks >= 0, f"exact_after_asks must be >= 0, got {self.exact_after_asks}"
 
 
 @dataclass(frozen=True)
@@ -151,7 +156,8 @@ def params_from_config(config, num_layers: int, fitted: dict | None = None) -> P
                         drift_shift=float(values["policy_drift_shift"]),
                         drift_estimator=str(values["policy_drift_estimator"]),
                         relevance=float(values["policy_relevance"]),
-                        early_stop_layers=stops, early_stop_share=config.early_stop_share)
+                        early_stop_layers=stops, early_stop_share=config.early_stop_share,
+                        exact_after_asks=config.exact_after_asks)
 
 
 def choose_variant(variants: Sequence[VariantInfo], new_prefix: Sequence[str],

@@ -20,6 +20,8 @@
 - :func:`pool_by_need`: a plan's counts given out again, part in proportion to each
   chunk's expected fix (its CFO), so that chunks whose variant was made in their real
   context pass their floor on.
+- :func:`exact_from`: a chunk order asked often enough is computed in full once, from
+  its first chunk not stored exactly on, so that every later ask reuses it exactly.
 """
 
 from __future__ import annotations
@@ -140,3 +142,19 @@ def share_by_attention(counts: Sequence[int], rooms: Sequence[int], mass: Sequen
         given[best] += 1
         left -= 1
     return given
+
+
+def exact_from(asked_before: int, after_asks: int, stored_exactly: Sequence[bool]) -> int | None:
+    """The chunk from which a request computes its chunks in full, to keep them as a full
+    prefill's KV under their exact prefixes, or None. ``stored_exactly``: per chunk (in
+    prompt order), whether a variant made after exactly the chunks before it, in a prefill
+    where those were a full prefill's, is stored and worth loading. Where ``after_asks`` is
+    above 0 and this chunk order was asked at least that many times before
+    (``asked_before``), the first chunk without one; None where a chunk order is still
+    rare, or where every chunk has one (the plan reuses them as they are, nothing
+    recomputed). A reused chunk is never exact after one that is not, so every chunk from
+    that one on is computed. One full prefill, paid where an order repeats, makes each later
+    ask answer as full prefill does; an order asked once never pays it."""
+    if after_asks <= 0 or asked_before < after_asks:
+        return None
+    return next((i for i, exact in enumerate(stored_exactly) if not exact), None)
