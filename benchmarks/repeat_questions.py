@@ -4,7 +4,8 @@ Over an ingested and warmed cache directory, each question is answered by `full`
 the default method (`cachecraft`, through `Pipeline.query`, as `cachecraft query` answers
 it, keeping the chunk-caches it makes); once every question has been asked, all of them
 are asked again with the default method, ``--asks`` times in all. Per ask: how many first
-tries looped and were answered again from a full prefill, the time to first token against
+tries looped and were answered again from a full prefill, how many were computed in full
+once to keep their chunk order exact (``exact_after_asks``), the time to first token against
 full's (per question, then the median), the share recomputed and how many answers are
 full's word for word. Writes a JSON result and a PNG of each question's time to first token.
 
@@ -43,7 +44,7 @@ def ask(pipe: Pipeline, question: str, method: str, top_k: int) -> dict:
     """One request's row: its time to first token, recompute, answer and whether it looped."""
     answer = pipe.query(question, top_k=top_k, method=method)
     return {"ttft_s": answer.ttft_s, "recompute": answer.recompute_fraction, "answer": answer.text,
-            "answered_again": answer.escalated, "first_try": answer.abandoned_text,
+            "answered_again": answer.escalated, "kept_exact": answer.kept_exact, "first_try": answer.abandoned_text,
             "repeats": degenerate_repetition(answer.text),
             "tiers": [chunk.tier for chunk in answer.chunks]}
 
@@ -52,6 +53,7 @@ def summary(rows: list[dict], full: list[dict]) -> dict:
     """A pass's figures against full's rows (same questions, same order)."""
     ratios = [f["ttft_s"] / r["ttft_s"] for r, f in zip(rows, full)]
     return {"answered_again": sum(r["answered_again"] for r in rows),
+            "kept_exact": sum(r.get("kept_exact", False) for r in rows),
             "ttft_median_s": statistics.median(r["ttft_s"] for r in rows),
             "ttft_mean_s": statistics.fmean(r["ttft_s"] for r in rows),
             "speedup_median": statistics.median(ratios),
@@ -76,10 +78,12 @@ def plot(result: dict, path: Path) -> None:
         ax.plot(x, [r["ttft_s"] for r in rows], marker, color=color, label=name, alpha=0.85)
         again = [i for i, r in enumerate(rows) if r["answered_again"]]
         ax.plot(again, [rows[i]["ttft_s"] for i in again], marker, mfc="none", mec="#d62728", ms=12)
+        kept = [i for i, r in enumerate(rows) if r.get("kept_exact")]
+        ax.plot(kept, [rows[i]["ttft_s"] for i in kept], marker, mfc="none", mec="#17becf", ms=12)
     ax.set_yscale("log")
     ax.set_xlabel("question")
     ax.set_ylabel("time to first token (s)")
-    ax.set_title(f"{result['corpus']}: {result['model']}, the default method (red ring: answered again)")
+    ax.set_title(f"{result['corpus']}: {result['model']}, the default method (red ring: answered again; cyan: kept exact)")
     ax.legend()
     fig.savefig(path)
     plt.close(fig)
@@ -108,7 +112,8 @@ def main() -> None:
         for n, rows in enumerate(asks[1:], start=2):
             for i, question in enumerate(questions):
                 rows.append(ask(pipe, question, "cachecraft", top_k))
-                print(f"{i:2d} ask {n} {rows[-1]['ttft_s']:.2f}s{' (again)' if rows[-1]['answered_again'] else ''}",
+                print(f"{i:2d} ask {n} {rows[-1]['ttft_s']:.2f}s{' (again)' if rows[-1]['answered_again'] else ''}"
+                      f"{' (kept exact)' if rows[-1]['kept_exact'] else ''}",
                       flush=True)
         model = pipe.lm.name
     commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], capture_output=True, text=True).stdout.strip()

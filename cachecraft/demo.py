@@ -92,6 +92,10 @@ def _ask(pipe, question: str, gold: tuple[str, ...], console: Console) -> dict:
         table.add_row(method, f"{answer.ttft_s:.2f}", f"{answer.recompute_fraction:.0%}",
                       f"{hits}/{len(answer.chunks)}", first_line(answer.text))
     console.print(table)
+    if cc.kept_exact:
+        console.print("These chunks had been asked in this order twice before (an earlier run): cachecraft "
+                      "computed them in full once and kept them exact, so from the next ask on they are reused "
+                      "with nothing recomputed and answer as full prefill does (exact_after_asks).")
     console.print(f"cachecraft reached the first token [bold]{full.ttft_s / cc.ttft_s:.1f}x[/bold] "
                   "sooner than full prefill.\n")
     return {"question": question, "answers": answers, "speedup": full.ttft_s / cc.ttft_s}
@@ -103,6 +107,10 @@ def _print_summary(rows: list[dict], console: Console) -> None:
     console.print(f"[bold]{len(rows)} questions:[/bold] median speedup {statistics.median(speedups):.1f}x "
                   f"(min {min(speedups):.1f}x, max {max(speedups):.1f}x); cachecraft's answer equals full's "
                   f"on {same} of {len(rows)}.")
+    kept = sum(r["answers"]["cachecraft"].kept_exact for r in rows)
+    if kept:
+        console.print(f"{kept} of {len(rows)} chunk orders had been asked twice before and were computed in full "
+                      "once to keep them exact: run the demo again to see them reused with nothing recomputed.")
 
 
 def _print_report(answer, console: Console) -> None:

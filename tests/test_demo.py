@@ -50,6 +50,27 @@ def test_demo_answers_over_warmed_caches_in_its_own_directory(tmp_path, cache_di
         assert len(tx.request_ids()) == 2 * len(DEMO_METHODS)
 
 
+def test_a_demo_run_again_keeps_the_orders_asked_twice_exact_and_the_next_run_reuses_them(tmp_path, cache_dir):
+    corpus, questions = sample(tmp_path)
+    config = Config.load(overrides={"cache_dir": cache_dir, "top_k": 2, "max_new_tokens": 3, "chunk_tokens": 32,
+                                    "kv_dtype": "float32"}, environ={})
+    lm = tiny_model("llama")
+    first = run_demo(lm, config, corpus, questions, 2, Console(file=io.StringIO(), width=200))
+    assert not any(r["answers"]["cachecraft"].kept_exact for r in first)
+    out = io.StringIO()
+    second = run_demo(lm, config, corpus, questions, 2, Console(file=out, width=200))
+    # each question's chunks asked twice before (cachecraft's and full's ask): computed in full once
+    assert all(r["answers"]["cachecraft"].kept_exact for r in second)
+    assert all(r["answers"]["cachecraft"].recompute_fraction == 1.0 for r in second)
+    text = " ".join(out.getvalue().split())
+    assert "computed them in full once and kept them exact" in text
+    assert "2 of 2 chunk orders had been asked twice before" in text
+    third = run_demo(lm, config, corpus, questions, 2, Console(file=io.StringIO(), width=200))
+    for row in third:
+        cached, full = row["answers"]["cachecraft"], row["answers"]["full"]
+        assert not cached.kept_exact and cached.recompute_fraction == 0.0 and cached.text == full.text
+
+
 def test_demo_command_rejects_a_missing_corpus(tmp_path, cache_dir, tiny_dir, monkeypatch):
     monkeypatch.setenv("CACHECRAFT_MODEL", str(tiny_dir))
     _, questions = sample(tmp_path)
