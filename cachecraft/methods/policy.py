@@ -16,6 +16,7 @@ so: every later ask reuses it exactly and answers as a full prefill does.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import torch
 
@@ -112,7 +113,7 @@ class CacheCraft(Method):
         return hooks
 
 
-def exact_plan(request: RequestContext, after_asks: int, loadable) -> LoadPlan | None:
+def exact_plan(request: RequestContext, after_asks: int, loadable: Callable[[str], bool]) -> LoadPlan | None:
     """The plan that keeps a repeated chunk order exact (:func:`exact_from`): the chunks
     before the first one not stored exactly reuse their exact variants, nothing recomputed,
     and the rest are computed in full and kept; None where the order is not due for it."""
