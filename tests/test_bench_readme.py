@@ -151,3 +151,17 @@ def test_a_block_is_rendered_by_the_benchmark_that_wrote_its_result(tmp_path):
     readme.write_text("<!-- results:odd -->\nkept\n<!-- /results:odd -->\n")
     assert update(readme, results) == []
     assert "kept" in readme.read_text()
+
+
+def test_workload_block_counts_kept_exact_requests_where_the_result_has_them(tmp_path):
+    method = {"ttft_s_mean": 1.25, "ttft_s_p95": 7.0, "throughput_rps": 0.2, "recompute_fraction_mean": 0.144,
+              "hit_rate": 0.93, "compute_reduction_vs_full": 0.85, "agreement_f1_mean": 0.939}
+    data = {"benchmark": "workload", "command": "cachecraft bench workload", "model": "m", "date": "2026-12-06T00:00",
+            "unique_requests": 3, "corpus_chunks": 9, "top_k": 3, "requests": [{}] * 4,
+            "methods": {"full": {**method, "kept_exact_requests": 0},
+                        "cachecraft": {**method, "kept_exact_requests": 2}}}
+    text = render(tmp_path, "workload_kept", data)
+    assert "| agreement F1 vs full | kept exact |" in text
+    assert "| cachecraft | 1.25 | 7.00 | 0.200 | 0.144 | 0.93 | 85% | - | 0.939 | 2 |" in text
+    older = {**data, "methods": {"cachecraft": method}}  # before the count: no column
+    assert "kept exact" not in render(tmp_path, "workload_older", older)

@@ -700,6 +700,26 @@ def test_a_repeated_orders_exact_chunks_take_the_place_of_the_variant_used_least
         assert pipe.answer(CHUNKS, QUESTION).recompute_fraction == 0.0
 
 
+def test_an_order_one_of_whose_chunks_cannot_keep_an_exact_variant_is_not_computed_in_full(cache_dir):
+    pipe = repeating_pipeline(cache_dir, 1, warm_context="none")
+    with pipe.store:
+        pipe.warm(CHUNKS)  # each after the system prompt alone: exact as a first chunk
+        for before in CHUNKS[:3]:  # the last chunk kept exact after each of the others: at its cap
+            pipe.answer([before, CHUNKS[3]], QUESTION)
+            assert pipe.answer([before, CHUNKS[3]], QUESTION).kept_exact
+        last = chunk_key(pipe.lm.fingerprint, pipe.builder.build(CHUNKS[3:], QUESTION).chunks[0])
+        stored = pipe.store.variants_of(last)
+        assert len(stored) == 4 and all(r.stats == {"made_exactly": 1.0} for r in stored)
+        order = [CHUNKS[0], CHUNKS[1], CHUNKS[3]]
+        pipe.answer(order, QUESTION)
+        again = pipe.answer(order, QUESTION)  # asked once before: due, but the last chunk is full
+        assert not again.kept_exact and again.recompute_fraction < 1.0
+        assert [c.fraction for c in again.chunks][0] == 0.0  # the first chunk: exact, reused as it is
+        # the second chunk has room: with the last one left out, the order is kept exact
+        shorter = pipe.answer(order[:2], QUESTION)
+        assert pipe.answer(order[:2], QUESTION).kept_exact and not shorter.kept_exact
+
+
 def test_a_full_disk_costs_the_new_chunk_caches_not_the_answer(cache_dir, tmp_path, monkeypatch, caplog):
     import errno
 

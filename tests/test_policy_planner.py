@@ -5,7 +5,7 @@ import math
 import torch
 
 from cachecraft.policy.planner import PolicyParams, VariantInfo, apply_budget, choose_variant, plan_request
-from cachecraft.policy.rules import early_stop_decision, exact_from, pool_by_need, share_by_attention
+from cachecraft.policy.rules import can_keep_exact, early_stop_decision, exact_from, pool_by_need, share_by_attention
 
 INTER = torch.tensor([[1.0, 1.0]])
 INTRA = torch.tensor([2.0])
@@ -135,3 +135,11 @@ def test_exact_from_by_hand():
     assert exact_from(0, 1, [False]) is None  # never asked
     assert exact_from(9, 0, [False]) is None  # off
     assert exact_from(3, 1, [True, True, True]) is None  # stored exactly already: nothing to make
+
+
+def test_can_keep_exact_by_hand():
+    assert can_keep_exact(False, 3, 0)  # room for a fourth
+    assert not can_keep_exact(False, 4, 0)  # at the cap, nothing may give way
+    assert can_keep_exact(False, 4, 1)  # at the cap, one may give way
+    assert can_keep_exact(True, 4, 0)  # its variant of this prefix is replaced in place
+    assert not can_keep_exact(False, 2, 0, cap=2)

@@ -81,15 +81,19 @@ def quality_table(data: dict) -> str:
 
 def workload_table(data: dict) -> str:
     """Markdown table of a ``bench workload`` result; with a warm-up, also how often a
-    request reused a variant whose whole old prefix it held and the variants each store kept."""
+    request reused a variant whose whole old prefix it held and the variants each store kept;
+    where the result counts them, the requests computed in full once to keep their chunk
+    order exact."""
     warm = bool(data.get("warm"))
+    kept = any("kept_exact_requests" in m for m in data["methods"].values())
     lines = [f"`{data['command']}` ({data['model']}, {len(data['requests']) // max(1, len(data['methods']))} "
              f"requests, {data['unique_requests']} distinct, corpus of {data['corpus_chunks']} chunks, "
              f"top-{data['top_k']}, {data['date'][:10]}{_commit(data)})", "",
              "| method | TTFT mean (s) | TTFT p95 (s) | requests/s | recompute | chunk hit rate | "
              "compute saved vs full | vs prefix | agreement F1 vs full |"
-             + (" whole-prefix reuse | chunks with 2+ variants, after warm-up / at the end |" if warm else ""),
-             "|---" * (11 if warm else 9) + "|"]
+             + (" whole-prefix reuse | chunks with 2+ variants, after warm-up / at the end |" if warm else "")
+             + (" kept exact |" if kept else ""),
+             "|---" * (9 + 2 * warm + kept) + "|"]
     for label, m in data["methods"].items():
         vs_prefix = f"{m['compute_reduction_vs_prefix']:.0%}" if "compute_reduction_vs_prefix" in m else "-"
         line = (f"| {label} | {m['ttft_s_mean']:.2f} | {m['ttft_s_p95']:.2f} | {m['throughput_rps']:.3f} | "
@@ -97,9 +101,11 @@ def workload_table(data: dict) -> str:
                 f"{m['compute_reduction_vs_full']:.0%} | {vs_prefix} | {m['agreement_f1_mean']:.3f} |")
         if warm:
             after, end = (m.get("warm") or {}).get("variants_after"), m.get("variants") or {}
-            kept = "-" if not after else (f"{after['chunks_with_several']}/{after['chunks']} / "
-                                          f"{end.get('chunks_with_several', 0)}/{end.get('chunks', 0)}")
-            line += f" {m.get('whole_prefix_reuse_rate', 0.0):.2f} | {kept} |"
+            several = "-" if not after else (f"{after['chunks_with_several']}/{after['chunks']} / "
+                                             f"{end.get('chunks_with_several', 0)}/{end.get('chunks', 0)}")
+            line += f" {m.get('whole_prefix_reuse_rate', 0.0):.2f} | {several} |"
+        if kept:
+            line += f" {m.get('kept_exact_requests', 0)} |"
         lines.append(line)
     return "\n".join(lines)
 

@@ -44,6 +44,12 @@ class VariantLookup(Protocol):
     def made_exactly(self, key: str, variant: str) -> bool:
         """Whether ``variant`` of chunk ``key`` was made after a full prefill's KV of its prefix."""
 
+    def has_variant(self, key: str, variant: str) -> bool:
+        """Whether ``variant`` of chunk ``key`` is stored."""
+
+    def replaceable_variants(self, key: str, prefix_key: str) -> list:
+        """The variants of ``key`` an exact one may replace at the cap (neither ``warm``'s nor exact)."""
+
     def asked_before(self, keys: Sequence[str], limit: int) -> int:
         """How many earlier requests asked the chunks ``keys`` in this order, counted up to
         ``limit`` (0 where the pipeline keeps no new variants, or cannot tell)."""

@@ -26,8 +26,8 @@ from cachecraft.methods.base import LoadPlan, Method, PrefillHooks, RequestConte
 from cachecraft.methods.experimental import select_question_guided
 from cachecraft.policy.planner import (ChunkPlan, PolicyParams, RecomputePlan, VariantInfo, layer_at,
                                        plan_request)
-from cachecraft.policy.rules import (early_stop_decision, exact_from, hide_loading, keep_in_full, pool_by_need,
-                                     share_by_attention, worth_loading)
+from cachecraft.policy.rules import (can_keep_exact, early_stop_decision, exact_from, hide_loading, keep_in_full,
+                                     pool_by_need, share_by_attention, worth_loading)
 from cachecraft.selection import QuestionAttention, chunk_attention, first_tokens, spread_tokens
 
 
@@ -132,6 +132,11 @@ def exact_plan(request: RequestContext, after_asks: int, loadable: Callable[[str
                        stored + [False] * (len(keys) - len(stored)))
     if start is None:
         return None
+    prefix = request.prefix_key
+    if not all(can_keep_exact(lookup.has_variant(key, variant), lookup.variant_count(key, prefix),
+                              len(lookup.replaceable_variants(key, prefix)))
+               for key, variant in zip(keys[start:], chained[start:])):
+        return None  # a chunk at its cap of variants, none of which may give way
     tokens = [len(ids) for ids in request.pieces.chunks]
     wanted = tuple(chained[i] if i < start else None for i in range(len(keys)))
     # a chunk computed in full although a variant of it is stored is still a hit, at 1.0

@@ -168,6 +168,10 @@ class RequestLookup:
         prefix (its catalog statistics say so)."""
         return any(record.key == variant and _made_exactly(record) for record in self.records(key))
 
+    def has_variant(self, key: str, variant: str) -> bool:
+        """Whether ``variant`` of chunk ``key`` is stored (and readable by this store)."""
+        return any(record.key == variant for record in self.records(key))
+
     def asked_before(self, keys: Sequence[str], limit: int) -> int:
         """How many earlier requests asked the chunks ``keys`` in this order, up to ``limit``."""
         return 0 if self._asked is None else self._asked(keys, limit)

@@ -21,7 +21,8 @@
   chunk's expected fix (its CFO), so that chunks whose variant was made in their real
   context pass their floor on.
 - :func:`exact_from`: a chunk order asked often enough is computed in full once, from
-  its first chunk not stored exactly on, so that every later ask reuses it exactly.
+  its first chunk not stored exactly on, so that every later ask reuses it exactly;
+  :func:`can_keep_exact` says whether a chunk computed so can be kept.
 """
 
 from __future__ import annotations
@@ -158,3 +159,14 @@ def exact_from(asked_before: int, after_asks: int, stored_exactly: Sequence[bool
     if after_asks <= 0 or asked_before < after_asks:
         return None
     return next((i for i, exact in enumerate(stored_exactly) if not exact), None)
+
+
+def can_keep_exact(same_prefix_stored: bool, stored: int, replaceable: int,
+                   cap: int = MAX_VARIANTS_PER_CHUNK) -> bool:
+    """Whether a chunk computed in full after exactly the chunks before it can be kept: its
+    variant of that prefix is stored (it is replaced in place), it has room for another
+    (``stored`` variants under the request's system prompt, fewer than ``cap``), or one of
+    its variants may give way to it (``replaceable``: those neither ``warm``'s nor exact). A
+    chunk order one of whose chunks cannot keep its exact variant is not worth computing in
+    full: the next ask would find it inexact again and pay once more."""
+    return same_prefix_stored or room_for_variant(stored, cap) or replaceable > 0
