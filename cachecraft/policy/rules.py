@@ -155,7 +155,7 @@ def exact_from(asked_before: int, after_asks: int, stored_exactly: Sequence[bool
     rare, or where every chunk has one (the plan reuses them as they are, nothing
     recomputed). A reused chunk is never exact after one that is not, so every chunk from
     that one on is computed. One full prefill, paid where an order repeats, makes each later
-    ask answer as full prefill does; an order asked once never pays it."""
+    ask answer as full prefill does; an order asked fewer times never pays it."""
     if after_asks <= 0 or asked_before < after_asks:
         return None
     return next((i for i, exact in enumerate(stored_exactly) if not exact), None)
