@@ -127,9 +127,10 @@ class Method:
         return LoadPlan(tuple(request.lookup.independent_variant(k, request.prefix_key) for k in request.keys))
 
     def segments(self, request: RequestContext, prefix_kv: LayerSource | None,
-                 kvs: Sequence[LayerSource | None]) -> list[Segment]:
-        """The prompt's segments over the loaded caches (chunks computed here are kept)."""
-        return plain_segments(request, prefix_kv, kvs, keep=True)
+                 kvs: Sequence[LayerSource | None], past_cap: bool = False) -> list[Segment]:
+        """The prompt's segments over the loaded caches (chunks computed here are kept; with
+        ``past_cap``, also beyond their cap of variants: a plan that keeps them exact)."""
+        return plain_segments(request, prefix_kv, kvs, keep=True, past_cap=past_cap)
 
     def prepare(self, request: RequestContext, segments: list[Segment], load: LoadPlan | None) -> PrefillHooks:
         """Choose tokens to recompute before the prefill (written into ``segments``) and

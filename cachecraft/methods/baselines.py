@@ -19,7 +19,7 @@ class Full(Method):
     summary = "prefill everything"
     uses_cache = False
 
-    def segments(self, request, prefix_kv, kvs) -> list[Segment]:
+    def segments(self, request, prefix_kv, kvs, past_cap=False) -> list[Segment]:
         return plain_segments(request, None, [None] * len(request.keys), keep=False)
 
 
@@ -30,7 +30,7 @@ class KeptFull(Full):
     the same order later are reused exactly, nothing recomputed, and answer as this
     prefill did. Not a method to name: it is ``full`` in every report."""
 
-    def segments(self, request, prefix_kv, kvs) -> list[Segment]:
+    def segments(self, request, prefix_kv, kvs, past_cap=False) -> list[Segment]:
         return plain_segments(request, None, [None] * len(request.keys), keep=True, past_cap=True)
 
 
@@ -41,7 +41,7 @@ class Prefix(Method):
     summary = "exact prefix reuse of earlier requests (vLLM-style)"
     uses_cache = False
 
-    def segments(self, request, prefix_kv, kvs) -> list[Segment]:
+    def segments(self, request, prefix_kv, kvs, past_cap=False) -> list[Segment]:
         pieces = request.pieces
         return prefix_segments(pieces, request.prefix_cache.match(pieces.token_ids, limit=pieces.num_tokens - 1))
 

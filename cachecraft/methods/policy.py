@@ -119,20 +119,14 @@ def exact_plan(request: RequestContext, after_asks: int, loadable: Callable[[str
     and the rest are computed in full and kept; None where the order is not due for it."""
     if after_asks <= 0:
         return None
-    lookup, keys = request.lookup, request.keys
-    chained = [variant_key(key, (request.prefix_key, *keys[:i])) for i, key in enumerate(keys)]
-    stored = []
-    for key, variant in zip(keys, chained):  # up to the first chunk not stored exactly
-        if not (lookup.made_exactly(key, variant) and loadable(variant)):
-            break
-        stored.append(True)
-    if len(stored) == len(keys):
-        return None  # every chunk reused exactly: the policy's plan recomputes nothing
-    start = exact_from(lookup.asked_before(keys, after_asks), after_asks,
-                       stored + [False] * (len(keys) - len(stored)))
+    lookup, keys, prefix = request.lookup, request.keys, request.prefix_key
+    chained = [variant_key(key, (prefix, *keys[:i])) for i, key in enumerate(keys)]
+    stored = [lookup.made_exactly(key, variant) and loadable(variant) for key, variant in zip(keys, chained)]
+    if all(stored):
+        return None  # every chunk reused exactly: the policy's plan recomputes nothing (no ask counted)
+    start = exact_from(lookup.asked_before(keys, after_asks), after_asks, stored)
     if start is None:
         return None
-    prefix = request.prefix_key
     if not all(can_keep_exact(lookup.has_variant(key, variant), lookup.variant_count(key, prefix),
                               len(lookup.replaceable_variants(key, prefix)))
                for key, variant in zip(keys[start:], chained[start:])):
@@ -140,7 +134,7 @@ def exact_plan(request: RequestContext, after_asks: int, loadable: Callable[[str
     tokens = [len(ids) for ids in request.pieces.chunks]
     wanted = tuple(chained[i] if i < start else None for i in range(len(keys)))
     # a chunk computed in full although a variant of it is stored is still a hit, at 1.0
-    independent = [lookup.independent_variant(key, request.prefix_key) for key in keys]
+    independent = [lookup.independent_variant(key, prefix) for key in keys]
     found = tuple(variant or (other if other and loadable(other) else None)
                   for variant, other in zip(wanted, independent))
     plan = RecomputePlan(tuple(ChunkPlan(key, variant, None, 0 if variant else n, n)

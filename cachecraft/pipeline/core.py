@@ -499,11 +499,8 @@ class Pipeline:
             tier = request.lookup.tier_of(found) if wanted is None and found else None
             if tier is not None:  # found but computed in full by choice: still a hit, at fraction 1.0
                 tiers[i], used[i] = tier, found
-        segments = method.segments(request, prefix_kv, kvs)
-        if load.keep_exact:  # a full prefill's KV is kept even at the cap (the save makes room)
-            for segment in segments:
-                if segment.role == "chunk" and segment.cached is None:
-                    segment.save = segment.collect_stats = True
+        # a plan that keeps its chunks exact keeps them even at the cap (the save makes room)
+        segments = method.segments(request, prefix_kv, kvs, past_cap=load.keep_exact)
         hooks = method.prepare(request, segments, load)
         return PreparedRequest(segments, hooks, load.plan, tuple(used), tuple(tiers), keep_exact=load.keep_exact)
 
