@@ -684,7 +684,20 @@ def explain_cmd(ctx: typer.Context,
                       f"({origin.get('policy_drift_shift', '?')})"
                       f"{_drift_estimator_words(policy)}, relevance {policy.get('relevance', 0)} "
                       f"({origin.get('policy_relevance', '?')}), early stop at "
-                      f"{policy.get('early_stop_layers') or 'none'}", highlight=False)
+                      f"{policy.get('early_stop_layers') or 'none'}{_exact_after_asks_words(policy)}",
+                      highlight=False)
+        if policy.get("kept_exact"):
+            console.print(f"this chunk order was asked {policy.get('exact_after_asks')} time(s) or more before: "
+                          "its chunks not stored exactly were computed in full and kept exact", highlight=False)
+
+
+def _exact_after_asks_words(policy: dict) -> str:
+    """``, exact after N asks`` for a request's recorded policy (nothing for one recorded
+    before the setting existed)."""
+    if "exact_after_asks" not in policy:
+        return ""
+    after = policy["exact_after_asks"]
+    return ", exact after asks off" if not after else f", exact after {after} ask(s)"
 
 
 def _drift_estimator_words(policy: dict) -> str:

@@ -651,6 +651,35 @@ def test_a_chunk_order_asked_twice_before_is_computed_in_full_once_and_then_reus
         assert [c.variant for c in fourth.chunks] == chained
         assert (fourth.logits - full.logits).abs().max() < 1e-4 and fourth.text == full.text
         assert pipe.catalog.get_request(fourth.request_id).recompute_fraction == 0.0
+        from typer.testing import CliRunner
+
+        from cli.app import app
+        said = {n: CliRunner().invoke(app, ["explain", str(a.request_id)]) for n, a in ((3, third), (4, fourth))}
+        assert all(r.exit_code == 0 and "exact after 2 ask(s)" in r.output for r in said.values())
+        assert "computed in full and kept exact" in said[3].output
+        assert "kept exact" not in said[4].output
+
+
+def test_variants_kept_exact_are_stored_with_the_asks_that_earned_them(cache_dir, monkeypatch):
+    pipe = repeating_pipeline(cache_dir, 2)
+    with pipe.store:
+        pipe.warm(CHUNKS[:3])
+        credited: dict[str, int] = {}
+        put = pipe.store.put
+
+        def recording_put(kv, **kw):
+            credited[kv.variant] = kw.get("prior_uses", 0)
+            return put(kv, **kw)
+
+        monkeypatch.setattr(pipe.store, "put", recording_put)
+        order = CHUNKS[2::-1]
+        for _ in range(2):
+            assert not pipe.answer(order, QUESTION).kept_exact
+        assert all(n == 0 for n in credited.values())  # nothing kept exact yet: no credit
+        assert pipe.answer(order, QUESTION).kept_exact  # asked twice before
+        # each chunk computed in full is stored crediting the two asks (the limit counted)
+        assert {name: credited[name] for name in chained_variants(pipe, order)} == dict.fromkeys(
+            chained_variants(pipe, order), 2)
 
 
 def test_a_repeated_order_reuses_its_leading_exact_chunks_and_computes_the_rest(cache_dir):

@@ -188,6 +188,24 @@ def test_entries_too_large_for_every_tier_are_not_cached(store_factory):
     assert small.locate(make_kv(15).variant) == "cpu"  # and nothing was evicted for it
 
 
+@pytest.mark.parametrize("eviction, first_out", [("lfu", "b"), ("pgdsf", "b"), ("cachecraft", "b"),
+                                                  ("decay", "b"), ("lru", "a")])
+def test_prior_uses_count_for_eviction_orders_that_count_uses_but_not_as_hits(store_factory, eviction, first_out):
+    # room for two: a comes first with two uses credited, then b, then c pushes one out.
+    # Every order but lru weighs a at three uses against b's one (same cost and size);
+    # lru goes by recency alone, and a is the oldest.
+    store = store_factory(eviction=eviction, budgets={"cpu": 2 * ENTRY})
+    kvs = {name: make_kv(40 + i) for i, name in enumerate("abc")}
+    assert store.put(kvs["a"], prior_uses=2) == "cpu"
+    assert store.put(kvs["b"]) == "cpu"
+    assert store.put(kvs["c"]) == "cpu"
+    assert {name: store.locate(kv.variant) for name, kv in kvs.items()} == {
+        "a": "disk" if first_out == "a" else "cpu", "b": "disk" if first_out == "b" else "cpu", "c": "cpu"}
+    assert store.info(kvs["a"].variant).hits == 0  # credited, never read
+    with pytest.raises(ValueError, match="prior_uses must be >= 0"):
+        store.put(kvs["a"], prior_uses=-1)
+
+
 def test_put_replaces_and_delete_removes_everywhere(store_factory):
     store = store_factory(budgets={"cpu": 1 * ENTRY})
     a, b = make_kv(20), make_kv(21)

@@ -119,7 +119,7 @@ class RequestRecord:
     created_at: float = field(default_factory=time.time)
     id: int | None = None
     num_tokens: int | None = None  # the prompt's tokens
-    policy: dict | None = None  # the policy's settings and where each came from
+    policy: dict | None = None  # the policy's settings, where each came from, and whether it kept the order exact
     node: str = ""  # the node that answered ("" with the embedded catalog)
     # names the request across retries of its write: a write whose commit went through
     # while its answer was lost (the server hung, or the network dropped) is not recorded

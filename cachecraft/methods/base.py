@@ -75,12 +75,14 @@ class LoadPlan:
     """Which stored variant of each chunk to load (None: compute the chunk in full).
     ``found``: the variant the policy found, also where it chose to compute in full.
     ``keep_exact``: the chunks computed in full are a full prefill's KV, to be kept under
-    their exact prefixes even at the cap, in place of inexact variants."""
+    their exact prefixes even at the cap, in place of inexact variants; ``asked_before``:
+    the earlier asks of the chunk order that earned that (counted up to the setting)."""
 
     wanted: tuple[str | None, ...]
     plan: RecomputePlan | None = None
     found: tuple[str | None, ...] | None = None
     keep_exact: bool = False
+    asked_before: int = 0
 
 
 @dataclass

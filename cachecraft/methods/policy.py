@@ -124,7 +124,8 @@ def exact_plan(request: RequestContext, after_asks: int, loadable: Callable[[str
     stored = [lookup.made_exactly(key, variant) and loadable(variant) for key, variant in zip(keys, chained)]
     if all(stored):
         return None  # every chunk reused exactly: the policy's plan recomputes nothing (no ask counted)
-    start = exact_from(lookup.asked_before(keys, after_asks), after_asks, stored)
+    asked = lookup.asked_before(keys, after_asks)
+    start = exact_from(asked, after_asks, stored)
     if start is None:
         return None
     if not all(can_keep_exact(lookup.has_variant(key, variant), lookup.variant_count(key, prefix),
@@ -141,7 +142,7 @@ def exact_plan(request: RequestContext, after_asks: int, loadable: Callable[[str
                                for key, variant, n in zip(keys, wanted, tokens)),
                          notes=(f"this chunk order was asked {after_asks} time(s) or more before: chunks "
                                 f"{start + 1}-{len(keys)} computed in full and kept exact",))
-    return LoadPlan(wanted, plan, found, keep_exact=True)
+    return LoadPlan(wanted, plan, found, keep_exact=True, asked_before=asked)
 
 
 def _observe_for_early_stop(hooks: PrefillHooks, segments: list[Segment], params: PolicyParams) -> None:

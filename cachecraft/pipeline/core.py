@@ -96,6 +96,7 @@ class PreparedRequest:
     tiers: tuple[str, ...]  # per chunk, the tier it came from, or "miss"
     started: float = 0.0  # time.perf_counter() as the prefill began (loading and planning done)
     keep_exact: bool = False  # its chunks computed here are kept as exact, in place of inexact ones
+    asked_before: int = 0  # where kept exact, the earlier asks of its chunk order that earned it
 
 
 class Pipeline:
@@ -197,7 +198,8 @@ class Pipeline:
                 result.complete()  # the new chunk-caches' statistics, measured once the answer is out
                 # chunks computed here, and the prefix where it was too (a repeated order's
                 # exact chunks in place of inexact variants of the same prefix)
-                self._save(request, result.saved, exact, replace=prepared.keep_exact)
+                self._save(request, result.saved, exact, replace=prepared.keep_exact,
+                           prior_uses=prepared.asked_before)
             self._learn_use(reports, saved_nothing=loops)
         abandoned = first_try_ttft = None
         if loops:
@@ -502,7 +504,8 @@ class Pipeline:
         # a plan that keeps its chunks exact keeps them even at the cap (the save makes room)
         segments = method.segments(request, prefix_kv, kvs, past_cap=load.keep_exact)
         hooks = method.prepare(request, segments, load)
-        return PreparedRequest(segments, hooks, load.plan, tuple(used), tuple(tiers), keep_exact=load.keep_exact)
+        return PreparedRequest(segments, hooks, load.plan, tuple(used), tuple(tiers), keep_exact=load.keep_exact,
+                               asked_before=load.asked_before)
 
     def _load_variants(self, wanted: Sequence[str | None], loading: ExitStack,
                        count_hits: bool) -> tuple[list[LayerSource | None], list[str]]:
@@ -747,13 +750,14 @@ class Pipeline:
         self._sources.update(zip(keys, sources))
 
     def _save(self, request: RequestContext, saved: dict[int, ChunkKV], exact: Sequence[bool],
-              replace: bool = False) -> None:
+              replace: bool = False, prior_uses: int = 0) -> None:
         """Store the chunk-caches (and system prefix) a prefill of ``request`` computed
         (``saved``, by segment: the prefix first, then the chunks) that are not stored yet;
         ``exact``: per chunk, whether its KV in that prefill was a full prefill's (a chunk
         computed there is, when every chunk before it is: recorded with it). With
         ``replace`` (a second try's exact chunks), a chunk's stored variant of the same
-        prefix is replaced, and a chunk at the cap makes room (:meth:`_make_room`). Best
+        prefix is replaced, and a chunk at the cap makes room (:meth:`_make_room`);
+        ``prior_uses``: the earlier asks that earned it, which eviction counts as uses. Best
         effort: the answer is out, so a store that cannot take them (a full disk) costs
         the caches not kept, with a warning, not the answer."""
         pending = sorted(saved.items())
@@ -765,7 +769,8 @@ class Pipeline:
             elif replace and kv.prefix and not self._make_room(request, kv.chunk):
                 continue
             try:
-                self._put(kv, made_exactly=all(exact[:index - 1]) if kv.prefix else True)
+                self._put(kv, made_exactly=all(exact[:index - 1]) if kv.prefix else True,
+                          prior_uses=prior_uses if kv.prefix else 0)
             except (StoreError, CatalogWriteError) as exc:  # the next ones would fail the same way
                 log.warning("%d new chunk-cache(s) of this request not kept: %s", len(pending) - done, exc)
                 return
@@ -821,9 +826,10 @@ class Pipeline:
         except CatalogError as exc:  # advice for eviction: the answer stands without it
             log.warning("could not record what the reused variants saved: %s", exc)
 
-    def _put(self, kv: ChunkKV, made_exactly: bool = False, strict: bool = False) -> None:
+    def _put(self, kv: ChunkKV, made_exactly: bool = False, strict: bool = False, prior_uses: int = 0) -> None:
         """Store ``kv``; ``made_exactly``: computed after a full prefill's KV of its prefix
-        (recorded in the catalog: see :meth:`RequestLookup.made_exactly`). ``strict`` (for
+        (recorded in the catalog: see :meth:`RequestLookup.made_exactly`); ``prior_uses``:
+        uses the eviction order credits it with from the start. ``strict`` (for
         ``warm``, which makes caches to keep them): a catalog away or locked is an error,
         not a cache left out of the local tiers."""
         text = self.lm.tokenizer.decode(list(kv.token_ids[:48]), skip_special_tokens=True)
@@ -832,7 +838,7 @@ class Pipeline:
             value, quality = expected_reuse(variant_info(kv), self.policy)
         self.store.put(kv, cost_s=self._estimate_full(kv.num_tokens), quality=quality, cci=value,
                        stats={MADE_EXACTLY: 1.0} if made_exactly else None,
-                       source=self._sources.get(kv.chunk), preview=text, lost_ok=not strict)
+                       source=self._sources.get(kv.chunk), preview=text, lost_ok=not strict, prior_uses=prior_uses)
 
     def _report(self, request: RequestContext, prepared: PreparedRequest, recomputed) -> list[ChunkReport]:
         stops, plan = prepared.hooks.stops, prepared.plan
@@ -857,7 +863,8 @@ class Pipeline:
         # while the catalog is away the row waits (None); it is recorded with a later one
         return self.pending.record(self.catalog, RequestRecord(
             question_hash(question), answer.method, chunks, answer.recompute_fraction, answer.ttft_s,
-            answer.full_prefill_estimate_s, num_tokens=answer.prompt_tokens, policy=self.policy_report(),
+            answer.full_prefill_estimate_s, num_tokens=answer.prompt_tokens,
+            policy={**self.policy_report(), "kept_exact": answer.kept_exact},
             node=self.store.node))
 
     def _estimate_full(self, tokens: int) -> float:

@@ -32,6 +32,12 @@ Orders (ties are broken by the older access first, ``tick``):
   answers agreed with full's less (the README says why: there the default misses more,
   and its misses leave exact caches).
 
+Every order but ``lru`` counts the uses an entry comes with (``EntryInfo.hits``): hits it
+had in another tier, and uses credited when it is stored, such as the asks of a chunk order
+that earned keeping its variants exact. Without that credit such a variant would enter with
+one use beside siblings with long histories and be the first to go, before the order that
+earned it is asked again.
+
 Quality starts as the planner's estimate when an entry is stored and is then measured:
 each request that reuses a variant reports the share of the chunk's prefill it saved
 (``1 -`` the fraction it recomputed; 0 when the plan computed the chunk in full after
@@ -77,7 +83,7 @@ class EntryInfo:
     nbytes: int
     cost_s: float = 1.0  # prefill seconds the entry saves when reused
     quality: float = 1.0  # fraction of that prefill a reuse avoids (1 - expected recompute)
-    hits: int = 0  # hits before entering this tier (carried along on promotion/demotion)
+    hits: int = 0  # uses before entering this tier: hits elsewhere (carried along) or credited at put
 
     def __post_init__(self) -> None:
         assert self.nbytes > 0, f"entry {self.key} has {self.nbytes} bytes"

@@ -181,7 +181,8 @@ class TieredStore:
 
     def put(self, kv: ChunkKV, *, cost_s: float | None = None, quality: float | None = None,
             cci: float | None = None, stats: Mapping[str, float] | None = None,
-            source: str | None = None, preview: str | None = None, lost_ok: bool = True) -> str | None:
+            source: str | None = None, preview: str | None = None, lost_ok: bool = True,
+            prior_uses: int = 0) -> str | None:
         """Store a variant (replacing one with the same key); returns the tier it went to.
 
         ``cost_s``: measured prefill seconds a reuse saves (estimated from size if None);
@@ -193,7 +194,10 @@ class TieredStore:
         A catalog that cannot take the row (away, or locked by another process: see
         :class:`CatalogUnavailableError`) leaves the variant out of the local tiers, noted
         in ``unrecorded``; without ``lost_ok`` its error is raised instead (for a job whose
-        point is to keep it, such as ``warm``).
+        point is to keep it, such as ``warm``). ``prior_uses``: uses the tiers' eviction
+        orders credit the entry with from the start (an exact variant kept for a chunk order
+        asked that often before), so that a new entry with evidence of reuse is not the first
+        to go; they are not hits, and the catalog does not count them.
         """
         if kv.chunk != chunk_key(kv.fingerprint, kv.token_ids):
             raise ValueError("ChunkKV.chunk does not match its fingerprint and tokens; build it "
@@ -204,11 +208,13 @@ class TieredStore:
             raise ValueError(f"quality must be within [0, 1], got {quality}")
         if cost_s is not None and not cost_s >= 0.0:
             raise ValueError(f"cost_s must be >= 0, got {cost_s}")
+        if prior_uses < 0:
+            raise ValueError(f"prior_uses must be >= 0, got {prior_uses}")
         stored = placement.to_stored(kv, self.stored_dtype)
         key = kv.variant
         nbytes = entry_nbytes(stored)
         cost = estimate_cost_s(kv.num_tokens, kv.num_layers) if cost_s is None else float(cost_s)
-        info = EntryInfo(key, kv.chunk, nbytes, cost, 1.0 if quality is None else float(quality))
+        info = EntryInfo(key, kv.chunk, nbytes, cost, 1.0 if quality is None else float(quality), hits=prior_uses)
         with self._lock:
             try:
                 with self.catalog.write() as tx:
