@@ -74,15 +74,19 @@ class RequestContext:
 class LoadPlan:
     """Which stored variant of each chunk to load (None: compute the chunk in full).
     ``found``: the variant the policy found, also where it chose to compute in full.
-    ``keep_exact``: the chunks computed in full are a full prefill's KV, to be kept under
-    their exact prefixes even at the cap, in place of inexact variants; ``asked_before``:
-    the earlier asks of the chunk order that earned that (counted up to the setting)."""
+    ``asked_before``: where the plan keeps its chunk order exact, the earlier asks of the
+    order that earned that (counted up to the setting; 0: not kept exact)."""
 
     wanted: tuple[str | None, ...]
     plan: RecomputePlan | None = None
     found: tuple[str | None, ...] | None = None
-    keep_exact: bool = False
     asked_before: int = 0
+
+    @property
+    def keep_exact(self) -> bool:
+        """Whether the chunks computed in full are a full prefill's KV, to be kept under
+        their exact prefixes even at the cap, in place of inexact variants."""
+        return self.asked_before > 0
 
 
 @dataclass

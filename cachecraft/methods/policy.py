@@ -142,7 +142,7 @@ def exact_plan(request: RequestContext, after_asks: int, loadable: Callable[[str
                                for key, variant, n in zip(keys, wanted, tokens)),
                          notes=(f"this chunk order was asked {after_asks} time(s) or more before: chunks "
                                 f"{start + 1}-{len(keys)} computed in full and kept exact",))
-    return LoadPlan(wanted, plan, found, keep_exact=True, asked_before=asked)
+    return LoadPlan(wanted, plan, found, asked_before=asked)
 
 
 def _observe_for_early_stop(hooks: PrefillHooks, segments: list[Segment], params: PolicyParams) -> None:

@@ -95,8 +95,12 @@ class PreparedRequest:
     used: tuple[str | None, ...]  # per chunk, the variant used (or found, where computed in full)
     tiers: tuple[str, ...]  # per chunk, the tier it came from, or "miss"
     started: float = 0.0  # time.perf_counter() as the prefill began (loading and planning done)
-    keep_exact: bool = False  # its chunks computed here are kept as exact, in place of inexact ones
-    asked_before: int = 0  # where kept exact, the earlier asks of its chunk order that earned it
+    asked_before: int = 0  # where kept exact, the earlier asks of its chunk order that earned it (else 0)
+
+    @property
+    def keep_exact(self) -> bool:
+        """Whether its chunks computed here are kept as exact, in place of inexact ones."""
+        return self.asked_before > 0
 
 
 class Pipeline:
@@ -504,7 +508,7 @@ class Pipeline:
         # a plan that keeps its chunks exact keeps them even at the cap (the save makes room)
         segments = method.segments(request, prefix_kv, kvs, past_cap=load.keep_exact)
         hooks = method.prepare(request, segments, load)
-        return PreparedRequest(segments, hooks, load.plan, tuple(used), tuple(tiers), keep_exact=load.keep_exact,
+        return PreparedRequest(segments, hooks, load.plan, tuple(used), tuple(tiers),
                                asked_before=load.asked_before)
 
     def _load_variants(self, wanted: Sequence[str | None], loading: ExitStack,
