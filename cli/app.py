@@ -687,7 +687,8 @@ def explain_cmd(ctx: typer.Context,
                       f"{policy.get('early_stop_layers') or 'none'}{_exact_after_asks_words(policy)}",
                       highlight=False)
         if policy.get("kept_exact"):
-            console.print(f"this chunk order was asked {policy.get('exact_after_asks')} time(s) or more before: "
+            console.print(f"this chunk order was asked {policy.get('exact_after_asks')} time(s) or more before "
+                          "(since it was last kept exact, where it was): "
                           "its chunks not stored exactly were computed in full and kept exact", highlight=False)
 
 

@@ -187,6 +187,30 @@ def test_order_asks_counts_the_requests_that_held_exactly_these_chunks_in_this_o
     assert catalog.order_asks([], limit=10) == 0 and catalog.order_asks(["a", "b"], limit=0) == 0
 
 
+def test_order_asks_count_only_the_asks_since_the_order_was_last_kept_exact(catalog):
+    def ask(keys, kept=None):
+        policy = None if kept is None else {"alpha": 0.5, "kept_exact": kept}
+        catalog.record_request(RequestRecord("q", "cachecraft", tuple(RequestChunk(i, k) for i, k in enumerate(keys)),
+                                             0.1, 1.0, 2.0, policy=policy))
+
+    order = ["a", "b"]
+    ask(order)  # recorded before policies were: not a keep
+    ask(order, kept=False)
+    assert catalog.order_asks(order, limit=5) == 2
+    ask(order, kept=True)
+    assert catalog.order_asks(order, limit=5) == 0  # the ask that kept it is not counted
+    ask(["b", "a"], kept=False)  # another order: no ask of this one
+    ask(order, kept=False)
+    assert catalog.order_asks(order, limit=5) == 1
+    ask(order, kept=False)
+    ask(order, kept=False)
+    assert catalog.order_asks(order, limit=5) == 3 and catalog.order_asks(order, limit=2) == 2
+    ask(["b", "a"], kept=True)  # another order kept exact: this one's count goes on
+    assert catalog.order_asks(order, limit=5) == 3 and catalog.order_asks(["b", "a"], limit=5) == 0
+    ask(order, kept=True)
+    assert catalog.order_asks(order, limit=5) == 0
+
+
 # what each schema version added, undone: the way back to the one before it
 DOWNGRADES = {
     3: ["DROP INDEX ix_requests_uid", "ALTER TABLE requests DROP COLUMN uid"],

@@ -660,6 +660,23 @@ def test_a_chunk_order_asked_twice_before_is_computed_in_full_once_and_then_reus
         assert "kept exact" not in said[4].output
 
 
+def test_an_order_whose_exact_variants_were_evicted_earns_its_next_full_prefill_as_it_earned_the_first(cache_dir):
+    pipe = repeating_pipeline(cache_dir, 2)
+    with pipe.store:
+        pipe.warm(CHUNKS[:3])
+        order = CHUNKS[2::-1]
+        kept = [pipe.answer(order, QUESTION).kept_exact for _ in range(3)]
+        assert kept == [False, False, True]
+        for name in chained_variants(pipe, order):  # evicted before the next ask
+            assert pipe.store.delete(name)
+        # the keeping ask starts the count again: two asks since it, then the next keeps
+        later = [pipe.answer(order, QUESTION) for _ in range(3)]
+        assert [a.kept_exact for a in later] == [False, False, True]
+        assert all(0 < a.recompute_fraction < 1 for a in later[:2]) and later[2].recompute_fraction == 1.0
+        again = pipe.answer(order, QUESTION)  # its variants stayed: reused exactly, nothing to earn
+        assert not again.kept_exact and again.recompute_fraction == 0.0
+
+
 def test_variants_kept_exact_are_stored_with_the_asks_that_earned_them(cache_dir, monkeypatch):
     pipe = repeating_pipeline(cache_dir, 2)
     with pipe.store:

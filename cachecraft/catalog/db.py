@@ -574,7 +574,8 @@ class CatalogTx:
 
     def order_asks(self, chunk_keys: Sequence[str], limit: int) -> int:
         """How many stored requests had exactly ``chunk_keys`` as their chunks, in this
-        order, counted up to ``limit``."""
+        order, since the latest of them that kept the order exact (its recorded policy says
+        ``kept_exact``), counted up to ``limit``."""
         if not chunk_keys or limit <= 0:
             return 0
         wanted = or_(*(and_(RequestChunkRow.position == i, RequestChunkRow.chunk_key == key)
@@ -583,9 +584,12 @@ class CatalogTx:
                    .join(Request, Request.id == RequestChunkRow.request_id)
                    .where(Request.num_chunks == len(chunk_keys), wanted)
                    .group_by(RequestChunkRow.request_id)
-                   .having(func.count() == len(chunk_keys))
-                   .limit(limit))
-        return len(self.session.scalars(matches).all())
+                   .having(func.count() == len(chunk_keys)))
+        # the newest ``limit`` asks decide: the count ends at the newest that kept the order exact
+        newest = self.session.execute(select(Request.id, Request.policy).where(Request.id.in_(matches))
+                                      .order_by(Request.id.desc()).limit(limit)).all()
+        return next((i for i, (_, policy) in enumerate(newest) if (_json_object(policy) or {}).get("kept_exact")),
+                    len(newest))
 
     # what was measured or fitted per model ----------------------------------------------
 
@@ -941,7 +945,8 @@ class Catalog:
             return tx.request(request_id)
 
     def order_asks(self, chunk_keys: Sequence[str], limit: int) -> int:
-        """How many stored requests asked ``chunk_keys`` in this order (up to ``limit``)."""
+        """How many stored requests asked ``chunk_keys`` in this order since the latest that
+        kept the order exact (up to ``limit``)."""
         with self.read() as tx:
             return tx.order_asks(chunk_keys, limit)
 

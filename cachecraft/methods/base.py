@@ -51,8 +51,9 @@ class VariantLookup(Protocol):
         """The variants of ``key`` an exact one may replace at the cap (neither ``warm``'s nor exact)."""
 
     def asked_before(self, keys: Sequence[str], limit: int) -> int:
-        """How many earlier requests asked the chunks ``keys`` in this order, counted up to
-        ``limit`` (0 where the pipeline keeps no new variants, or cannot tell)."""
+        """How many earlier requests asked the chunks ``keys`` in this order since the latest
+        that kept the order exact, counted up to ``limit`` (0 where the pipeline keeps no new
+        variants, or cannot tell)."""
 
 
 @dataclass(frozen=True)

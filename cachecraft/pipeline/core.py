@@ -453,7 +453,8 @@ class Pipeline:
                               lookup, self.prefix_cache, order)
 
     def _order_asks(self, keys: Sequence[str], limit: int) -> int:
-        """How many recorded requests asked ``keys`` in this order (up to ``limit``); 0 where
+        """How many recorded requests asked ``keys`` in this order since the latest that kept
+        it exact (up to ``limit``); 0 where
         new variants are not kept (nothing would come of knowing) or the catalog cannot say."""
         if not self.keep_new_variants:
             return 0

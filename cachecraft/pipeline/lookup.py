@@ -173,7 +173,8 @@ class RequestLookup:
         return any(record.key == variant for record in self.records(key))
 
     def asked_before(self, keys: Sequence[str], limit: int) -> int:
-        """How many earlier requests asked the chunks ``keys`` in this order, up to ``limit``."""
+        """How many earlier requests asked the chunks ``keys`` in this order since the latest
+        that kept the order exact (ever, where none did), up to ``limit``."""
         return 0 if self._asked is None else self._asked(keys, limit)
 
     def tier_of(self, variant: str) -> str | None:
