@@ -44,9 +44,13 @@ class Message(BaseModel):
     @classmethod
     def _text_only(cls, value):
         if isinstance(value, list):
+            if any(isinstance(part, dict) and "type" not in part for part in value):
+                raise ValueError("each content part needs a 'type' ('text')")
             kinds = {part.get("type") for part in value if isinstance(part, dict)}
             if kinds - {"text"} or not all(isinstance(part, dict) for part in value):
                 raise ValueError("only text content parts are supported")
+            if not all(isinstance(part.get("text"), str) for part in value):
+                raise ValueError("a text content part needs its text as a string under 'text'")
         return value
 
 
