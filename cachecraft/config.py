@@ -154,7 +154,6 @@ class Config:
     # so that later asks reuse it exactly and answer as full prefill does (0: never). Asks
     # count since the order was last kept exact: where its variants did not last until
     # the next ask, it earns the next full prefill as it earned the first
-
     exact_after_asks: int = 2
     early_stop_layers: str = ""  # comma-separated layers or depths, e.g. "12,20" or "0.4,0.67"; empty: off
     early_stop_share: float = 0.25

@@ -454,8 +454,8 @@ class Pipeline:
 
     def _order_asks(self, keys: Sequence[str], limit: int) -> int:
         """How many recorded requests asked ``keys`` in this order since the latest that kept
-        it exact (up to ``limit``); 0 where
-        new variants are not kept (nothing would come of knowing) or the catalog cannot say."""
+        it exact (up to ``limit``); 0 where new variants are not kept (nothing would come of
+        knowing) or the catalog cannot say."""
         if not self.keep_new_variants:
             return 0
         try:

@@ -100,9 +100,9 @@ class Answer:
     # in a query the best retrieved) in the order the prompt held them; None: as given
     order: list[int] | None = None
     # The chunk order had been asked ``exact_after_asks`` times before (since it was last
-    # kept exact, where it was) and its chunks were
-    # not all stored exactly: they were computed in full (from the first such chunk on) and
-    # kept, so that later asks in this order reuse them exactly
+    # kept exact, where it was) and its chunks were not all stored exactly: they were
+    # computed in full (from the first such chunk on) and kept, so that later asks in this
+    # order reuse them exactly
     kept_exact: bool = False
 
     def chunk_of_source(self) -> list[tuple[Source, ChunkReport]]:
