@@ -57,7 +57,8 @@ class PhaseResult:
     wall_s: float = 0.0
 
     def summary(self) -> dict:
-        """Hit rate per tier, recompute, TTFT and prefill work over every node's requests."""
+        """Hit rate per tier, recompute, TTFT, prefill work and the requests that kept their
+        chunk order exact, over every node's requests."""
         tiers: dict[str, int] = {}
         for row in self.rows:
             for tier in row["tiers"]:
@@ -66,7 +67,8 @@ class PhaseResult:
         return {"requests": len(self.rows), "chunks": sum(tiers.values()), **hit_shares(tiers),
                 "recompute_fraction_mean": statistics.fmean(r["recompute_fraction"] for r in self.rows),
                 "ttft_s_mean": statistics.fmean(ttft), "ttft_s_median": statistics.median(ttft),
-                "token_layers": sum(r["token_layers"] for r in self.rows), "wall_s": self.wall_s}
+                "token_layers": sum(r["token_layers"] for r in self.rows), "wall_s": self.wall_s,
+                "kept_exact_requests": sum(1 for r in self.rows if r.get("kept_exact"))}
 
 
 def split(trace: Sequence[TraceRequest], nodes: int) -> list[tuple[TraceRequest, ...]]:
@@ -100,7 +102,7 @@ def run_node(job: NodeJob, barrier=None) -> None:
             rows.append({"node": job.node, "item": request.item, "ttft_s": answer.ttft_s,
                          "recompute_fraction": answer.recompute_fraction, "prompt_tokens": answer.prompt_tokens,
                          "token_layers": work.get("token_layers", 0), "tiers": [c.tier for c in answer.chunks],
-                         "answer": answer.text})
+                         "kept_exact": answer.kept_exact, "answer": answer.text})
         node_id = pipe.store.node
     finally:
         pipe.close()

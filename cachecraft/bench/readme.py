@@ -176,15 +176,17 @@ def eviction_table(data: dict) -> str:
 
 def cluster_table(data: dict) -> str:
     """Markdown tables of a ``bench cluster`` result: phases side by side, then the tier timing."""
+    kept = any("kept_exact_requests" in m for m in data["phases"].values())  # results before it lack it
     lines = [_made(data, f"{data['nodes']} node processes", f"{data['requests']} requests",
                    f"{data['unique_requests']} distinct", f"top-{data['top_k']}") + ")", "",
              "| phase | hit rate | from redis | from cpu | from disk | recompute | TTFT median (s) | "
-             "prefill work (token-layers) |", "|---" * 8 + "|"]
+             "prefill work (token-layers) |" + (" kept exact |" if kept else ""), "|---" * (8 + kept) + "|"]
     for phase, m in data["phases"].items():
         tiers = m["hit_rate_by_tier"]
         lines.append(f"| {phase} | {m['hit_rate']:.0%} | " + " | ".join(f"{tiers.get(t, 0):.0%}"
                                                                    for t in ("redis", "cpu", "disk"))
-                     + f" | {m['recompute_fraction_mean']:.3f} | {m['ttft_s_median']:.3f} | {m['token_layers']:,} |")
+                     + f" | {m['recompute_fraction_mean']:.3f} | {m['ttft_s_median']:.3f} | {m['token_layers']:,} |"
+                     + (f" {m.get('kept_exact_requests', 0)} |" if kept else ""))
     saved = data["prefill_work_saved_vs_isolated"]
     timing = data["tier_timing"]
     lines += ["", f"Prefill work saved by sharing: {saved:.0%}." if saved is not None else "", "",
