@@ -586,9 +586,9 @@ class CatalogTx:
                    .group_by(RequestChunkRow.request_id)
                    .having(func.count() == len(chunk_keys)))
         # the newest ``limit`` asks decide: the count ends at the newest that kept the order exact
-        newest = self.session.execute(select(Request.id, Request.policy).where(Request.id.in_(matches))
+        newest = self.session.scalars(select(Request.policy).where(Request.id.in_(matches))
                                       .order_by(Request.id.desc()).limit(limit)).all()
-        return next((i for i, (_, policy) in enumerate(newest) if (_json_object(policy) or {}).get("kept_exact")),
+        return next((i for i, policy in enumerate(newest) if (_json_object(policy) or {}).get("kept_exact")),
                     len(newest))
 
     # what was measured or fitted per model ----------------------------------------------

@@ -154,10 +154,10 @@ def exact_from(asked_before: int, after_asks: int, stored_exactly: Sequence[bool
     (``asked_before``: since it was last kept exact, where it was), the first chunk without
     one; None where a chunk order is still rare, or where every chunk has one (the plan
     reuses them as they are, nothing recomputed). A reused chunk is never exact after one
-    that is not, so every chunk from that one on is computed. One full prefill, paid where an order repeats, makes each later
-    ask answer as full prefill does; an order asked fewer times never pays it, and one
-    whose kept variants were evicted before its next ask pays again only once it has been
-    asked as often since."""
+    that is not, so every chunk from that one on is computed. One full prefill, paid where
+    an order repeats, makes each later ask answer as full prefill does; an order asked
+    fewer times never pays it, and one whose kept variants were evicted before its next
+    ask pays again only once it has been asked as often since."""
     if after_asks <= 0 or asked_before < after_asks:
         return None
     return next((i for i, exact in enumerate(stored_exactly) if not exact), None)
