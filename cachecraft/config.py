@@ -152,8 +152,8 @@ class Config:
     # a chunk order asked this many times before whose chunk-caches are not all a full
     # prefill's KV is computed in full once (from its first such chunk on) and kept exact,
     # so that later asks reuse it exactly and answer as full prefill does (0: never). Asks
-    # count since the order was last kept exact: where its variants did not last until
-    # the next ask, it earns the next full prefill as it earned the first
+    # count since the order was last kept exact: where its variants were evicted before any
+    # ask reused them, the next keep waits twice as long as that one did (up to 8 times this)
     exact_after_asks: int = 2
     early_stop_layers: str = ""  # comma-separated layers or depths, e.g. "12,20" or "0.4,0.67"; empty: off
     early_stop_share: float = 0.25

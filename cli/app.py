@@ -687,9 +687,19 @@ def explain_cmd(ctx: typer.Context,
                       f"{policy.get('early_stop_layers') or 'none'}{_exact_after_asks_words(policy)}",
                       highlight=False)
         if policy.get("kept_exact"):
-            console.print(f"this chunk order was asked {policy.get('exact_after_asks')} time(s) or more before "
-                          "(since it was last kept exact, where it was): "
-                          "its chunks not stored exactly were computed in full and kept exact", highlight=False)
+            console.print(_kept_exact_words(policy), highlight=False)
+
+
+def _kept_exact_words(policy: dict) -> str:
+    """What ``explain`` says of a request that kept its chunk order exact: the asks it
+    waited for, and why where that was longer than the setting."""
+    after = policy.get("exact_after_asks")
+    wait = policy.get("exact_wait", after)  # recorded before waits were: the setting
+    times = "twice" if after and wait == 2 * after else f"{wait // after} times" if after else ""
+    longer = (f", {times} the setting, as the keep before it was evicted before any ask reused it"
+              if after and wait and wait > after else "")
+    return (f"this chunk order was asked {wait} time(s) or more since it was last kept exact, or ever{longer}: "
+            "its chunks not stored exactly were computed in full and kept exact")
 
 
 def _exact_after_asks_words(policy: dict) -> str:

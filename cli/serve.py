@@ -154,7 +154,8 @@ def remote_answer(result: dict):
                   [ChunkReport(**c) for c in report["chunk_reports"]], report["request_id"],
                   report.get("full_prefill_estimate_s"), [Source(**s) for s in report["sources"]],
                   report.get("retrieval_s"), report.get("abandoned_text"), report.get("first_try_ttft_s"),
-                  report.get("order"), kept_exact=bool(report.get("kept_exact")))
+                  report.get("order"), kept_exact=bool(report.get("kept_exact")),
+                  exact_wait=report.get("exact_wait", 0), reused_exact=bool(report.get("reused_exact")))
 
 
 def remote_stats(config, top: int = 10) -> dict:

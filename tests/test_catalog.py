@@ -11,6 +11,7 @@ from cachecraft.catalog import (Catalog, CatalogCorruptError, CatalogWriteError,
                                 EntryRecord, RequestChunk, RequestRecord, SchemaVersionError,
                                 SCHEMA_VERSION, VariantRecord, catalog_path, question_hash, remove_catalog)
 from cachecraft.catalog import stats
+from cachecraft.policy.rules import exact_wait
 
 
 @pytest.fixture
@@ -174,41 +175,47 @@ def test_a_request_written_twice_is_recorded_once(catalog):
         assert tx.request(first).uid == rec.uid and tx.request(older[0]).uid is None
 
 
-def test_order_asks_counts_the_requests_that_held_exactly_these_chunks_in_this_order(catalog):
-    for keys in (["a", "b", "c"], ["a", "b", "c"], ["b", "a", "c"], ["a", "b"], ["a", "b", "c", "d"], ["a", "b", "c"]):
+def test_order_history_holds_the_requests_of_exactly_these_chunks_in_this_order_newest_first(catalog):
+    orders = (["a", "b", "c"], ["a", "b", "c"], ["b", "a", "c"], ["a", "b"], ["a", "b", "c", "d"], ["a", "b", "c"])
+    for n, keys in enumerate(orders):
         catalog.record_request(RequestRecord("q", "cachecraft", tuple(RequestChunk(i, k) for i, k in enumerate(keys)),
-                                             0.1, 1.0, 2.0))
-    assert catalog.order_asks(["a", "b", "c"], limit=10) == 3
-    assert catalog.order_asks(["a", "b", "c"], limit=2) == 2  # counted up to the limit
-    assert catalog.order_asks(["b", "a", "c"], limit=10) == 1
-    assert catalog.order_asks(["a", "b"], limit=10) == 1  # not the longer requests it starts
-    assert catalog.order_asks(["c", "b", "a"], limit=10) == 0
-    assert catalog.order_asks(["a"], limit=10) == 0
-    assert catalog.order_asks([], limit=10) == 0 and catalog.order_asks(["a", "b"], limit=0) == 0
+                                             0.1, 1.0, 2.0, policy=None if n == 0 else {"n": n}))
+    # the first request was recorded without a policy: an empty one
+    assert catalog.order_history(["a", "b", "c"], limit=10) == [{"n": 5}, {"n": 1}, {}]
+    assert catalog.order_history(["a", "b", "c"], limit=2) == [{"n": 5}, {"n": 1}]  # the newest, up to the limit
+    assert catalog.order_history(["b", "a", "c"], limit=10) == [{"n": 2}]
+    assert catalog.order_history(["a", "b"], limit=10) == [{"n": 3}]  # not the longer requests it starts
+    assert catalog.order_history(["c", "b", "a"], limit=10) == []
+    assert catalog.order_history(["a"], limit=10) == []
+    assert catalog.order_history([], limit=10) == [] and catalog.order_history(["a", "b"], limit=0) == []
 
 
-def test_order_asks_count_only_the_asks_since_the_order_was_last_kept_exact(catalog):
-    def ask(keys, kept=None):
-        policy = None if kept is None else {"alpha": 0.5, "kept_exact": kept}
+def test_asks_count_from_the_order_history_since_the_order_was_last_kept_exact(catalog):
+    def ask(keys, kept=None, **more):
+        policy = None if kept is None else {"alpha": 0.5, "kept_exact": kept, **more}
         catalog.record_request(RequestRecord("q", "cachecraft", tuple(RequestChunk(i, k) for i, k in enumerate(keys)),
                                              0.1, 1.0, 2.0, policy=policy))
+
+    def asked(keys, limit=16):
+        return exact_wait(catalog.order_history(keys, limit), 2)
 
     order = ["a", "b"]
     ask(order)  # recorded before policies were: not a keep
     ask(order, kept=False)
-    assert catalog.order_asks(order, limit=5) == 2
-    ask(order, kept=True)
-    assert catalog.order_asks(order, limit=5) == 0  # the ask that kept it is not counted
+    assert asked(order) == (2, 2)
+    ask(order, kept=True, exact_wait=2)
+    assert asked(order) == (0, 4)  # the ask that kept it is not counted; no ask reused it yet
     ask(["b", "a"], kept=False)  # another order: no ask of this one
     ask(order, kept=False)
-    assert catalog.order_asks(order, limit=5) == 1
+    assert asked(order) == (1, 4)
     ask(order, kept=False)
     ask(order, kept=False)
-    assert catalog.order_asks(order, limit=5) == 3 and catalog.order_asks(order, limit=2) == 2
-    ask(["b", "a"], kept=True)  # another order kept exact: this one's count goes on
-    assert catalog.order_asks(order, limit=5) == 3 and catalog.order_asks(["b", "a"], limit=5) == 0
-    ask(order, kept=True)
-    assert catalog.order_asks(order, limit=5) == 0
+    assert asked(order) == (3, 4) and asked(order, limit=2) == (2, 2)  # the keep not read: as never kept
+    ask(["b", "a"], kept=True, exact_wait=2)  # another order kept exact: this one's count goes on
+    assert asked(order) == (3, 4) and asked(["b", "a"]) == (0, 4)
+    ask(order, kept=True, exact_wait=4)
+    ask(order, kept=False, reused_exact=True)  # this keep served an ask
+    assert asked(order) == (1, 2)
 
 
 # what each schema version added, undone: the way back to the one before it

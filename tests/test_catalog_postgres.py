@@ -19,11 +19,12 @@ from tests.servers import free_port, pg_url, postgres  # noqa: F401  (fixtures)
 from tests.store_helpers import make_kv, same_kv
 # the SQLite catalog's behavioural tests, run again against PostgreSQL (the `catalog`
 # fixture below replaces theirs)
-from tests.test_catalog import (add_variant, test_chunks_variants_entries_and_tiers,  # noqa: F401
+from tests.test_catalog import (add_variant,  # noqa: F401
+                                test_asks_count_from_the_order_history_since_the_order_was_last_kept_exact,
+                                test_chunks_variants_entries_and_tiers,
                                 test_event_pruning_keeps_the_newest,
                                 test_failed_transaction_rolls_back_whole,
-                                test_order_asks_count_only_the_asks_since_the_order_was_last_kept_exact,
-                                test_order_asks_counts_the_requests_that_held_exactly_these_chunks_in_this_order,
+                                test_order_history_holds_the_requests_of_exactly_these_chunks_in_this_order_newest_first,
                                 test_request_round_trip_for_explain,
                                 test_statistics_match_hand_computed_values,
                                 test_statistics_on_an_empty_catalog,

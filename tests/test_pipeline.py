@@ -660,21 +660,39 @@ def test_a_chunk_order_asked_twice_before_is_computed_in_full_once_and_then_reus
         assert "kept exact" not in said[4].output
 
 
-def test_an_order_whose_exact_variants_were_evicted_earns_its_next_full_prefill_as_it_earned_the_first(cache_dir):
+def test_an_order_whose_keep_was_evicted_unused_waits_twice_as_long_and_as_long_as_the_first_after_one_used(
+        cache_dir):
     pipe = repeating_pipeline(cache_dir, 2)
     with pipe.store:
         pipe.warm(CHUNKS[:3])
         order = CHUNKS[2::-1]
-        kept = [pipe.answer(order, QUESTION).kept_exact for _ in range(3)]
-        assert kept == [False, False, True]
-        for name in chained_variants(pipe, order):  # evicted before the next ask
-            assert pipe.store.delete(name)
-        # the keeping ask starts the count again: two asks since it, then the next keeps
-        later = [pipe.answer(order, QUESTION) for _ in range(3)]
-        assert [a.kept_exact for a in later] == [False, False, True]
-        assert all(0 < a.recompute_fraction < 1 for a in later[:2]) and later[2].recompute_fraction == 1.0
-        again = pipe.answer(order, QUESTION)  # its variants stayed: reused exactly, nothing to earn
-        assert not again.kept_exact and again.recompute_fraction == 0.0
+
+        def evict():
+            for name in chained_variants(pipe, order):
+                assert pipe.store.delete(name)
+
+        kept = [pipe.answer(order, QUESTION) for _ in range(3)]
+        assert [a.kept_exact for a in kept] == [False, False, True] and kept[2].exact_wait == 2
+        evict()  # before any ask reused them: the next keep waits for four asks since this one
+        later = [pipe.answer(order, QUESTION) for _ in range(5)]
+        assert [a.kept_exact for a in later] == [False] * 4 + [True] and later[4].exact_wait == 4
+        assert all(0 < a.recompute_fraction < 1 for a in later[:4]) and later[4].recompute_fraction == 1.0
+        reused = pipe.answer(order, QUESTION)  # its variants stayed: reused exactly, nothing to earn
+        assert reused.reused_exact and not reused.kept_exact and reused.recompute_fraction == 0.0
+        assert not any(a.reused_exact for a in kept + later)
+        evict()  # after an ask reused them: the next keep waits for two asks, as the first did
+        again = [pipe.answer(order, QUESTION) for _ in range(2)]
+        assert [a.kept_exact for a in again] == [False, True] and again[1].exact_wait == 2
+        recorded = [pipe.catalog.get_request(a.request_id).policy for a in (later[4], reused, again[1])]
+        assert [(p["kept_exact"], p.get("exact_wait"), p["reused_exact"]) for p in recorded] == [
+            (True, 4, False), (False, None, True), (True, 2, False)]
+        from typer.testing import CliRunner
+
+        from cli.app import app
+        said = CliRunner().invoke(app, ["explain", str(later[4].request_id)])
+        assert said.exit_code == 0
+        assert ("asked 4 time(s) or more since it was last kept exact, or ever, twice the setting"
+                in " ".join(said.output.split()))
 
 
 def test_variants_kept_exact_are_stored_with_the_asks_that_earned_them(cache_dir, monkeypatch):

@@ -5,7 +5,8 @@ import math
 import torch
 
 from cachecraft.policy.planner import PolicyParams, VariantInfo, apply_budget, choose_variant, plan_request
-from cachecraft.policy.rules import can_keep_exact, early_stop_decision, exact_from, pool_by_need, share_by_attention
+from cachecraft.policy.rules import (can_keep_exact, early_stop_decision, exact_from, exact_wait, pool_by_need,
+                                     share_by_attention)
 
 INTER = torch.tensor([[1.0, 1.0]])
 INTRA = torch.tensor([2.0])
@@ -135,6 +136,28 @@ def test_exact_from_by_hand():
     assert exact_from(0, 1, [False]) is None  # never asked
     assert exact_from(9, 0, [False]) is None  # off
     assert exact_from(3, 1, [True, True, True]) is None  # stored exactly already: nothing to make
+
+
+def test_exact_wait_by_hand():
+    ask, reuse = {"kept_exact": False}, {"kept_exact": False, "reused_exact": True}
+
+    def keep(waited=None):
+        return {"kept_exact": True, **({} if waited is None else {"exact_wait": waited})}
+
+    assert exact_wait([], 2) == (0, 2)  # never asked
+    assert exact_wait([ask, {}, ask], 2) == (3, 2)  # never kept (one row recorded without a policy)
+    # kept after 2 asks, evicted before any ask reused it: the next keep waits 4, then 8, 16
+    assert exact_wait([ask, keep(2), ask, ask], 2) == (1, 4)
+    assert exact_wait([keep(4)], 2) == (0, 8)
+    assert exact_wait([ask] * 3 + [keep(8)], 2) == (3, 16)
+    assert exact_wait([keep(16)], 2) == (0, 16)  # at most 2**3 times the setting
+    assert exact_wait([keep(16)], 2, doublings=5) == (0, 32)
+    assert exact_wait([keep(3)], 3) == (0, 6)
+    # a keep that served an ask (reused exactly): the next waits as the setting, however long the last
+    assert exact_wait([ask, reuse, keep(8)], 2) == (2, 2)
+    assert exact_wait([ask, ask, keep(2), reuse, keep(16)], 2) == (2, 4)  # only the last keep counts
+    assert exact_wait([ask, keep()], 2) == (1, 2)  # a keep recorded before waits were: as the setting
+    assert exact_wait([reuse, reuse], 2) == (2, 2)  # reuses with no keep among the rows read
 
 
 def test_can_keep_exact_by_hand():

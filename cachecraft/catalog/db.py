@@ -572,12 +572,12 @@ class CatalogTx:
             full_prefill_s=row.full_prefill_s, created_at=row.created_at, id=row.id,
             num_tokens=row.num_tokens, policy=_json_object(row.policy), node=row.node, uid=row.uid)
 
-    def order_asks(self, chunk_keys: Sequence[str], limit: int) -> int:
-        """How many stored requests had exactly ``chunk_keys`` as their chunks, in this
-        order, since the latest of them that kept the order exact (its recorded policy says
-        ``kept_exact``), counted up to ``limit``."""
+    def order_history(self, chunk_keys: Sequence[str], limit: int) -> list[dict]:
+        """The recorded policies (``{}`` where a request has none) of the newest ``limit``
+        stored requests that had exactly ``chunk_keys`` as their chunks, in this order,
+        newest first: what :func:`cachecraft.policy.rules.exact_wait` counts asks in."""
         if not chunk_keys or limit <= 0:
-            return 0
+            return []
         wanted = or_(*(and_(RequestChunkRow.position == i, RequestChunkRow.chunk_key == key)
                        for i, key in enumerate(chunk_keys)))
         matches = (select(RequestChunkRow.request_id)
@@ -585,11 +585,9 @@ class CatalogTx:
                    .where(Request.num_chunks == len(chunk_keys), wanted)
                    .group_by(RequestChunkRow.request_id)
                    .having(func.count() == len(chunk_keys)))
-        # the newest ``limit`` asks decide: the count ends at the newest that kept the order exact
         newest = self.session.scalars(select(Request.policy).where(Request.id.in_(matches))
                                       .order_by(Request.id.desc()).limit(limit)).all()
-        return next((i for i, policy in enumerate(newest) if (_json_object(policy) or {}).get("kept_exact")),
-                    len(newest))
+        return [_json_object(policy) or {} for policy in newest]
 
     # what was measured or fitted per model ----------------------------------------------
 
@@ -944,11 +942,11 @@ class Catalog:
         with self.read() as tx:
             return tx.request(request_id)
 
-    def order_asks(self, chunk_keys: Sequence[str], limit: int) -> int:
-        """How many stored requests asked ``chunk_keys`` in this order since the latest that
-        kept the order exact (up to ``limit``)."""
+    def order_history(self, chunk_keys: Sequence[str], limit: int) -> list[dict]:
+        """The recorded policies of the newest ``limit`` requests of exactly ``chunk_keys``
+        in this order, newest first (see :meth:`CatalogTx.order_history`)."""
         with self.read() as tx:
-            return tx.order_asks(chunk_keys, limit)
+            return tx.order_history(chunk_keys, limit)
 
     def profile(self, fingerprint: str, device: str, kind: str) -> dict | None:
         """A stored model profile (see :meth:`CatalogTx.profile`), or None."""

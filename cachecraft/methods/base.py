@@ -50,10 +50,10 @@ class VariantLookup(Protocol):
     def replaceable_variants(self, key: str, prefix_key: str) -> list:
         """The variants of ``key`` an exact one may replace at the cap (neither ``warm``'s nor exact)."""
 
-    def asked_before(self, keys: Sequence[str], limit: int) -> int:
-        """How many earlier requests asked the chunks ``keys`` in this order since the latest
-        that kept the order exact, counted up to ``limit`` (0 where the pipeline keeps no new
-        variants, or cannot tell)."""
+    def order_history(self, keys: Sequence[str], limit: int) -> list[dict]:
+        """The recorded policies of the newest ``limit`` earlier requests of the chunks
+        ``keys`` in this order, newest first (none where the pipeline keeps no new variants,
+        or cannot tell)."""
 
 
 @dataclass(frozen=True)
@@ -76,12 +76,14 @@ class LoadPlan:
     """Which stored variant of each chunk to load (None: compute the chunk in full).
     ``found``: the variant the policy found, also where it chose to compute in full.
     ``asked_before``: where the plan keeps its chunk order exact, the earlier asks of the
-    order that earned that (counted up to the setting; 0: not kept exact)."""
+    order that earned that (0: not kept exact), and ``exact_wait`` the asks it had to wait
+    for (:func:`cachecraft.policy.rules.exact_wait`)."""
 
     wanted: tuple[str | None, ...]
     plan: RecomputePlan | None = None
     found: tuple[str | None, ...] | None = None
     asked_before: int = 0
+    exact_wait: int = 0
 
     @property
     def keep_exact(self) -> bool:

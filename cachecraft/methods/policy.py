@@ -8,9 +8,10 @@ recomputed is computed in full and kept as a new variant. Select: the planned co
 in total, to the cached tokens the question looks at most at the check layer (with a
 drift shift: evenly over each chunk, whose other tokens then move by the drift those
 show). Observe: with early termination on, chunks the question ignores stop recomputing.
-A chunk order asked often enough (``exact_after_asks``) whose chunks are not all stored as
-a full prefill's KV is computed in full once instead, from its first such chunk on, and kept
-so: every later ask reuses it exactly and answers as a full prefill does.
+A chunk order asked often enough (``exact_after_asks``, twice as often after a keep no ask
+reused) whose chunks are not all stored as a full prefill's KV is computed in full once
+instead, from its first such chunk on, and kept so: every later ask reuses it exactly and
+answers as a full prefill does.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from cachecraft.methods.base import LoadPlan, Method, PrefillHooks, RequestConte
 from cachecraft.methods.experimental import select_question_guided
 from cachecraft.policy.planner import (ChunkPlan, PolicyParams, RecomputePlan, VariantInfo, layer_at,
                                        plan_request)
-from cachecraft.policy.rules import (can_keep_exact, early_stop_decision, exact_from, hide_loading, keep_in_full,
-                                     pool_by_need, share_by_attention, worth_loading)
+from cachecraft.policy.rules import (EXACT_WAIT_DOUBLINGS, can_keep_exact, early_stop_decision, exact_from,
+                                     exact_wait, hide_loading, keep_in_full, pool_by_need, share_by_attention,
+                                     worth_loading)
 from cachecraft.selection import QuestionAttention, chunk_attention, first_tokens, spread_tokens
 
 
@@ -124,8 +126,9 @@ def exact_plan(request: RequestContext, after_asks: int, loadable: Callable[[str
     stored = [lookup.made_exactly(key, variant) and loadable(variant) for key, variant in zip(keys, chained)]
     if all(stored):
         return None  # every chunk reused exactly: the policy's plan recomputes nothing (no ask counted)
-    asked = lookup.asked_before(keys, after_asks)
-    start = exact_from(asked, after_asks, stored)
+    # read far enough back for the longest wait: a keep further back than that is due anyway
+    asked, due = exact_wait(lookup.order_history(keys, after_asks << EXACT_WAIT_DOUBLINGS), after_asks)
+    start = exact_from(asked, due, stored)
     if start is None:
         return None
     if not all(can_keep_exact(lookup.has_variant(key, variant), lookup.variant_count(key, prefix),
@@ -140,9 +143,10 @@ def exact_plan(request: RequestContext, after_asks: int, loadable: Callable[[str
                   for variant, other in zip(wanted, independent))
     plan = RecomputePlan(tuple(ChunkPlan(key, variant, None, 0 if variant else n, n)
                                for key, variant, n in zip(keys, wanted, tokens)),
-                         notes=(f"this chunk order was asked {after_asks} time(s) or more before: chunks "
+                         notes=(f"this chunk order was asked {due} time(s) or more before: chunks "
                                 f"{start + 1}-{len(keys)} computed in full and kept exact",))
-    return LoadPlan(wanted, plan, found, asked_before=asked)
+    # the asks that earned the keep credit its variants (the store's frequency evidence)
+    return LoadPlan(wanted, plan, found, asked_before=min(asked, due), exact_wait=due)
 
 
 def _observe_for_early_stop(hooks: PrefillHooks, segments: list[Segment], params: PolicyParams) -> None:

@@ -96,6 +96,7 @@ class PreparedRequest:
     tiers: tuple[str, ...]  # per chunk, the tier it came from, or "miss"
     started: float = 0.0  # time.perf_counter() as the prefill began (loading and planning done)
     asked_before: int = 0  # where kept exact, the earlier asks of its chunk order that earned it (else 0)
+    exact_wait: int = 0  # where kept exact, the asks it had to wait for
 
     @property
     def keep_exact(self) -> bool:
@@ -195,6 +196,8 @@ class Pipeline:
         text = self.lm.tokenizer.decode(new_ids, skip_special_tokens=True)
         cancelled = generation is not None and generation.cancel is not None and generation.cancel.is_set()
         exact = self._exact_chunks(request, prepared)
+        # every chunk reused from variants kept exact: what tells a keep that lasted (exact_wait)
+        reused_exact = all(exact) and all(s.cached is not None for s in prepared.segments if s.role == "chunk")
         # a prefill whose every chunk is a full prefill's answers as full does: no second try
         loops = fallback and not cancelled and not all(exact) and degenerate_repetition(text)
         if self.keep_new_variants:
@@ -230,7 +233,8 @@ class Pipeline:
                         full_prefill_estimate_s=self._estimate_full(request.pieces.num_tokens),
                         abandoned_text=abandoned, first_try_ttft_s=first_try_ttft,
                         order=list(request.order) if request.order is not None else None,
-                        kept_exact=prepared.keep_exact)
+                        kept_exact=prepared.keep_exact, exact_wait=prepared.exact_wait,
+                        reused_exact=reused_exact)
         if record:
             answer.request_id = self._record(question, answer)
             self.store.record_pending()  # hit counts kept while the catalog was away
@@ -442,7 +446,7 @@ class Pipeline:
         self._note_sources(keys, sources)
         lookup = RequestLookup(self.store, keys, self.planner_stats, self._warm_key_of, self._chunk_tokens,
                                lambda tier: self.ensure_cost_model().r_load(tier),
-                               lambda tier: self.ensure_cost_model().r_hide(tier), self._order_asks)
+                               lambda tier: self.ensure_cost_model().r_hide(tier), self._order_history)
         prefix_key = chunk_key(self.lm.fingerprint, pieces.prefix)
         order = None
         if chunk_order == "cache" and len(keys) > 1:
@@ -452,17 +456,17 @@ class Pipeline:
         return RequestContext(pieces, prefix_key, keys, self.lm.adapter, self.policy, self.config.check_layer,
                               lookup, self.prefix_cache, order)
 
-    def _order_asks(self, keys: Sequence[str], limit: int) -> int:
-        """How many recorded requests asked ``keys`` in this order since the latest that kept
-        it exact (up to ``limit``); 0 where new variants are not kept (nothing would come of
-        knowing) or the catalog cannot say."""
+    def _order_history(self, keys: Sequence[str], limit: int) -> list[dict]:
+        """The recorded policies of the newest ``limit`` requests of ``keys`` in this order,
+        newest first; none where new variants are not kept (nothing would come of knowing)
+        or the catalog cannot say."""
         if not self.keep_new_variants:
-            return 0
+            return []
         try:
-            return self.catalog.order_asks(keys, limit)
+            return self.catalog.order_history(keys, limit)
         except CatalogError as exc:  # advice for the plan: the request goes on without it
             log.warning("cannot count earlier asks of this chunk order (%s)", exc)
-            return 0
+            return []
 
     def _prefill(self, method: Method, request: RequestContext) -> tuple[PreparedRequest, BlendResult]:
         """Plan, load and run the blended prefill; a damaged chunk-cache found on the way
@@ -510,7 +514,7 @@ class Pipeline:
         segments = method.segments(request, prefix_kv, kvs, past_cap=load.keep_exact)
         hooks = method.prepare(request, segments, load)
         return PreparedRequest(segments, hooks, load.plan, tuple(used), tuple(tiers),
-                               asked_before=load.asked_before)
+                               asked_before=load.asked_before, exact_wait=load.exact_wait)
 
     def _load_variants(self, wanted: Sequence[str | None], loading: ExitStack,
                        count_hits: bool) -> tuple[list[LayerSource | None], list[str]]:
@@ -869,7 +873,9 @@ class Pipeline:
         return self.pending.record(self.catalog, RequestRecord(
             question_hash(question), answer.method, chunks, answer.recompute_fraction, answer.ttft_s,
             answer.full_prefill_estimate_s, num_tokens=answer.prompt_tokens,
-            policy={**self.policy_report(), "kept_exact": answer.kept_exact},
+            policy={**self.policy_report(), "kept_exact": answer.kept_exact,
+                    **({"exact_wait": answer.exact_wait} if answer.kept_exact else {}),
+                    "reused_exact": answer.reused_exact},
             node=self.store.node))
 
     def _estimate_full(self, tokens: int) -> float:

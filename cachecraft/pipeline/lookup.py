@@ -72,17 +72,17 @@ class RequestLookup:
     def __init__(self, store, keys: Sequence[str], stats: PlannerStatsMemo, warm_prefix: Callable,
                  chunk_tokens: Callable[[str], int], r_load: Callable[[str], float],
                  r_hide: Callable[[str], float] | None = None,
-                 asked: Callable[[Sequence[str], int], int] | None = None):
+                 history: Callable[[Sequence[str], int], list[dict]] | None = None):
         """``warm_prefix(prefix_key)``: the prefix tuple of the variants ``warm`` makes (None
         when there is no warm context); ``chunk_tokens(key)``: a chunk's token count;
         ``r_load(tier)``: the recompute fraction that takes as long as loading from ``tier``;
         ``r_hide(tier)``: the one that hides that load beside the blend's own cost (default
-        ``r_load``); ``asked(keys, limit)``: how many earlier requests asked ``keys`` in
-        that order (default: none)."""
+        ``r_load``); ``history(keys, limit)``: the recorded policies of the newest ``limit``
+        earlier requests of ``keys`` in that order, newest first (default: none)."""
         self._store, self._keys, self._stats = store, tuple(dict.fromkeys(keys)), stats
         self._warm_prefix, self._chunk_tokens, self._r_load = warm_prefix, chunk_tokens, r_load
         self._r_hide = r_hide or r_load
-        self._asked = asked
+        self._history = history
         self._records: dict[str, list[VariantRecord]] | None = None
         self._tiers: dict[str, str] = {}  # variant -> the tier its record names
 
@@ -172,10 +172,10 @@ class RequestLookup:
         """Whether ``variant`` of chunk ``key`` is stored (and readable by this store)."""
         return any(record.key == variant for record in self.records(key))
 
-    def asked_before(self, keys: Sequence[str], limit: int) -> int:
-        """How many earlier requests asked the chunks ``keys`` in this order since the latest
-        that kept the order exact (ever, where none did), up to ``limit``."""
-        return 0 if self._asked is None else self._asked(keys, limit)
+    def order_history(self, keys: Sequence[str], limit: int) -> list[dict]:
+        """The recorded policies of the newest ``limit`` earlier requests of the chunks
+        ``keys`` in this order, newest first (none where the pipeline cannot tell)."""
+        return [] if self._history is None else self._history(keys, limit)
 
     def tier_of(self, variant: str) -> str | None:
         """The tier ``variant`` would load from, or None: the one its record names where

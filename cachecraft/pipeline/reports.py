@@ -102,8 +102,12 @@ class Answer:
     # The chunk order had been asked ``exact_after_asks`` times before (since it was last
     # kept exact, where it was) and its chunks were not all stored exactly: they were
     # computed in full (from the first such chunk on) and kept, so that later asks in this
-    # order reuse them exactly
+    # order reuse them exactly. ``exact_wait``: the asks that keep waited for (twice the
+    # last keep's where no ask reused that one; 0 where nothing was kept)
     kept_exact: bool = False
+    exact_wait: int = 0
+    # every chunk was reused from variants kept exact: nothing recomputed, answered as full does
+    reused_exact: bool = False
 
     def chunk_of_source(self) -> list[tuple[Source, ChunkReport]]:
         """Each source (best first) with the report of its chunk, wherever the prompt held it."""
@@ -140,6 +144,7 @@ class Answer:
                 "full_prefill_estimate_s": self.full_prefill_estimate_s, "saved_s": self.saved_s,
                 "retrieval_s": self.retrieval_s, "escalated": self.escalated,
                 "abandoned_text": self.abandoned_text, "first_try_ttft_s": self.first_try_ttft_s,
-                "order": self.order, "kept_exact": self.kept_exact,
+                "order": self.order, "kept_exact": self.kept_exact, "exact_wait": self.exact_wait,
+                "reused_exact": self.reused_exact,
                 "chunks": [c.__dict__ for c in self.chunks],
                 "sources": [s.__dict__ for s in self.sources]}

@@ -47,7 +47,8 @@ class PolicyParams:
     early_stop_share: float = 0.25
     # a chunk order asked at least this many times before, some of whose chunks are not
     # stored as a full prefill's KV after the chunks before them, is computed in full from
-    # its first such chunk on and kept so, once (0: never; see rules.exact_from)
+    # its first such chunk on and kept so, once (0: never; see rules.exact_from and
+    # rules.exact_wait, which waits longer after a keep that no ask reused)
     exact_after_asks: int = 2
 
     def __post_init__(self) -> None:

@@ -22,7 +22,8 @@
   context pass their floor on.
 - :func:`exact_from`: a chunk order asked often enough is computed in full once, from
   its first chunk not stored exactly on, so that every later ask reuses it exactly;
-  :func:`can_keep_exact` says whether a chunk computed so can be kept.
+  :func:`exact_wait` says how often is enough (twice as often after a keep that served no
+  ask) and :func:`can_keep_exact` whether a chunk computed so can be kept.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from cachecraft.policy.planner import RecomputePlan
 
 MAX_VARIANTS_PER_CHUNK = 4
 KEEP_FIXED_FRACTION = 0.5  # a chunk planned to be at least this much recomputed is computed in full
+# a chunk order whose keeps keep being evicted unused waits at most 2**3 times the setting
+EXACT_WAIT_DOUBLINGS = 3
 
 
 def worth_loading(r_load: float | None) -> bool:
@@ -151,16 +154,40 @@ def exact_from(asked_before: int, after_asks: int, stored_exactly: Sequence[bool
     prompt order), whether a variant made after exactly the chunks before it, in a prefill
     where those were a full prefill's, is stored and worth loading. Where ``after_asks`` is
     above 0 and this chunk order was asked at least that many times before
-    (``asked_before``: since it was last kept exact, where it was), the first chunk without
-    one; None where a chunk order is still rare, or where every chunk has one (the plan
-    reuses them as they are, nothing recomputed). A reused chunk is never exact after one
-    that is not, so every chunk from that one on is computed. One full prefill, paid where
-    an order repeats, makes each later ask answer as full prefill does; an order asked
-    fewer times never pays it, and one whose kept variants were evicted before its next
-    ask pays again only once it has been asked as often since."""
+    (``asked_before``: since it was last kept exact, where it was; ``after_asks``: the wait
+    :func:`exact_wait` gives), the first chunk without one; None where a chunk order is
+    still rare, or where every chunk has one (the plan reuses them as they are, nothing
+    recomputed). A reused chunk is never exact after one that is not, so every chunk from
+    that one on is computed. One full prefill, paid where an order repeats, makes each
+    later ask answer as full prefill does; an order asked fewer times never pays it, and
+    one whose kept variants were evicted before its next ask pays again only once it has
+    been asked as often since (twice as often, where no ask reused that keep)."""
     if after_asks <= 0 or asked_before < after_asks:
         return None
     return next((i for i, exact in enumerate(stored_exactly) if not exact), None)
+
+
+def exact_wait(history: Sequence[dict], after_asks: int,
+               doublings: int = EXACT_WAIT_DOUBLINGS) -> tuple[int, int]:
+    """How many times a chunk order was asked since it was last kept exact (ever, where it
+    never was), and how many asks that keep must wait for: ``(asked, due)``. ``history``:
+    the recorded policies of the order's newest requests, newest first (see
+    :meth:`cachecraft.catalog.CatalogTx.order_history`). A keep is one whose policy says
+    ``kept_exact``, with the asks it waited for as ``exact_wait``; an ask that
+    ``reused_exact`` found every chunk kept so. Where the last keep served such an ask, or
+    there was none, the next waits ``after_asks``; where its variants were evicted before
+    any ask reused them, it waits twice as long as that keep did, up to
+    ``after_asks * 2**doublings``: under a budget that cannot hold an order's variants,
+    it stops paying a full prefill at every few asks. ``history`` is read as far as it goes,
+    so ``asked`` counts up to its length."""
+    for asked, policy in enumerate(history):
+        if policy.get("kept_exact"):
+            served = any(later.get("reused_exact") for later in history[:asked])
+            waited = policy.get("exact_wait")
+            if served or not waited:  # a keep recorded before waits were: as the setting
+                return asked, after_asks
+            return asked, min(2 * waited, after_asks << doublings)
+    return len(history), after_asks
 
 
 def can_keep_exact(same_prefix_stored: bool, stored: int, replaceable: int,

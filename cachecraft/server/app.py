@@ -267,8 +267,8 @@ def _report(answer: Answer) -> dict:
             "saved_s": answer.saved_s, "retrieval_s": answer.retrieval_s,
             "full_prefill_estimate_s": answer.full_prefill_estimate_s,
             "abandoned_text": answer.abandoned_text, "first_try_ttft_s": answer.first_try_ttft_s,
-            "order": answer.order, "kept_exact": answer.kept_exact,
-            "sources": [s.__dict__ for s in answer.sources],
+            "order": answer.order, "kept_exact": answer.kept_exact, "exact_wait": answer.exact_wait,
+            "reused_exact": answer.reused_exact, "sources": [s.__dict__ for s in answer.sources],
             "chunk_reports": [c.__dict__ for c in answer.chunks]}
 
 
