@@ -196,7 +196,7 @@ class Pipeline:
         text = self.lm.tokenizer.decode(new_ids, skip_special_tokens=True)
         cancelled = generation is not None and generation.cancel is not None and generation.cancel.is_set()
         exact = self._exact_chunks(request, prepared)
-        # every chunk reused from variants kept exact: what tells a keep that lasted (exact_wait)
+        # every chunk reused from variants stored exactly: what tells a keep that lasted (exact_wait)
         reused_exact = all(exact) and all(s.cached is not None for s in prepared.segments if s.role == "chunk")
         # a prefill whose every chunk is a full prefill's answers as full does: no second try
         loops = fallback and not cancelled and not all(exact) and degenerate_repetition(text)

@@ -106,7 +106,7 @@ class Answer:
     # last keep's where no ask reused that one; 0 where nothing was kept)
     kept_exact: bool = False
     exact_wait: int = 0
-    # every chunk was reused from variants kept exact: nothing recomputed, answered as full does
+    # every chunk was reused from variants stored exactly: nothing recomputed, answered as full does
     reused_exact: bool = False
 
     def chunk_of_source(self) -> list[tuple[Source, ChunkReport]]:
