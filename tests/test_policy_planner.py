@@ -5,8 +5,8 @@ import math
 import torch
 
 from cachecraft.policy.planner import PolicyParams, VariantInfo, apply_budget, choose_variant, plan_request
-from cachecraft.policy.rules import (can_keep_exact, early_stop_decision, exact_from, exact_wait, pool_by_need,
-                                     share_by_attention)
+from cachecraft.policy.rules import (can_keep_exact, early_stop_decision, exact_from, exact_history_limit, exact_wait,
+                                     pool_by_need, share_by_attention)
 
 INTER = torch.tensor([[1.0, 1.0]])
 INTRA = torch.tensor([2.0])
@@ -158,6 +158,22 @@ def test_exact_wait_by_hand():
     assert exact_wait([ask, ask, keep(2), reuse, keep(16)], 2) == (2, 4)  # only the last keep counts
     assert exact_wait([ask, keep()], 2) == (1, 2)  # a keep recorded before waits were: as the setting
     assert exact_wait([reuse, reuse], 2) == (2, 2)  # reuses with no keep among the rows read
+
+
+def test_an_order_whose_keeps_never_last_is_kept_at_asks_3_8_17_34_and_then_every_17th():
+    # waits 2, 4, 8, 16, 16, ...: each keep counts the asks after the one before it
+    assert exact_history_limit(2) == 17 and exact_history_limit(3, doublings=1) == 7
+    history: list[dict] = []  # newest first, as the catalog gives it
+    kept = []
+    for ask in range(1, 70):
+        asked, due = exact_wait(history[:exact_history_limit(2)], 2)
+        keep = exact_from(asked, due, [False]) == 0
+        if keep:
+            kept.append(ask)
+        history.insert(0, {"kept_exact": keep, **({"exact_wait": due} if keep else {})})
+    assert kept == [3, 8, 17, 34, 51, 68]
+    # the 16 asks after a keep that waited 16 are all read, and the keep behind them
+    assert exact_wait(([{"kept_exact": False}] * 16 + [{"kept_exact": True, "exact_wait": 16}]), 2) == (16, 16)
 
 
 def test_can_keep_exact_by_hand():

@@ -27,7 +27,7 @@ from cachecraft.methods.base import LoadPlan, Method, PrefillHooks, RequestConte
 from cachecraft.methods.experimental import select_question_guided
 from cachecraft.policy.planner import (ChunkPlan, PolicyParams, RecomputePlan, VariantInfo, layer_at,
                                        plan_request)
-from cachecraft.policy.rules import (EXACT_WAIT_DOUBLINGS, can_keep_exact, early_stop_decision, exact_from,
+from cachecraft.policy.rules import (can_keep_exact, early_stop_decision, exact_from, exact_history_limit,
                                      exact_wait, hide_loading, keep_in_full, pool_by_need, share_by_attention,
                                      worth_loading)
 from cachecraft.selection import QuestionAttention, chunk_attention, first_tokens, spread_tokens
@@ -126,8 +126,7 @@ def exact_plan(request: RequestContext, after_asks: int, loadable: Callable[[str
     stored = [lookup.made_exactly(key, variant) and loadable(variant) for key, variant in zip(keys, chained)]
     if all(stored):
         return None  # every chunk reused exactly: the policy's plan recomputes nothing (no ask counted)
-    # read far enough back for the longest wait: a keep further back than that is due anyway
-    asked, due = exact_wait(lookup.order_history(keys, after_asks << EXACT_WAIT_DOUBLINGS), after_asks)
+    asked, due = exact_wait(lookup.order_history(keys, exact_history_limit(after_asks)), after_asks)
     start = exact_from(asked, due, stored)
     if start is None:
         return None

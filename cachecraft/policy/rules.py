@@ -23,7 +23,8 @@
 - :func:`exact_from`: a chunk order asked often enough is computed in full once, from
   its first chunk not stored exactly on, so that every later ask reuses it exactly;
   :func:`exact_wait` says how often is enough (twice as often after a keep that served no
-  ask) and :func:`can_keep_exact` whether a chunk computed so can be kept.
+  ask; :func:`exact_history_limit`: how far back to look) and :func:`can_keep_exact`
+  whether a chunk computed so can be kept.
 """
 
 from __future__ import annotations
@@ -167,6 +168,12 @@ def exact_from(asked_before: int, after_asks: int, stored_exactly: Sequence[bool
     return next((i for i, exact in enumerate(stored_exactly) if not exact), None)
 
 
+def exact_history_limit(after_asks: int, doublings: int = EXACT_WAIT_DOUBLINGS) -> int:
+    """How many of an order's newest requests :func:`exact_wait` must read: one past the
+    longest wait, so that a keep that waited that long is still seen, with its wait."""
+    return (after_asks << doublings) + 1
+
+
 def exact_wait(history: Sequence[dict], after_asks: int,
                doublings: int = EXACT_WAIT_DOUBLINGS) -> tuple[int, int]:
     """How many times a chunk order was asked since it was last kept exact (ever, where it
@@ -178,8 +185,8 @@ def exact_wait(history: Sequence[dict], after_asks: int,
     there was none, the next waits ``after_asks``; where its variants were evicted before
     any ask reused them, it waits twice as long as that keep did, up to
     ``after_asks * 2**doublings``: under a budget that cannot hold an order's variants,
-    it stops paying a full prefill at every few asks. ``history`` is read as far as it goes,
-    so ``asked`` counts up to its length."""
+    it stops paying a full prefill at every few asks. ``history`` is read as far as it goes
+    (:func:`exact_history_limit` rows are enough), so ``asked`` counts up to its length."""
     for asked, policy in enumerate(history):
         if policy.get("kept_exact"):
             served = any(later.get("reused_exact") for later in history[:asked])
