@@ -541,6 +541,9 @@ def evict_cmd(
     ctx: typer.Context,
     chunk: Optional[str] = typer.Option(None, help="Chunk key, or its first characters (the 'cache key' column "
                                         "of `cachecraft query`, or `cachecraft explain`): drop all its variants."),
+    variant: Optional[str] = typer.Option(None, help="Variant key, or its first characters (the 'variant' "
+                                          "column of `cachecraft explain`): drop that one variant; its chunk's "
+                                          "others stay."),
     source: Optional[str] = typer.Option(None, help="A document as ingested (path, or file name when it names "
                                          "one): drop the chunk-caches of every chunk that came from it."),
     tier: Optional[str] = typer.Option(None, help="gpu, cpu or disk: drop that tier's entries."),
@@ -550,19 +553,20 @@ def evict_cmd(
 ) -> None:
     """Drop chunk-caches from the store. The catalog keeps their history (hits, requests);
     a dropped chunk is computed again, in context, the next time it is retrieved. With
-    redis_url set, --chunk and --source also drop the chunks' copies in Redis; when it does
-    not answer, the exit code is 1 and the same command, run again later, finishes.
+    redis_url set, --chunk, --variant and --source also drop the copies in Redis; when it
+    does not answer, the exit code is 1 and the same command, run again later, finishes.
 
-    Examples: cachecraft evict --chunk 3fa2c1d09b7e; cachecraft evict --source docs/manual.md
+    Examples: cachecraft evict --chunk 3fa2c1d09b7e; cachecraft evict --variant 9c04e1b7a2d5;
+    cachecraft evict --source docs/manual.md
     """
     from cachecraft.catalog import TIERS
     from cachecraft.store import TieredStore
-    if (chunk is not None) + (source is not None) + (tier is not None) + everything != 1:
-        raise UserError("give exactly one of --chunk ID, --source FILE, --tier TIER or --all")
+    if (chunk is not None) + (variant is not None) + (source is not None) + (tier is not None) + everything != 1:
+        raise UserError("give exactly one of --chunk ID, --variant ID, --source FILE, --tier TIER or --all")
     if tier is not None and tier not in TIERS:
         raise UserError(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
     with shared_tier_failures_reported_here(), TieredStore(load_config(ctx)) as store:
-        report = store.evict(chunk=chunk, source=source, tier=tier, everything=everything)
+        report = store.evict(chunk=chunk, variant=variant, source=source, tier=tier, everything=everything)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))
     else:

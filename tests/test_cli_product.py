@@ -178,6 +178,10 @@ def test_evict_and_clear(env, docs, cache_dir):
     after = json.loads(invoke("query", "w12 w13", "--json", "--method", "reuse").output)
     assert after["chunks"][0]["tier"] == "miss"
     assert "cpu tier lives inside" in invoke("evict", "--tier", "cpu").output
+    second = after["chunks"][1]["variant"]
+    evicted = json.loads(invoke("evict", "--variant", second[:10], "--json").output)
+    assert evicted["variants"] == [second]
+    one_line_error(runner.invoke(app, ["evict", "--variant", second]), "no cached variant matches")
     one_line_error(runner.invoke(app, ["evict", "--chunk", "zzzzzzzz"]), "no cached chunk matches")
     one_line_error(runner.invoke(app, ["evict"]), "give exactly one of")
 

@@ -87,6 +87,27 @@ def test_evict_a_chunk_by_key_prefix_drops_all_its_variants(open_store, cache_di
         store.evict(chunk=other.chunk)  # evicted already
 
 
+def test_evict_one_variant_by_key_prefix_keeps_its_chunks_others(open_store, cache_dir):
+    store = open_store(tiers=("disk",))
+    other = make_kv(2)
+    alone, after_other = make_kv(1), make_kv(1, prefix=(other.chunk,))  # one chunk, two variants
+    for kv in (alone, after_other, other):
+        store.put(kv)
+    report = store.evict(variant=" " + after_other.variant[:8].upper())  # case and spaces do not matter
+    assert report.removed == (after_other.variant,)
+    assert sorted(r.variant_key for r in entry_rows(cache_dir)) == sorted([alone.variant, other.variant])
+    assert len(blob_files(cache_dir)) == 2
+    assert [r.key for r in store.variants_of(alone.chunk)] == [alone.variant]
+    with pytest.raises(SelectorError, match="at least 6 characters of the variant key"):
+        store.evict(variant=alone.variant[:5])
+    with pytest.raises(SelectorError, match="no cached variant matches"):
+        store.evict(variant=after_other.variant)  # evicted already
+    with pytest.raises(SelectorError, match="no cached variant matches"):
+        store.evict(variant=alone.chunk[:12])  # a chunk's key names no variant
+    with pytest.raises(ValueError, match="exactly one"):
+        store.evict(chunk=alone.chunk, variant=alone.variant)
+
+
 def test_evict_a_document_by_path_or_file_name(open_store, cache_dir, tmp_path):
     store = open_store(tiers=("disk",))
     a, b, c, d = (make_kv(i) for i in range(4))

@@ -408,12 +408,15 @@ def test_several_node_processes_share_one_redis_within_its_budget(tmp_path, redi
 
 def test_evicting_a_document_reaches_copies_only_the_shared_tier_holds(tmp_path, redis_server, client):  # noqa: F811
     a_kv, b_kv, c_kv = make_kv(1), make_kv(2), make_kv(3)
+    c_after_a = make_kv(3, prefix=(a_kv.chunk,))  # a second variant of c's chunk
     with node(tmp_path, "a", redis_server.url) as a:
-        for kv, doc in ((a_kv, "a.md"), (b_kv, "b.md"), (c_kv, "c.md")):
+        for kv, doc in ((a_kv, "a.md"), (b_kv, "b.md"), (c_kv, "c.md"), (c_after_a, "c.md")):
             a.put(kv, source=f"/docs/{doc}")
         a.close(persist=False)  # this node's copies are gone; Redis keeps its own, which no catalog row places
     with node(tmp_path, "a", redis_server.url) as a:
-        assert [a.locate(kv.variant) for kv in (a_kv, b_kv, c_kv)] == ["redis"] * 3
+        assert [a.locate(kv.variant) for kv in (a_kv, b_kv, c_kv, c_after_a)] == ["redis"] * 4
+        assert a.evict(variant=c_after_a.variant[:8]).removed == (c_after_a.variant,)  # one variant, c's other stays
+        assert a.locate(c_after_a.variant) is None and a.locate(c_kv.variant) == "redis"
         report = a.evict_documents(["/docs/a.md", "/docs/never-cached.md"])
         assert report.removed == (a_kv.variant,) and report.unreached is None
         assert a.evict(source="b.md").removed == (b_kv.variant,)  # a file name naming one document

@@ -161,17 +161,21 @@ def reconcile_disk(catalog: Catalog, disk: DiskTier, owner: str, node: str = "")
     return fixed
 
 
-def evict(store: TieredStore, *, chunk: str | None = None, source: str | None = None,
-          tier: str | None = None, everything: bool = False) -> EvictReport:
-    """Delete, from every tier ``store`` reaches, the variants of one chunk, of every chunk
-    of one document, of one tier, or all of them; see :meth:`TieredStore.evict`."""
-    if (chunk is not None) + (source is not None) + (tier is not None) + bool(everything) != 1:
-        raise ValueError("give exactly one of chunk, source, tier or everything")
+def evict(store: TieredStore, *, chunk: str | None = None, variant: str | None = None,
+          source: str | None = None, tier: str | None = None, everything: bool = False) -> EvictReport:
+    """Delete, from every tier ``store`` reaches, the variants of one chunk, one variant,
+    the variants of every chunk of one document, of one tier, or all of them; see
+    :meth:`TieredStore.evict`."""
+    if (chunk is not None) + (variant is not None) + (source is not None) + (tier is not None) \
+            + bool(everything) != 1:
+        raise ValueError("give exactly one of chunk, variant, source, tier or everything")
     if tier is not None and tier not in TIERS:
         raise StoreConfigError(f"unknown tier {tier!r}; choose from {', '.join(TIERS)}")
     failures = _shared_failures(store)
     if chunk is not None:
         keys = _variants_of_chunk(store, chunk)
+    elif variant is not None:
+        keys = _one_variant(store, variant)
     elif source is not None:
         keys = _variants_of_source(store, source)
     elif tier is None:
@@ -205,6 +209,20 @@ def _variants_of_chunk(store: TieredStore, prefix: str) -> list[str]:
     if len(matched) > 1:
         raise SelectorError(f"{prefix!r} matches {len(matched)} chunks; give more characters")
     return [key for _, key in keys]
+
+
+def _one_variant(store: TieredStore, prefix: str) -> list[str]:
+    """The one stored variant key that starts with ``prefix`` (its chunk's others stay)."""
+    prefix = prefix.strip().lower()
+    if len(prefix) < MIN_PREFIX:
+        raise SelectorError(f"give at least {MIN_PREFIX} characters of the variant key (the variant column of "
+                            "`cachecraft explain`)")
+    keys = [key for _, key in _cached_variants(store, prefix=prefix) if key.startswith(prefix)]
+    if not keys:
+        raise SelectorError(f"no cached variant matches {prefix!r}")
+    if len(keys) > 1:
+        raise SelectorError(f"{prefix!r} matches {len(keys)} variants; give more characters")
+    return keys
 
 
 def _variants_of_source(store: TieredStore, source: str) -> list[str]:

@@ -356,15 +356,18 @@ class TieredStore:
                 found = bool(self.shared.delete(key)) or found
             return found
 
-    def evict(self, *, chunk: str | None = None, source: str | None = None, tier: str | None = None,
-              everything: bool = False) -> EvictReport:
+    def evict(self, *, chunk: str | None = None, variant: str | None = None, source: str | None = None,
+              tier: str | None = None, everything: bool = False) -> EvictReport:
         """Delete from every tier this store reaches the variants of one chunk (``chunk``: 6 or
-        more first characters of its key or a variant's), of every chunk of one document
-        (``source``: its path as ingested, or a file name naming one), of one ``tier`` (a
-        memory tier: this store's entries; the note counts other processes'), or all; give
-        exactly one. Catalog rows stay. :class:`SelectorError` if nothing or too much matches.
+        more first characters of its key or a variant's), one variant (``variant``: 6 or more
+        first characters of its key; its chunk's other variants stay), the variants of every
+        chunk of one document (``source``: its path as ingested, or a file name naming one),
+        of one ``tier`` (a memory tier: this store's entries; the note counts other
+        processes'), or all; give exactly one. Catalog rows stay. :class:`SelectorError` if
+        nothing or too much matches.
         """
-        return maintenance.evict(self, chunk=chunk, source=source, tier=tier, everything=everything)
+        return maintenance.evict(self, chunk=chunk, variant=variant, source=source, tier=tier,
+                                 everything=everything)
 
     def evict_documents(self, sources: Iterable[str]) -> EvictReport:
         """Delete from every tier this store reaches the variants of every chunk that came
