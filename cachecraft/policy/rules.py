@@ -177,13 +177,13 @@ def exact_history_limit(after_asks: int, doublings: int = EXACT_WAIT_DOUBLINGS) 
 def exact_wait(history: Sequence[dict], after_asks: int,
                doublings: int = EXACT_WAIT_DOUBLINGS) -> tuple[int, int]:
     """How many times a chunk order was asked since it was last kept exact (ever, where it
-    never was), and how many asks that keep must wait for: ``(asked, due)``. ``history``:
-    the recorded policies of the order's newest requests, newest first (see
+    never was), and how many asks the next keep must wait for: ``(asked, due)``.
+    ``history``: the recorded policies of the order's newest requests, newest first (see
     :meth:`cachecraft.catalog.CatalogTx.order_history`). A keep is one whose policy says
     ``kept_exact``, with the asks it waited for as ``exact_wait``; an ask that
-    ``reused_exact`` found every chunk kept so. Where the last keep served such an ask, or
-    there was none, the next waits ``after_asks``; where its variants were evicted before
-    any ask reused them, it waits twice as long as that keep did, up to
+    ``reused_exact`` found every chunk stored exactly. Where the last keep served such an
+    ask, or there was none, the next waits ``after_asks``; where its variants were evicted
+    before any ask reused them, it waits twice as long as that keep did, up to
     ``after_asks * 2**doublings``: under a budget that cannot hold an order's variants,
     it stops paying a full prefill at every few asks. ``history`` is read as far as it goes
     (:func:`exact_history_limit` rows are enough), so ``asked`` counts up to its length."""
