@@ -556,8 +556,9 @@ def evict_cmd(
     redis_url set, --chunk, --variant and --source also drop the copies in Redis; when it
     does not answer, the exit code is 1 and the same command, run again later, finishes.
 
-    Examples: cachecraft evict --chunk 3fa2c1d09b7e; cachecraft evict --variant 9c04e1b7a2d5;
-    cachecraft evict --source docs/manual.md
+    Example: cachecraft evict --chunk 3fa2c1d09b7e
+    Example: cachecraft evict --variant 9c04e1b7a2d5
+    Example: cachecraft evict --source docs/manual.md
     """
     from cachecraft.catalog import TIERS
     from cachecraft.store import TieredStore
