@@ -700,9 +700,10 @@ def _kept_exact_words(policy: dict) -> str:
     waited for, and why where that was longer than the setting."""
     after = policy.get("exact_after_asks")
     wait = policy.get("exact_wait", after)  # recorded before waits were: the setting
-    times = "twice" if after and wait == 2 * after else f"{wait // after} times" if after else ""
-    longer = (f", {times} the setting, as the keep before it was evicted before any ask reused it"
-              if after and wait and wait > after else "")
+    longer = ""
+    if after and wait and wait > after:
+        times = "twice" if wait == 2 * after else f"{wait // after} times"
+        longer = f", {times} the setting, as the keep before it was evicted before any ask reused it"
     return (f"this chunk order was asked {wait} time(s) or more since it was last kept exact, or ever{longer}: "
             "its chunks not stored exactly were computed in full and kept exact")
 

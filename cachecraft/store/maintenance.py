@@ -198,31 +198,35 @@ def evict(store: TieredStore, *, chunk: str | None = None, variant: str | None =
 
 def _variants_of_chunk(store: TieredStore, prefix: str) -> list[str]:
     """Stored variant keys of the chunk whose key (or a variant's key) starts with ``prefix``."""
-    prefix = prefix.strip().lower()
-    if len(prefix) < MIN_PREFIX:
-        raise SelectorError(f"give at least {MIN_PREFIX} characters of the chunk key (see `cachecraft query` "
-                            "or `cachecraft explain`)")
+    prefix = _key_prefix(prefix, "chunk key", "see `cachecraft query` or `cachecraft explain`")
     keys = _cached_variants(store, prefix=prefix)
-    matched = {chunk for chunk, _ in keys}
-    if not matched:
-        raise SelectorError(f"no cached chunk matches {prefix!r}")
-    if len(matched) > 1:
-        raise SelectorError(f"{prefix!r} matches {len(matched)} chunks; give more characters")
+    _exactly_one({chunk for chunk, _ in keys}, prefix, "chunk")
     return [key for _, key in keys]
 
 
 def _one_variant(store: TieredStore, prefix: str) -> list[str]:
     """The one stored variant key that starts with ``prefix`` (its chunk's others stay)."""
-    prefix = prefix.strip().lower()
-    if len(prefix) < MIN_PREFIX:
-        raise SelectorError(f"give at least {MIN_PREFIX} characters of the variant key (the variant column of "
-                            "`cachecraft explain`)")
+    prefix = _key_prefix(prefix, "variant key", "the variant column of `cachecraft explain`")
     keys = [key for _, key in _cached_variants(store, prefix=prefix) if key.startswith(prefix)]
-    if not keys:
-        raise SelectorError(f"no cached variant matches {prefix!r}")
-    if len(keys) > 1:
-        raise SelectorError(f"{prefix!r} matches {len(keys)} variants; give more characters")
+    _exactly_one(set(keys), prefix, "variant")
     return keys
+
+
+def _key_prefix(text: str, what: str, where: str) -> str:
+    """``text`` as a key prefix (trimmed, lower case); :class:`SelectorError` if too short
+    to name one ``what`` (``where``: where a user finds it)."""
+    prefix = text.strip().lower()
+    if len(prefix) < MIN_PREFIX:
+        raise SelectorError(f"give at least {MIN_PREFIX} characters of the {what} ({where})")
+    return prefix
+
+
+def _exactly_one(matched: set, prefix: str, kind: str) -> None:
+    """:class:`SelectorError` unless ``prefix`` matched exactly one ``kind``."""
+    if not matched:
+        raise SelectorError(f"no cached {kind} matches {prefix!r}")
+    if len(matched) > 1:
+        raise SelectorError(f"{prefix!r} matches {len(matched)} {kind}s; give more characters")
 
 
 def _variants_of_source(store: TieredStore, source: str) -> list[str]:
