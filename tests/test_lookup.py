@@ -219,15 +219,22 @@ def test_at_the_cap_an_exact_variant_replaces_the_one_used_least():
     # equal hits: the one used longest ago; one never used counts from when it was made
     assert variant_to_replace([made("a", 1, 40.0, 1.0), made("b", 1, 20.0, 2.0)]) == "b"
     assert variant_to_replace([made("a", 0, None, 30.0), made("b", 0, None, 7.0), made("c", 0, 9.0, 1.0)]) == "b"
+    # an inexact one before any exact one, even one used more; among exact ones, as above
+    assert variant_to_replace([made("a", 0, None, 1.0), made("b", 3, 50.0, 2.0)], exact={"a"}) == "b"
+    assert variant_to_replace([made("a", 1, 40.0, 1.0), made("b", 0, None, 2.0), made("c", 2, 9.0, 3.0)],
+                              exact={"a", "b", "c"}) == "b"
 
 
-def test_only_variants_neither_independent_nor_exact_may_give_way():
+def test_only_variants_neither_independent_nor_exact_and_reused_as_often_as_asked_may_give_way():
     from cachecraft.pipeline.lookup import MADE_EXACTLY
 
-    exact = VariantRecord("c3", "c", ("sys", "a", "b"), 100, "float16", stats={MADE_EXACTLY: 1.0})
+    exact = VariantRecord("c3", "c", ("sys", "a", "b"), 100, "float16", stats={MADE_EXACTLY: 1.0}, hits=1)
     records = {"c": [record("c1", "c", ("sys", "warm"), "cpu"), record("c2", "c", ("sys", "a"), "disk"), exact,
                      record("c4", "c", ("sys", "b"), "cpu"), record("c5", "c", ("other", "a"), "cpu")]}
     lookup = RequestLookup(FakeStore(records, {}), ["c"], PlannerStatsMemo(lambda v: None),
                            warm_prefix=lambda p: (p, "warm"), chunk_tokens=lambda k: 5, r_load=lambda t: 0.0)
     # warm's (c1) is the fallback for every order, c3 is exact, c5 is another system prompt's
     assert [r.key for r in lookup.replaceable_variants("c", "sys")] == ["c2", "c4"]
+    # c3, reused once, gives way only to a keep earned by two asks or more
+    assert [r.key for r in lookup.replaceable_variants("c", "sys", credit=1)] == ["c2", "c4"]
+    assert [r.key for r in lookup.replaceable_variants("c", "sys", credit=2)] == ["c2", "c3", "c4"]

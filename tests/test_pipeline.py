@@ -771,9 +771,12 @@ def test_an_order_one_of_whose_chunks_cannot_keep_an_exact_variant_is_not_comput
         for before in CHUNKS[:3]:  # the last chunk kept exact after each of the others: at its cap
             pipe.answer([before, CHUNKS[3]], QUESTION)
             assert pipe.answer([before, CHUNKS[3]], QUESTION).kept_exact
+            assert pipe.answer([before, CHUNKS[3]], QUESTION).reused_exact  # reused as often as it was asked
         last = chunk_key(pipe.lm.fingerprint, pipe.builder.build(CHUNKS[3:], QUESTION).chunks[0])
         stored = pipe.store.variants_of(last)
         assert len(stored) == 4 and all(r.stats == {"made_exactly": 1.0} for r in stored)
+        # the three keeps reused once each, warm's by each order's first ask
+        assert sorted(r.hits for r in stored) == [1, 1, 1, 3]
         order = [CHUNKS[0], CHUNKS[1], CHUNKS[3]]
         pipe.answer(order, QUESTION)
         again = pipe.answer(order, QUESTION)  # asked once before: due, but the last chunk is full
@@ -782,6 +785,36 @@ def test_an_order_one_of_whose_chunks_cannot_keep_an_exact_variant_is_not_comput
         # the second chunk has room: with the last one left out, the order is kept exact
         shorter = pipe.answer(order[:2], QUESTION)
         assert pipe.answer(order[:2], QUESTION).kept_exact and not shorter.kept_exact
+
+
+def test_at_the_cap_an_exact_variant_reused_less_often_than_a_new_order_was_asked_gives_way_to_it(cache_dir):
+    pipe = repeating_pipeline(cache_dir, 1, warm_context="none")
+    with pipe.store:
+        pipe.warm(CHUNKS)  # each after the system prompt alone: exact as a first chunk, the fallback
+        for before in CHUNKS[:3]:  # the last chunk kept exact after each of the others: at its cap
+            pipe.answer([before, CHUNKS[3]], QUESTION)
+            assert pipe.answer([before, CHUNKS[3]], QUESTION).kept_exact
+            if before != CHUNKS[1]:  # the keep after the second chunk is never reused
+                assert pipe.answer([before, CHUNKS[3]], QUESTION).reused_exact
+        after = [chained_variants(pipe, [before, CHUNKS[3]])[1] for before in CHUNKS[:3]]
+        last = chunk_key(pipe.lm.fingerprint, pipe.builder.build(CHUNKS[3:], QUESTION).chunks[0])
+        before = {r.key for r in pipe.store.variants_of(last)}
+        assert len(before) == 4 and set(after) < before
+        order = [CHUNKS[0], CHUNKS[1], CHUNKS[3]]
+        assert not pipe.answer(order, QUESTION).kept_exact
+        kept = pipe.answer(order, QUESTION)  # asked once before: due, and an exact variant may give way
+        assert kept.kept_exact and [c.fraction for c in kept.chunks] == [0.0, 1.0, 1.0]
+        chained = chained_variants(pipe, order)
+        # the keep no ask reused gave way; warm's and the two reused ones stay
+        assert {r.key for r in pipe.store.variants_of(last)} == before - {after[1]} | {chained[2]}
+        again = pipe.answer(order, QUESTION)
+        assert again.reused_exact and again.recompute_fraction == 0.0 and [c.variant for c in again.chunks] == chained
+        # the order that lost its keep, which served no ask, waits twice as long: two asks
+        lost = [pipe.answer([CHUNKS[1], CHUNKS[3]], QUESTION) for _ in range(3)]
+        assert [a.kept_exact for a in lost] == [False, False, True] and lost[2].exact_wait == 2
+        # earned by two asks, it outweighs the keep after the third chunk, reused once (the keep
+        # after the first was also reused by the new order's first ask, the new order's by these)
+        assert {r.key for r in pipe.store.variants_of(last)} == before - {after[2]} | {chained[2]}
 
 
 def test_a_full_disk_costs_the_new_chunk_caches_not_the_answer(cache_dir, tmp_path, monkeypatch, caplog):

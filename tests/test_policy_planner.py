@@ -5,7 +5,7 @@ import math
 import torch
 
 from cachecraft.policy.planner import PolicyParams, VariantInfo, apply_budget, choose_variant, plan_request
-from cachecraft.policy.rules import (can_keep_exact, early_stop_decision, exact_from, exact_history_limit, exact_wait,
+from cachecraft.policy.rules import (can_keep_exact, may_give_way, early_stop_decision, exact_from, exact_history_limit, exact_wait,
                                      pool_by_need, share_by_attention)
 
 INTER = torch.tensor([[1.0, 1.0]])
@@ -174,6 +174,14 @@ def test_an_order_whose_keeps_never_last_is_kept_at_asks_3_8_17_34_and_then_ever
     assert kept == [3, 8, 17, 34, 51, 68]
     # the 16 asks after a keep that waited 16 are all read, and the keep behind them
     assert exact_wait(([{"kept_exact": False}] * 16 + [{"kept_exact": True, "exact_wait": 16}]), 2) == (16, 16)
+
+
+def test_may_give_way_by_hand():
+    assert may_give_way(False, 5, 0)  # an inexact variant always may, however used
+    assert not may_give_way(True, 0, 0)  # an exact one never to a keep no ask earned (a looping answer's)
+    assert may_give_way(True, 0, 2) and may_give_way(True, 1, 2)  # reused fewer times than the order was asked
+    assert not may_give_way(True, 2, 2) and not may_give_way(True, 3, 2)
+    assert may_give_way(True, 3, 4)  # a keep that waited twice as long outweighs more reuses
 
 
 def test_can_keep_exact_by_hand():

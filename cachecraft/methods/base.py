@@ -47,8 +47,9 @@ class VariantLookup(Protocol):
     def has_variant(self, key: str, variant: str) -> bool:
         """Whether ``variant`` of chunk ``key`` is stored."""
 
-    def replaceable_variants(self, key: str, prefix_key: str) -> list:
-        """The variants of ``key`` an exact one may replace at the cap (neither ``warm``'s nor exact)."""
+    def replaceable_variants(self, key: str, prefix_key: str, credit: int = 0) -> list:
+        """The variants of ``key`` an exact one earned by ``credit`` asks may replace at the
+        cap (not ``warm``'s; exact ones only where reused fewer times than ``credit``)."""
 
     def order_history(self, keys: Sequence[str], limit: int) -> list[dict]:
         """The recorded policies of the newest ``limit`` earlier requests of the chunks

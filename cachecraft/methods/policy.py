@@ -130,8 +130,9 @@ def exact_plan(request: RequestContext, after_asks: int, loadable: Callable[[str
     start = exact_from(asked, due, stored)
     if start is None:
         return None
+    credit = min(asked, due)  # the asks that earned the keep
     if not all(can_keep_exact(lookup.has_variant(key, variant), lookup.variant_count(key, prefix),
-                              len(lookup.replaceable_variants(key, prefix)))
+                              len(lookup.replaceable_variants(key, prefix, credit)))
                for key, variant in zip(keys[start:], chained[start:])):
         return None  # a chunk at its cap of variants, none of which may give way
     tokens = [len(ids) for ids in request.pieces.chunks]
@@ -145,7 +146,7 @@ def exact_plan(request: RequestContext, after_asks: int, loadable: Callable[[str
                          notes=(f"this chunk order was asked {due} time(s) or more before: chunks "
                                 f"{start + 1}-{len(keys)} computed in full and kept exact",))
     # the asks that earned the keep credit its variants (the store's frequency evidence)
-    return LoadPlan(wanted, plan, found, asked_before=min(asked, due), exact_wait=due)
+    return LoadPlan(wanted, plan, found, asked_before=credit, exact_wait=due)
 
 
 def _observe_for_early_stop(hooks: PrefillHooks, segments: list[Segment], params: PolicyParams) -> None:

@@ -775,7 +775,7 @@ class Pipeline:
                 if not (replace and kv.prefix):
                     continue
                 self.planner_stats.forget(kv.variant)
-            elif replace and kv.prefix and not self._make_room(request, kv.chunk):
+            elif replace and kv.prefix and not self._make_room(request, kv.chunk, prior_uses):
                 continue
             try:
                 self._put(kv, made_exactly=all(exact[:index - 1]) if kv.prefix else True,
@@ -784,16 +784,18 @@ class Pipeline:
                 log.warning("%d new chunk-cache(s) of this request not kept: %s", len(pending) - done, exc)
                 return
 
-    def _make_room(self, request: RequestContext, chunk: str) -> bool:
+    def _make_room(self, request: RequestContext, chunk: str, credit: int = 0) -> bool:
         """Whether ``chunk`` may keep one more variant under the request's system prompt:
         it has room, or it is at the cap and the variant requests used least of those that
-        are neither ``warm``'s nor exact (:func:`variant_to_replace`) was deleted. An exact
-        variant is the only one that makes its chunk order's answer full's without
-        recomputing; without it, that order would be answered twice on every ask."""
+        may give way to one whose order earned it with ``credit`` asks (not ``warm``'s, an
+        inexact one before an exact one reused fewer times: :func:`variant_to_replace`) was
+        deleted. An exact variant is the only one that makes its chunk order's answer full's
+        without recomputing; without it, that order would be answered twice on every ask."""
         lookup = request.lookup
         if room_for_variant(lookup.variant_count(chunk, request.prefix_key)):
             return True
-        victim = variant_to_replace(lookup.replaceable_variants(chunk, request.prefix_key))
+        candidates = lookup.replaceable_variants(chunk, request.prefix_key, credit)
+        victim = variant_to_replace(candidates, {r.key for r in candidates if lookup.made_exactly(chunk, r.key)})
         if victim is None:
             return False
         try:

@@ -8,8 +8,9 @@
 - :func:`room_for_variant`: a chunk keeps a new variant while it has fewer than
   :data:`MAX_VARIANTS_PER_CHUNK` under the request's system prompt.
 - :func:`variant_to_replace`: at the cap, a variant made exactly (a looping answer's
-  second try) replaces the variant requests used least among those that are neither
-  ``warm``'s nor exact.
+  second try, a repeated order's keep) replaces the variant requests used least among
+  those that may give way (:func:`may_give_way`): never ``warm``'s, an exact one only
+  where requests reused it fewer times than the new one's order was asked.
 - :func:`keep_in_full`: a chunk the plan would recompute mostly is computed in full
   instead, nothing loaded, while it has room for another variant; made in this
   request's context, it is then kept as a new variant.
@@ -31,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -57,13 +58,25 @@ def room_for_variant(stored: int, cap: int = MAX_VARIANTS_PER_CHUNK) -> bool:
     return stored < cap
 
 
-def variant_to_replace(candidates: Sequence) -> str | None:
+def may_give_way(made_exactly: bool, hits: int, credit: int) -> bool:
+    """Whether a chunk's variant (other than ``warm``'s, the fallback for every order) may
+    give way at the chunk's cap to a new exact one whose order earned it with ``credit``
+    asks: an inexact one always; one made exactly while requests reused it (``hits``)
+    fewer times than that, since its own order then asked for it less than the new one's
+    did. Without this, the first orders kept exact would hold a popular chunk's cap for
+    good, however seldom they came back."""
+    return not made_exactly or hits < credit
+
+
+def variant_to_replace(candidates: Sequence, exact: Collection[str] = ()) -> str | None:
     """The key of the variant a new exact one replaces at the cap, of ``candidates``
-    (variant records the caller may replace): the one with the fewest hits, then the one
+    (variant records the caller may replace; ``exact``: the keys of those made exactly):
+    an inexact one before an exact one, then the one with the fewest hits, then the one
     used longest ago (never used: the oldest made); None without candidates."""
     if not candidates:
         return None
-    return min(candidates, key=lambda r: (r.hits, r.last_used if r.last_used is not None else r.created_at)).key
+    return min(candidates, key=lambda r: (r.key in exact, r.hits,
+                                          r.last_used if r.last_used is not None else r.created_at)).key
 
 
 def hide_loading(plan: RecomputePlan, r_loads: Sequence[float | None]) -> RecomputePlan:
@@ -202,7 +215,7 @@ def can_keep_exact(same_prefix_stored: bool, stored: int, replaceable: int,
     """Whether a chunk computed in full after exactly the chunks before it can be kept: its
     variant of that prefix is stored (it is replaced in place), it has room for another
     (``stored`` variants under the request's system prompt, fewer than ``cap``), or one of
-    its variants may give way to it (``replaceable``: those neither ``warm``'s nor exact). A
+    its variants may give way to it (``replaceable``: those :func:`may_give_way` lets). A
     chunk order one of whose chunks cannot keep its exact variant is not worth computing in
     full: the next ask would find it inexact again and pay once more."""
     return same_prefix_stored or room_for_variant(stored, cap) or replaceable > 0
