@@ -236,5 +236,5 @@ def test_only_variants_neither_independent_nor_exact_and_reused_as_often_as_aske
     # warm's (c1) is the fallback for every order, c3 is exact, c5 is another system prompt's
     assert [r.key for r in lookup.replaceable_variants("c", "sys")] == ["c2", "c4"]
     # c3, reused once, gives way only to a keep earned by two asks or more
-    assert [r.key for r in lookup.replaceable_variants("c", "sys", credit=1)] == ["c2", "c4"]
-    assert [r.key for r in lookup.replaceable_variants("c", "sys", credit=2)] == ["c2", "c3", "c4"]
+    assert [r.key for r in lookup.replaceable_variants("c", "sys", asked=1)] == ["c2", "c4"]
+    assert [r.key for r in lookup.replaceable_variants("c", "sys", asked=2)] == ["c2", "c3", "c4"]

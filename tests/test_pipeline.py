@@ -764,7 +764,7 @@ def test_a_repeated_orders_exact_chunks_take_the_place_of_the_variant_used_least
         assert pipe.answer(CHUNKS, QUESTION).recompute_fraction == 0.0
 
 
-def test_an_order_one_of_whose_chunks_cannot_keep_an_exact_variant_is_not_computed_in_full(cache_dir):
+def test_an_order_blocked_at_a_chunks_cap_is_kept_once_asked_more_than_an_exact_variant_was_reused(cache_dir):
     pipe = repeating_pipeline(cache_dir, 1, warm_context="none")
     with pipe.store:
         pipe.warm(CHUNKS)  # each after the system prompt alone: exact as a first chunk
@@ -785,6 +785,14 @@ def test_an_order_one_of_whose_chunks_cannot_keep_an_exact_variant_is_not_comput
         # the second chunk has room: with the last one left out, the order is kept exact
         shorter = pipe.answer(order[:2], QUESTION)
         assert pipe.answer(order[:2], QUESTION).kept_exact and not shorter.kept_exact
+        # asked twice since (or ever), the order outweighs the keeps reused once: those after the
+        # second and third chunks (the one after the first was also what its two asks reused);
+        # the one of them used longest ago, after the second chunk, gives way
+        third = pipe.answer(order, QUESTION)
+        assert third.kept_exact and [c.fraction for c in third.chunks] == [0.0, 0.0, 1.0]
+        after = [chained_variants(pipe, [before, CHUNKS[3]])[1] for before in CHUNKS[:3]]
+        assert {r.key for r in pipe.store.variants_of(last)} == ({r.key for r in stored} - {after[1]}
+                                                                 | {chained_variants(pipe, order)[2]})
 
 
 def test_at_the_cap_an_exact_variant_reused_less_often_than_a_new_order_was_asked_gives_way_to_it(cache_dir):

@@ -181,7 +181,7 @@ def test_may_give_way_by_hand():
     assert not may_give_way(True, 0, 0)  # an exact one never to a keep no ask earned (a looping answer's)
     assert may_give_way(True, 0, 2) and may_give_way(True, 1, 2)  # reused fewer times than the order was asked
     assert not may_give_way(True, 2, 2) and not may_give_way(True, 3, 2)
-    assert may_give_way(True, 3, 4)  # a keep that waited twice as long outweighs more reuses
+    assert may_give_way(True, 3, 4)  # an order kept out keeps counting: asked 4 times, it outweighs 3 reuses
 
 
 def test_can_keep_exact_by_hand():

@@ -47,9 +47,9 @@ class VariantLookup(Protocol):
     def has_variant(self, key: str, variant: str) -> bool:
         """Whether ``variant`` of chunk ``key`` is stored."""
 
-    def replaceable_variants(self, key: str, prefix_key: str, credit: int = 0) -> list:
-        """The variants of ``key`` an exact one earned by ``credit`` asks may replace at the
-        cap (not ``warm``'s; exact ones only where reused fewer times than ``credit``)."""
+    def replaceable_variants(self, key: str, prefix_key: str, asked: int = 0) -> list:
+        """The variants of ``key`` an exact one earned by ``asked`` asks may replace at the
+        cap (not ``warm``'s; exact ones only where reused fewer times than ``asked``)."""
 
     def order_history(self, keys: Sequence[str], limit: int) -> list[dict]:
         """The recorded policies of the newest ``limit`` earlier requests of the chunks
@@ -76,9 +76,9 @@ class RequestContext:
 class LoadPlan:
     """Which stored variant of each chunk to load (None: compute the chunk in full).
     ``found``: the variant the policy found, also where it chose to compute in full.
-    ``asked_before``: where the plan keeps its chunk order exact, the earlier asks of the
-    order that earned that (0: not kept exact), and ``exact_wait`` the asks it had to wait
-    for (:func:`cachecraft.policy.rules.exact_wait`)."""
+    ``asked_before``: where the plan keeps its chunk order exact, the asks of the order
+    since it was last kept exact, or ever, that earned that (0: not kept exact), and
+    ``exact_wait`` the asks it had to wait for (:func:`cachecraft.policy.rules.exact_wait`)."""
 
     wanted: tuple[str | None, ...]
     plan: RecomputePlan | None = None

@@ -130,9 +130,8 @@ def exact_plan(request: RequestContext, after_asks: int, loadable: Callable[[str
     start = exact_from(asked, due, stored)
     if start is None:
         return None
-    credit = min(asked, due)  # the asks that earned the keep
     if not all(can_keep_exact(lookup.has_variant(key, variant), lookup.variant_count(key, prefix),
-                              len(lookup.replaceable_variants(key, prefix, credit)))
+                              len(lookup.replaceable_variants(key, prefix, asked)))
                for key, variant in zip(keys[start:], chained[start:])):
         return None  # a chunk at its cap of variants, none of which may give way
     tokens = [len(ids) for ids in request.pieces.chunks]
@@ -145,8 +144,7 @@ def exact_plan(request: RequestContext, after_asks: int, loadable: Callable[[str
                                for key, variant, n in zip(keys, wanted, tokens)),
                          notes=(f"this chunk order was asked {due} time(s) or more before: chunks "
                                 f"{start + 1}-{len(keys)} computed in full and kept exact",))
-    # the asks that earned the keep credit its variants (the store's frequency evidence)
-    return LoadPlan(wanted, plan, found, asked_before=credit, exact_wait=due)
+    return LoadPlan(wanted, plan, found, asked_before=asked, exact_wait=due)
 
 
 def _observe_for_early_stop(hooks: PrefillHooks, segments: list[Segment], params: PolicyParams) -> None:

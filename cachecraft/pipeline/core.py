@@ -95,7 +95,7 @@ class PreparedRequest:
     used: tuple[str | None, ...]  # per chunk, the variant used (or found, where computed in full)
     tiers: tuple[str, ...]  # per chunk, the tier it came from, or "miss"
     started: float = 0.0  # time.perf_counter() as the prefill began (loading and planning done)
-    asked_before: int = 0  # where kept exact, the earlier asks of its chunk order that earned it (else 0)
+    asked_before: int = 0  # where kept exact, the asks of its chunk order that earned it (else 0)
     exact_wait: int = 0  # where kept exact, the asks it had to wait for
 
     @property
@@ -205,8 +205,8 @@ class Pipeline:
                 result.complete()  # the new chunk-caches' statistics, measured once the answer is out
                 # chunks computed here, and the prefix where it was too (a repeated order's
                 # exact chunks in place of inexact variants of the same prefix)
-                self._save(request, result.saved, exact, replace=prepared.keep_exact,
-                           prior_uses=prepared.asked_before)
+                self._save(request, result.saved, exact, replace=prepared.keep_exact, asked=prepared.asked_before,
+                           prior_uses=min(prepared.asked_before, prepared.exact_wait))
             self._learn_use(reports, saved_nothing=loops)
         abandoned = first_try_ttft = None
         if loops:
@@ -759,13 +759,14 @@ class Pipeline:
         self._sources.update(zip(keys, sources))
 
     def _save(self, request: RequestContext, saved: dict[int, ChunkKV], exact: Sequence[bool],
-              replace: bool = False, prior_uses: int = 0) -> None:
+              replace: bool = False, asked: int = 0, prior_uses: int = 0) -> None:
         """Store the chunk-caches (and system prefix) a prefill of ``request`` computed
         (``saved``, by segment: the prefix first, then the chunks) that are not stored yet;
         ``exact``: per chunk, whether its KV in that prefill was a full prefill's (a chunk
         computed there is, when every chunk before it is: recorded with it). With
         ``replace`` (a second try's exact chunks), a chunk's stored variant of the same
-        prefix is replaced, and a chunk at the cap makes room (:meth:`_make_room`);
+        prefix is replaced, and a chunk at the cap makes room (:meth:`_make_room`, for a
+        keep of a chunk order ``asked`` that many times since it was last kept exact);
         ``prior_uses``: the earlier asks that earned it, which eviction counts as uses. Best
         effort: the answer is out, so a store that cannot take them (a full disk) costs
         the caches not kept, with a warning, not the answer."""
@@ -775,7 +776,7 @@ class Pipeline:
                 if not (replace and kv.prefix):
                     continue
                 self.planner_stats.forget(kv.variant)
-            elif replace and kv.prefix and not self._make_room(request, kv.chunk, prior_uses):
+            elif replace and kv.prefix and not self._make_room(request, kv.chunk, asked):
                 continue
             try:
                 self._put(kv, made_exactly=all(exact[:index - 1]) if kv.prefix else True,
@@ -784,17 +785,17 @@ class Pipeline:
                 log.warning("%d new chunk-cache(s) of this request not kept: %s", len(pending) - done, exc)
                 return
 
-    def _make_room(self, request: RequestContext, chunk: str, credit: int = 0) -> bool:
+    def _make_room(self, request: RequestContext, chunk: str, asked: int = 0) -> bool:
         """Whether ``chunk`` may keep one more variant under the request's system prompt:
         it has room, or it is at the cap and the variant requests used least of those that
-        may give way to one whose order earned it with ``credit`` asks (not ``warm``'s, an
+        may give way to one whose order earned it with ``asked`` asks (not ``warm``'s, an
         inexact one before an exact one reused fewer times: :func:`variant_to_replace`) was
         deleted. An exact variant is the only one that makes its chunk order's answer full's
         without recomputing; without it, that order would be answered twice on every ask."""
         lookup = request.lookup
         if room_for_variant(lookup.variant_count(chunk, request.prefix_key)):
             return True
-        candidates = lookup.replaceable_variants(chunk, request.prefix_key, credit)
+        candidates = lookup.replaceable_variants(chunk, request.prefix_key, asked)
         victim = variant_to_replace(candidates, {r.key for r in candidates if lookup.made_exactly(chunk, r.key)})
         if victim is None:
             return False

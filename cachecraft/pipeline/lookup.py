@@ -138,14 +138,14 @@ class RequestLookup:
             return len(records)
         return sum(1 for r in records if r.prefix and r.prefix[0] == prefix_key)
 
-    def replaceable_variants(self, key: str, prefix_key: str, credit: int = 0) -> list[VariantRecord]:
+    def replaceable_variants(self, key: str, prefix_key: str, asked: int = 0) -> list[VariantRecord]:
         """The variants of chunk ``key`` made after the system prefix ``prefix_key`` that an
-        exact one whose order earned it with ``credit`` asks may replace at the cap: all but
+        exact one whose order earned it with ``asked`` asks may replace at the cap: all but
         the independent one (:meth:`independent_variant`, the fallback for any order) and
-        those made exactly that requests reused ``credit`` times or more (:func:`may_give_way`)."""
+        those made exactly that requests reused ``asked`` times or more (:func:`may_give_way`)."""
         independent = self.independent_variant(key, prefix_key)
         return [r for r in self.records(key) if r.prefix and r.prefix[0] == prefix_key
-                and r.key != independent and may_give_way(_made_exactly(r), r.hits, credit)]
+                and r.key != independent and may_give_way(_made_exactly(r), r.hits, asked)]
 
     def links(self, keys: Sequence[str], prefix_key: str) -> tuple[list[set[int]], set[int]]:
         """What :func:`cachecraft.policy.ordering.cache_order` reads of the stored variants of

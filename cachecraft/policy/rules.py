@@ -58,14 +58,15 @@ def room_for_variant(stored: int, cap: int = MAX_VARIANTS_PER_CHUNK) -> bool:
     return stored < cap
 
 
-def may_give_way(made_exactly: bool, hits: int, credit: int) -> bool:
+def may_give_way(made_exactly: bool, hits: int, asked: int) -> bool:
     """Whether a chunk's variant (other than ``warm``'s, the fallback for every order) may
-    give way at the chunk's cap to a new exact one whose order earned it with ``credit``
-    asks: an inexact one always; one made exactly while requests reused it (``hits``)
-    fewer times than that, since its own order then asked for it less than the new one's
-    did. Without this, the first orders kept exact would hold a popular chunk's cap for
-    good, however seldom they came back."""
-    return not made_exactly or hits < credit
+    give way at the chunk's cap to a new exact one whose order was ``asked`` times since
+    it was last kept exact, or ever (0: a looping answer's second try): an inexact one
+    always; one made exactly while requests reused it (``hits``) fewer times than that,
+    since it then served fewer asks than the new one's order made. Without this, the
+    first orders kept exact would hold a popular chunk's cap for good, however seldom
+    they came back; an order kept out keeps counting, so it wins in the end."""
+    return not made_exactly or hits < asked
 
 
 def variant_to_replace(candidates: Sequence, exact: Collection[str] = ()) -> str | None:
