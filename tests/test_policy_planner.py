@@ -5,8 +5,8 @@ import math
 import torch
 
 from cachecraft.policy.planner import PolicyParams, VariantInfo, apply_budget, choose_variant, plan_request
-from cachecraft.policy.rules import (can_keep_exact, may_give_way, early_stop_decision, exact_from, exact_history_limit, exact_wait,
-                                     pool_by_need, share_by_attention)
+from cachecraft.policy.rules import (can_keep_exact, early_stop_decision, exact_from, exact_history_limit, exact_wait,
+                                     may_give_way, pool_by_need, share_by_attention)
 
 INTER = torch.tensor([[1.0, 1.0]])
 INTRA = torch.tensor([2.0])
