@@ -153,7 +153,7 @@ def test_a_block_is_rendered_by_the_benchmark_that_wrote_its_result(tmp_path):
     assert "kept" in readme.read_text()
 
 
-def test_workload_block_counts_kept_exact_requests_where_the_result_has_them(tmp_path):
+def test_workload_block_counts_kept_exact_requests_and_the_asks_they_served_where_the_result_has_them(tmp_path):
     method = {"ttft_s_mean": 1.25, "ttft_s_p95": 7.0, "throughput_rps": 0.2, "recompute_fraction_mean": 0.144,
               "hit_rate": 0.93, "compute_reduction_vs_full": 0.85, "agreement_f1_mean": 0.939}
     data = {"benchmark": "workload", "command": "cachecraft bench workload", "model": "m", "date": "2026-12-06T00:00",
@@ -165,3 +165,9 @@ def test_workload_block_counts_kept_exact_requests_where_the_result_has_them(tmp
     assert "| cachecraft | 1.25 | 7.00 | 0.200 | 0.144 | 0.93 | 85% | - | 0.939 | 2 |" in text
     older = {**data, "methods": {"cachecraft": method}}  # before the count: no column
     assert "kept exact" not in render(tmp_path, "workload_older", older)
+    # with the asks the keeps served, in brackets after the count
+    served = {**data, "methods": {"full": {**method, "kept_exact_requests": 0, "keep_asks_served": 0},
+                                  "cachecraft": {**method, "kept_exact_requests": 2, "keep_asks_served": 7}}}
+    text = render(tmp_path, "workload_served", served)
+    assert "| agreement F1 vs full | kept exact (asks they served) |" in text
+    assert "| cachecraft | 1.25 | 7.00 | 0.200 | 0.144 | 0.93 | 85% | - | 0.939 | 2 (7) |" in text

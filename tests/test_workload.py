@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cachecraft.bench.workload import build_trace, pooled_corpus, run_workload, warm_up
+from cachecraft.bench.workload import build_trace, keep_worth, pooled_corpus, run_workload, warm_up
 from cachecraft.config import Config
 from cachecraft.dataset import QAItem
 from tests.conftest import tiny_model
@@ -72,8 +72,31 @@ def test_replay_counts_compute_and_compares_with_full(cache_dir):
     replayed = [r for r in full_rows if r.get("replayed")]
     assert len(replayed) == len(trace) - len(set(trace)) > 0  # each distinct request ran once
     assert all(set(r["store_bytes"]) == {"cpu", "disk"} for r in result["requests"])
+    # each distinct chunk order numbered by its first ask, the same in every method's rows
+    orders = {tuple(r.chunks) for r in trace}
+    assert {r["order"] for r in result["requests"]} == set(range(len(orders)))
+    assert len({(r["request"], r["order"]) for r in result["requests"]}) == len(trace)
     for name, m in methods.items():
         assert m["store_usage"]["cpu"]["bytes"] <= (1 << 20) or name in ("full", "prefix")
+
+
+def test_keep_worth_counts_the_exact_asks_each_keep_served_by_hand():
+    def row(n, order, f1=0.5, kept=False, exact=False):
+        return {"request": n, "order": order, "agreement_f1": f1, "kept_exact": kept, "reused_exact": exact}
+
+    rows = [row(0, 0, 1.0, exact=True),  # exact before any keep (a cold miss left it): no keep's
+            row(1, 1, 0.4), row(2, 1, 0.6), row(3, 1, 1.0, kept=True),
+            row(4, 1, 1.0, exact=True), row(5, 2, 0.2), row(6, 1, 1.0, exact=True),
+            row(7, 1, 0.8),  # its variants lost: not exact, counted before the next keep
+            row(8, 1, 1.0, kept=True),  # served nothing after it
+            row(9, 2, 1.0, kept=True), row(10, 2, 1.0, exact=True),
+            {"request": 11, "agreement_f1": 1.0, "kept_exact": True}]  # an older row: no order
+    worth = keep_worth(rows)
+    assert worth["keeps"] == [{"request": 3, "order": 1, "served": 2, "f1_before": 0.5},
+                              {"request": 8, "order": 1, "served": 0, "f1_before": 0.8},
+                              {"request": 9, "order": 2, "served": 1, "f1_before": 0.2}]
+    assert worth["keep_asks_served"] == 3 and worth["keeps_serving_none"] == 1
+    assert keep_worth([]) == {"keeps": [], "keep_asks_served": 0, "keeps_serving_none": 0}
 
 
 def test_eviction_policies_replay_cachecraft_under_each(cache_dir):

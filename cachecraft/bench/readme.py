@@ -83,16 +83,17 @@ def workload_table(data: dict) -> str:
     """Markdown table of a ``bench workload`` result; with a warm-up, also how often a
     request reused a variant whose whole old prefix it held and the variants each store kept;
     where the result counts them, the requests computed in full once to keep their chunk
-    order exact."""
+    order exact (and the later asks those keeps served exactly, where it counts those)."""
     warm = bool(data.get("warm"))
     kept = any("kept_exact_requests" in m for m in data["methods"].values())
+    served = any("keep_asks_served" in m for m in data["methods"].values())
     lines = [f"`{data['command']}` ({data['model']}, {len(data['requests']) // max(1, len(data['methods']))} "
              f"requests, {data['unique_requests']} distinct, corpus of {data['corpus_chunks']} chunks, "
              f"top-{data['top_k']}, {data['date'][:10]}{_commit(data)})", "",
              "| method | TTFT mean (s) | TTFT p95 (s) | requests/s | recompute | chunk hit rate | "
              "compute saved vs full | vs prefix | agreement F1 vs full |"
              + (" whole-prefix reuse | chunks with 2+ variants, after warm-up / at the end |" if warm else "")
-             + (" kept exact |" if kept else ""),
+             + ((" kept exact (asks they served) |" if served else " kept exact |") if kept else ""),
              "|---" * (9 + 2 * warm + kept) + "|"]
     for label, m in data["methods"].items():
         vs_prefix = f"{m['compute_reduction_vs_prefix']:.0%}" if "compute_reduction_vs_prefix" in m else "-"
@@ -105,7 +106,8 @@ def workload_table(data: dict) -> str:
                                              f"{end.get('chunks_with_several', 0)}/{end.get('chunks', 0)}")
             line += f" {m.get('whole_prefix_reuse_rate', 0.0):.2f} | {several} |"
         if kept:
-            line += f" {m.get('kept_exact_requests', 0)} |"
+            line += f" {m.get('kept_exact_requests', 0)}"
+            line += f" ({m['keep_asks_served']}) |" if "keep_asks_served" in m else " |"
         lines.append(line)
     return "\n".join(lines)
 

@@ -168,6 +168,7 @@ def _replay(lm: LoadedModel, config: Config, trace: Sequence[TraceRequest], labe
     scratch = Path(tempfile.mkdtemp(prefix=f"workload-{method}-", dir=config.cache_dir))
     rows: list[dict] = []
     first_row: dict[TraceRequest, dict] = {}
+    orders: dict[tuple[str, ...], int] = {}  # each chunk order's number, by first ask
     try:
         with TieredStore(config.replace(cache_dir=scratch), tiers=("cpu", "disk")) as store:
             pipeline = Pipeline(config.replace(cache_dir=scratch), lm=lm, store=store)
@@ -182,6 +183,7 @@ def _replay(lm: LoadedModel, config: Config, trace: Sequence[TraceRequest], labe
                     first_row.setdefault(request, row)
                 reference.setdefault(n, row["answer"])
                 row.update(method=label, request=n, item=request.item,
+                           order=orders.setdefault(request.chunks, len(orders)),
                            agreement_f1=token_f1(first_line(row["answer"]), first_line(reference[n])),
                            store_bytes={tier: state.bytes for tier, state in store.usage().items()})
                 rows.append(row)
@@ -237,7 +239,7 @@ def _measure(pipeline, request: TraceRequest, method: str) -> dict:
     return {"whole_prefix_reuses": whole_prefix, "prompt_tokens": answer.prompt_tokens, "ttft_s": answer.ttft_s,
             "request_s": total, "recompute_fraction": answer.recompute_fraction, "token_layers": trace.token_layers,
             "hits": {t: tiers.count(t) for t in set(tiers)}, "chunks": len(tiers), "answer": answer.text,
-            "kept_exact": answer.kept_exact}
+            "kept_exact": answer.kept_exact, "reused_exact": answer.reused_exact}
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -261,4 +263,33 @@ def summarize(rows: list[dict]) -> dict:
         "agreement_f1_mean": statistics.fmean(r["agreement_f1"] for r in rows),
         "whole_prefix_reuse_rate": sum(r.get("whole_prefix_reuses", 0) for r in rows) / chunks if chunks else 0.0,
         "kept_exact_requests": sum(1 for r in rows if r.get("kept_exact")),
+        **keep_worth(rows),
     }
+
+
+def keep_worth(rows: Sequence[dict]) -> dict:
+    """What the keeps of one method's run bought (a keep: a request that computed its chunk
+    order in full to keep it exact). Per keep (``keeps``): its request, its order, how many
+    later asks of that order reused every chunk exactly before the order's next keep
+    (``served``: each answers as full does, for nothing recomputed), and the mean agreement
+    with full of the order's asks since its previous keep that did not (``f1_before``, None
+    where there were none). Also the asks served in all and the keeps that served none.
+    Rows in trace order; rows without an ``order`` (results made before it) count nothing."""
+    keeps: list[dict] = []
+    current: dict[int, dict] = {}  # per order, its latest keep
+    before: dict[int, list[float]] = {}  # per order, the F1 of its inexact asks since that keep
+    for row in rows:
+        order = row.get("order")
+        if order is None:
+            continue
+        if row.get("kept_exact"):
+            f1 = before.pop(order, [])
+            current[order] = {"request": row["request"], "order": order, "served": 0,
+                              "f1_before": statistics.fmean(f1) if f1 else None}
+            keeps.append(current[order])
+        elif row.get("reused_exact") and order in current:
+            current[order]["served"] += 1
+        elif not row.get("reused_exact"):
+            before.setdefault(order, []).append(row["agreement_f1"])
+    return {"keeps": keeps, "keep_asks_served": sum(k["served"] for k in keeps),
+            "keeps_serving_none": sum(1 for k in keeps if k["served"] == 0)}
