@@ -287,9 +287,9 @@ def keep_worth(rows: Sequence[dict]) -> dict:
             current[order] = {"request": row["request"], "order": order, "served": 0,
                               "f1_before": statistics.fmean(f1) if f1 else None}
             keeps.append(current[order])
-        elif row.get("reused_exact") and order in current:
-            current[order]["served"] += 1
         elif not row.get("reused_exact"):
             before.setdefault(order, []).append(row["agreement_f1"])
+        elif order in current:  # an exact reuse before any keep (a cold miss's caches) is no keep's
+            current[order]["served"] += 1
     return {"keeps": keeps, "keep_asks_served": sum(k["served"] for k in keeps),
             "keeps_serving_none": sum(1 for k in keeps if k["served"] == 0)}
