@@ -693,6 +693,8 @@ def explain_cmd(ctx: typer.Context,
                       highlight=False)
         if policy.get("kept_exact"):
             console.print(_kept_exact_words(policy), highlight=False)
+        for displaced in policy.get("gave_way", ()):
+            console.print(_gave_way_words(displaced), highlight=False)
 
 
 def _kept_exact_words(policy: dict) -> str:
@@ -706,6 +708,13 @@ def _kept_exact_words(policy: dict) -> str:
         longer = f", {times} the setting, as the keep before it was evicted before any ask reused it"
     return (f"this chunk order was asked {wait} time(s) or more since it was last kept exact, or ever{longer}: "
             "its chunks not stored exactly were computed in full and kept exact")
+
+
+def _gave_way_words(displaced: dict) -> str:
+    """What ``explain`` says of a variant deleted at its chunk's cap for the request's exact one."""
+    made = "made exactly" if displaced.get("made_exactly") else "not made exactly"
+    return (f"chunk {displaced['chunk'][:12]} was at its cap of variants: its variant {displaced['variant'][:12]} "
+            f"({made}, reused {displaced.get('hits', 0)} time(s)) gave way to this request's exact one")
 
 
 def _exact_after_asks_words(policy: dict) -> str:

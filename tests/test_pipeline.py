@@ -815,14 +815,26 @@ def test_at_the_cap_an_exact_variant_reused_less_often_than_a_new_order_was_aske
         chained = chained_variants(pipe, order)
         # the keep no ask reused gave way; warm's and the two reused ones stay
         assert {r.key for r in pipe.store.variants_of(last)} == before - {after[1]} | {chained[2]}
+        # the answer, its record and `explain` name the variant that gave way
+        assert kept.gave_way == [{"chunk": last, "variant": after[1], "hits": 0, "made_exactly": True}]
+        assert pipe.catalog.get_request(kept.request_id).policy["gave_way"] == kept.gave_way
+        from typer.testing import CliRunner
+
+        from cli.app import app
+        said = CliRunner().invoke(app, ["explain", str(kept.request_id)])
+        assert said.exit_code == 0
+        assert (f"chunk {last[:12]} was at its cap of variants: its variant {after[1][:12]} (made exactly, "
+                "reused 0 time(s)) gave way to this request's exact one") in " ".join(said.output.split())
         again = pipe.answer(order, QUESTION)
         assert again.reused_exact and again.recompute_fraction == 0.0 and [c.variant for c in again.chunks] == chained
+        assert again.gave_way == [] and "gave_way" not in pipe.catalog.get_request(again.request_id).policy
         # the order that lost its keep, which served no ask, waits twice as long: two asks
         lost = [pipe.answer([CHUNKS[1], CHUNKS[3]], QUESTION) for _ in range(3)]
         assert [a.kept_exact for a in lost] == [False, False, True] and lost[2].exact_wait == 2
         # earned by two asks, it outweighs the keep after the third chunk, reused once (the keep
         # after the first was also reused by the new order's first ask, the new order's by these)
         assert {r.key for r in pipe.store.variants_of(last)} == before - {after[2]} | {chained[2]}
+        assert lost[2].gave_way == [{"chunk": last, "variant": after[2], "hits": 1, "made_exactly": True}]
 
 
 def test_a_full_disk_costs_the_new_chunk_caches_not_the_answer(cache_dir, tmp_path, monkeypatch, caplog):

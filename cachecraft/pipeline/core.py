@@ -200,13 +200,15 @@ class Pipeline:
         reused_exact = all(exact) and all(s.cached is not None for s in prepared.segments if s.role == "chunk")
         # a prefill whose every chunk is a full prefill's answers as full does: no second try
         loops = fallback and not cancelled and not all(exact) and degenerate_repetition(text)
+        gave_way: list[dict] = []  # variants deleted at their chunk's cap for this request's exact ones
         if self.keep_new_variants:
             if not loops:  # a prefill that looped keeps nothing: its second try keeps exact chunks
                 result.complete()  # the new chunk-caches' statistics, measured once the answer is out
                 # chunks computed here, and the prefix where it was too (a repeated order's
                 # exact chunks in place of inexact variants of the same prefix)
-                self._save(request, result.saved, exact, replace=prepared.keep_exact, asked=prepared.asked_before,
-                           prior_uses=min(prepared.asked_before, prepared.exact_wait))
+                gave_way += self._save(request, result.saved, exact, replace=prepared.keep_exact,
+                                       asked=prepared.asked_before,
+                                       prior_uses=min(prepared.asked_before, prepared.exact_wait))
             self._learn_use(reports, saved_nothing=loops)
         abandoned = first_try_ttft = None
         if loops:
@@ -227,14 +229,14 @@ class Pipeline:
             if self.keep_new_variants:
                 again.complete()
                 # exact, so they replace a variant of the same prefix made after reused chunks
-                self._save(request, again.saved, [True] * len(request.keys), replace=True)
+                gave_way += self._save(request, again.saved, [True] * len(request.keys), replace=True)
         answer = Answer(generation.cut(text) if generation is not None else text, chosen.label, ttft,
                         request.pieces.num_tokens, len(new_ids), recompute, reports,
                         full_prefill_estimate_s=self._estimate_full(request.pieces.num_tokens),
                         abandoned_text=abandoned, first_try_ttft_s=first_try_ttft,
                         order=list(request.order) if request.order is not None else None,
                         kept_exact=prepared.keep_exact, exact_wait=prepared.exact_wait,
-                        reused_exact=reused_exact)
+                        reused_exact=reused_exact, gave_way=gave_way)
         if record:
             answer.request_id = self._record(question, answer)
             self.store.record_pending()  # hit counts kept while the catalog was away
@@ -759,7 +761,7 @@ class Pipeline:
         self._sources.update(zip(keys, sources))
 
     def _save(self, request: RequestContext, saved: dict[int, ChunkKV], exact: Sequence[bool],
-              replace: bool = False, asked: int = 0, prior_uses: int = 0) -> None:
+              replace: bool = False, asked: int = 0, prior_uses: int = 0) -> list[dict]:
         """Store the chunk-caches (and system prefix) a prefill of ``request`` computed
         (``saved``, by segment: the prefix first, then the chunks) that are not stored yet;
         ``exact``: per chunk, whether its KV in that prefill was a full prefill's (a chunk
@@ -769,44 +771,54 @@ class Pipeline:
         keep of a chunk order ``asked`` that many times since it was last kept exact);
         ``prior_uses``: the earlier asks that earned it, which eviction counts as uses. Best
         effort: the answer is out, so a store that cannot take them (a full disk) costs
-        the caches not kept, with a warning, not the answer."""
-        pending = sorted(saved.items())
+        the caches not kept, with a warning, not the answer. Returns the variants that gave
+        way at their chunk's cap (see :meth:`_make_room`)."""
+        pending, gave_way = sorted(saved.items()), []
         for done, (index, kv) in enumerate(pending):
             if self.store.contains(kv.variant):
                 if not (replace and kv.prefix):
                     continue
                 self.planner_stats.forget(kv.variant)
-            elif replace and kv.prefix and not self._make_room(request, kv.chunk, asked):
-                continue
+            elif replace and kv.prefix:
+                room, displaced = self._make_room(request, kv.chunk, asked)
+                if displaced is not None:
+                    gave_way.append(displaced)
+                if not room:
+                    continue
             try:
                 self._put(kv, made_exactly=all(exact[:index - 1]) if kv.prefix else True,
                           prior_uses=prior_uses if kv.prefix else 0)
             except (StoreError, CatalogWriteError) as exc:  # the next ones would fail the same way
                 log.warning("%d new chunk-cache(s) of this request not kept: %s", len(pending) - done, exc)
-                return
+                break
+        return gave_way
 
-    def _make_room(self, request: RequestContext, chunk: str, asked: int = 0) -> bool:
+    def _make_room(self, request: RequestContext, chunk: str, asked: int = 0) -> tuple[bool, dict | None]:
         """Whether ``chunk`` may keep one more variant under the request's system prompt:
         it has room, or it is at the cap and the variant requests used least of those that
         may give way to one whose order earned it with ``asked`` asks (not ``warm``'s, an
         inexact one before an exact one reused fewer times: :func:`variant_to_replace`) was
-        deleted. An exact variant is the only one that makes its chunk order's answer full's
-        without recomputing; without it, that order would be answered twice on every ask."""
+        deleted; with the deleted variant's chunk, key, hits and whether it was made
+        exactly (None where none was). An exact variant is the only one that makes its chunk
+        order's answer full's without recomputing; without it, that order would be answered
+        twice on every ask."""
         lookup = request.lookup
         if room_for_variant(lookup.variant_count(chunk, request.prefix_key)):
-            return True
+            return True, None
         candidates = lookup.replaceable_variants(chunk, request.prefix_key, asked)
-        victim = variant_to_replace(candidates, {r.key for r in candidates if lookup.made_exactly(chunk, r.key)})
+        exact = {r.key for r in candidates if lookup.made_exactly(chunk, r.key)}
+        victim = variant_to_replace(candidates, exact)
         if victim is None:
-            return False
+            return False, None
         try:
             self.store.delete(victim)
         except (StoreError, CatalogError) as exc:  # the cap holds: the exact variant is not kept
             log.warning("could not make room for an exact chunk-cache (%s)", exc)
-            return False
+            return False, None
         self.planner_stats.forget(victim)
         log.info("chunk %s at its cap of variants: %s gave way to one made exactly", chunk, victim)
-        return True
+        hits = next(r.hits for r in candidates if r.key == victim)
+        return True, {"chunk": chunk, "variant": victim, "hits": hits, "made_exactly": victim in exact}
 
     def _exact_chunks(self, request: RequestContext, prepared: PreparedRequest) -> list[bool]:
         """Per chunk, whether its KV in this prefill is a full prefill's: every chunk before
@@ -878,6 +890,7 @@ class Pipeline:
             answer.full_prefill_estimate_s, num_tokens=answer.prompt_tokens,
             policy={**self.policy_report(), "kept_exact": answer.kept_exact,
                     **({"exact_wait": answer.exact_wait} if answer.kept_exact else {}),
+                    **({"gave_way": answer.gave_way} if answer.gave_way else {}),
                     "reused_exact": answer.reused_exact},
             node=self.store.node))
 

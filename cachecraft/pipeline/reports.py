@@ -108,6 +108,9 @@ class Answer:
     exact_wait: int = 0
     # every chunk was reused from variants stored exactly: nothing recomputed, answered as full does
     reused_exact: bool = False
+    # variants deleted at their chunk's cap to keep this request's exact ones: per variant its
+    # ``chunk``, ``variant`` key, ``hits`` and whether it was ``made_exactly``
+    gave_way: list[dict] = field(default_factory=list)
 
     def chunk_of_source(self) -> list[tuple[Source, ChunkReport]]:
         """Each source (best first) with the report of its chunk, wherever the prompt held it."""
@@ -145,6 +148,6 @@ class Answer:
                 "retrieval_s": self.retrieval_s, "escalated": self.escalated,
                 "abandoned_text": self.abandoned_text, "first_try_ttft_s": self.first_try_ttft_s,
                 "order": self.order, "kept_exact": self.kept_exact, "exact_wait": self.exact_wait,
-                "reused_exact": self.reused_exact,
+                "reused_exact": self.reused_exact, "gave_way": self.gave_way,
                 "chunks": [c.__dict__ for c in self.chunks],
                 "sources": [s.__dict__ for s in self.sources]}
