@@ -185,6 +185,23 @@ def test_tables_keep_keys_whole_when_piped():
     assert "-0.00" not in text and "in prompt" not in text
 
 
+def test_the_report_says_how_many_variants_gave_way_at_their_cap_and_where_to_read_which():
+    import dataclasses
+
+    from cli import product
+
+    displaced = [{"chunk": "3fa2c1d09b72" + "0" * 52, "variant": "ab" * 32, "hits": 1, "made_exactly": True}]
+    kept = dataclasses.replace(_report_answer(), kept_exact=True, exact_wait=2, gave_way=displaced)
+    with product.console.capture() as captured:
+        product.print_report(kept, low_relevance=None)
+    text = " ".join(captured.get().split())
+    assert "kept exact" in text
+    assert "1 variant(s) of chunks at their cap gave way to them (`cachecraft explain 3` names them)" in text
+    with product.console.capture() as captured:
+        product.print_report(_report_answer(), low_relevance=None)
+    assert "gave way" not in captured.get()
+
+
 def test_the_report_pairs_each_source_with_its_chunk_where_the_prompt_held_it():
     from cli import product
 
