@@ -261,8 +261,9 @@ def print_report(answer, low_relevance: float | None = LOW_RELEVANCE, *, command
         console.print("these chunks had been asked in this order before: they were computed in full and kept "
                       "exact, so the next ask in this order reuses them exactly (exact_after_asks)", highlight=False)
     if answer.gave_way:
-        console.print(f"{len(answer.gave_way)} variant(s) of chunks at their cap gave way to them "
-                      f"(`cachecraft explain {answer.request_id}` names them)", highlight=False)
+        which = "" if answer.request_id is None else f" (`cachecraft explain {answer.request_id}` names them)"
+        console.print(f"{len(answer.gave_way)} variant(s) of chunks at their cap gave way to this request's exact "
+                      f"ones{which}", highlight=False)
     if command_s is not None and server is not None:
         console.print(f"whole command {seconds(command_s)}; answered by the server at {server}", highlight=False)
     elif command_s is not None:

@@ -196,7 +196,13 @@ def test_the_report_says_how_many_variants_gave_way_at_their_cap_and_where_to_re
         product.print_report(kept, low_relevance=None)
     text = " ".join(captured.get().split())
     assert "kept exact" in text
-    assert "1 variant(s) of chunks at their cap gave way to them (`cachecraft explain 3` names them)" in text
+    assert ("1 variant(s) of chunks at their cap gave way to this request's exact ones (`cachecraft explain 3` "
+            "names them)") in text
+    unrecorded = dataclasses.replace(kept, request_id=None)  # the catalog was away: nothing to explain yet
+    with product.console.capture() as captured:
+        product.print_report(unrecorded, low_relevance=None)
+    text = " ".join(captured.get().split())
+    assert "gave way to this request's exact ones" in text and "explain" not in text
     with product.console.capture() as captured:
         product.print_report(_report_answer(), low_relevance=None)
     assert "gave way" not in captured.get()

@@ -268,7 +268,8 @@ def _report(answer: Answer) -> dict:
             "full_prefill_estimate_s": answer.full_prefill_estimate_s,
             "abandoned_text": answer.abandoned_text, "first_try_ttft_s": answer.first_try_ttft_s,
             "order": answer.order, "kept_exact": answer.kept_exact, "exact_wait": answer.exact_wait,
-            "reused_exact": answer.reused_exact, "gave_way": answer.gave_way, "sources": [s.__dict__ for s in answer.sources],
+            "reused_exact": answer.reused_exact, "gave_way": answer.gave_way,
+            "sources": [s.__dict__ for s in answer.sources],
             "chunk_reports": [c.__dict__ for c in answer.chunks]}
 
 
