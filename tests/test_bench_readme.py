@@ -171,3 +171,11 @@ def test_workload_block_counts_kept_exact_requests_and_the_asks_they_served_wher
     text = render(tmp_path, "workload_served", served)
     assert "| agreement F1 vs full | kept exact (asks they served) |" in text
     assert "| cachecraft | 1.25 | 7.00 | 0.200 | 0.144 | 0.93 | 85% | - | 0.939 | 2 (7) |" in text
+    assert "reused exactly" not in text  # its rows do not say
+    # rows that say which requests reused every chunk exactly: counted per method
+    rows = [{"method": "full", "reused_exact": False}, {"method": "cachecraft", "reused_exact": False},
+            {"method": "cachecraft", "reused_exact": True}, {"method": "cachecraft", "reused_exact": True}]
+    text = render(tmp_path, "workload_exact", {**served, "requests": rows})
+    assert "| kept exact (asks they served) | reused exactly |\n|---|---|---|---|---|---|---|---|---|---|---|\n" in text
+    assert "| full | 1.25 | 7.00 | 0.200 | 0.144 | 0.93 | 85% | - | 0.939 | 0 (0) | 0 |" in text
+    assert "| cachecraft | 1.25 | 7.00 | 0.200 | 0.144 | 0.93 | 85% | - | 0.939 | 2 (7) | 2 |" in text

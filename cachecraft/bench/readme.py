@@ -83,18 +83,25 @@ def workload_table(data: dict) -> str:
     """Markdown table of a ``bench workload`` result; with a warm-up, also how often a
     request reused a variant whose whole old prefix it held and the variants each store kept;
     where the result counts them, the requests computed in full once to keep their chunk
-    order exact (and the later asks those keeps served exactly, where it counts those)."""
+    order exact (and the later asks those keeps served exactly, where it counts those), and,
+    where its rows say so, the requests that reused every chunk exactly: from a keep, or
+    from caches an earlier request made in the same order."""
     warm = bool(data.get("warm"))
     kept = any("kept_exact_requests" in m for m in data["methods"].values())
     served = any("keep_asks_served" in m for m in data["methods"].values())
+    exact = {}  # method -> requests answered from exact caches, counted from the rows
+    if kept and data["requests"] and all("reused_exact" in r and "method" in r for r in data["requests"]):
+        for row in data["requests"]:
+            exact[row["method"]] = exact.get(row["method"], 0) + bool(row["reused_exact"])
     lines = [f"`{data['command']}` ({data['model']}, {len(data['requests']) // max(1, len(data['methods']))} "
              f"requests, {data['unique_requests']} distinct, corpus of {data['corpus_chunks']} chunks, "
              f"top-{data['top_k']}, {data['date'][:10]}{_commit(data)})", "",
              "| method | TTFT mean (s) | TTFT p95 (s) | requests/s | recompute | chunk hit rate | "
              "compute saved vs full | vs prefix | agreement F1 vs full |"
              + (" whole-prefix reuse | chunks with 2+ variants, after warm-up / at the end |" if warm else "")
-             + ((" kept exact (asks they served) |" if served else " kept exact |") if kept else ""),
-             "|---" * (9 + 2 * warm + kept) + "|"]
+             + ((" kept exact (asks they served) |" if served else " kept exact |") if kept else "")
+             + (" reused exactly |" if exact else ""),
+             "|---" * (9 + 2 * warm + kept + bool(exact)) + "|"]
     for label, m in data["methods"].items():
         vs_prefix = f"{m['compute_reduction_vs_prefix']:.0%}" if "compute_reduction_vs_prefix" in m else "-"
         line = (f"| {label} | {m['ttft_s_mean']:.2f} | {m['ttft_s_p95']:.2f} | {m['throughput_rps']:.3f} | "
@@ -108,6 +115,8 @@ def workload_table(data: dict) -> str:
         if kept:
             line += f" {m.get('kept_exact_requests', 0)}"
             line += f" ({m['keep_asks_served']}) |" if "keep_asks_served" in m else " |"
+        if exact:
+            line += f" {exact.get(label, 0)} |"
         lines.append(line)
     return "\n".join(lines)
 
