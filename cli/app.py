@@ -712,9 +712,9 @@ def _kept_exact_words(policy: dict) -> str:
 
 def _gave_way_words(displaced: dict) -> str:
     """What ``explain`` says of a variant deleted at its chunk's cap for the request's exact one."""
-    made = "made exactly" if displaced.get("made_exactly") else "not made exactly"
+    made = "made exactly" if displaced["made_exactly"] else "not made exactly"
     return (f"chunk {displaced['chunk'][:12]} was at its cap of variants: its variant {displaced['variant'][:12]} "
-            f"({made}, reused {displaced.get('hits', 0)} time(s)) gave way to this request's exact one")
+            f"({made}, reused {displaced['hits']} time(s)) gave way to this request's exact one")
 
 
 def _exact_after_asks_words(policy: dict) -> str:
