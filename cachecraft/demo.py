@@ -11,7 +11,6 @@ import statistics
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 from cachecraft.config import Config
@@ -19,6 +18,7 @@ from cachecraft.dataset import load_items
 from cachecraft.display import saved
 from cachecraft.metrics import first_line
 from cachecraft.model.loader import LoadedModel
+from cachecraft.progress import bar as progress_bar
 
 DEMO_METHODS = ("cachecraft", "full")
 SAMPLE_CORPUS = Path("data/kestrel")
@@ -66,13 +66,13 @@ def run_demo(lm: LoadedModel, config: Config, corpus: Path, questions: Path, lim
 
 
 def _prepare(pipe, corpus: Path, console: Console) -> None:
-    with _bar(console) as bar:
+    with progress_bar(console, time_left=False) as bar:
         task = bar.add_task(f"ingesting {corpus}", total=None)
         report = pipe.ingest([corpus], progress=lambda stage, done, total: bar.update(
             task, description=f"ingesting {corpus}: {stage}", completed=done, total=total)).report
     console.print(f"corpus: {report.chunks} chunks from {report.corpus_files} files "
                   f"({report.added} added, {report.unchanged} unchanged)")
-    with _bar(console) as bar:
+    with progress_bar(console, time_left=False) as bar:
         task = bar.add_task("warming chunk-caches", total=None)
         warm = pipe.warm_corpus(progress=lambda done, total: bar.update(task, completed=done, total=total))
     console.print(f"chunk-caches: {warm.made} made, {warm.skipped} already cached\n")
@@ -124,7 +124,3 @@ def _print_report(answer, console: Console) -> None:
     console.print(f"prefill time on this request: {saved(answer.saved_s)} (against the measured full-prefill rate). "
                   "Try `cachecraft query \"...\"` and `cachecraft stats` next.", highlight=False)
 
-
-def _bar(console: Console) -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
-                    transient=True)

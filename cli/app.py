@@ -28,8 +28,8 @@ from . import STARTED
 from .bench import bench_app
 from .serve import register as register_serve
 from .common import (CONTEXT, METHODS_HELP, UserError, console, err_console, friendly, invocation, load_config,
-                     load_model_quietly, nonempty_path, quiet_libraries, shared_tier_failures_reported_here,
-                     summarize_commands)
+                     load_model_quietly, nonempty_path, progress_bar, quiet_libraries,
+                     shared_tier_failures_reported_here, summarize_commands)
 
 app = typer.Typer(help="cachecraft: reuse per-chunk KV caches for RAG, recompute only what matters.",
                   context_settings=CONTEXT, no_args_is_help=True, add_completion=False)
@@ -167,7 +167,6 @@ def calibrate_cmd(
     Example: cachecraft calibrate --dataset musique_dev.json --skip 30 --limit 20 --budget 0.05
     --floors 0,0.03 --sink-tokens 0,8
     """
-    from rich.progress import Progress
 
     from cachecraft.bench.common import write_result
     from cachecraft.calibration import calibrate, store_fitted
@@ -196,7 +195,7 @@ def calibrate_cmd(
     if not items:
         raise UserError(f"{dataset} has no items after the first {skip}")
     lm = load_model_quietly(config)
-    with Progress(console=err_console, transient=True) as progress:
+    with progress_bar() as progress:
         task = progress.add_task("items", total=len(items))
         result = calibrate(lm, config, items, candidates, goal, layers, floor_list, sink_list, shift_list,
                            estimator_list, relevances=relevance_list, max_new_tokens=max_new_tokens,
@@ -303,7 +302,7 @@ def ingest_cmd(
 
     Example: cachecraft ingest docs/ notes.md   (then: cachecraft warm)
     """
-    from .product import open_pipeline, progress_bar
+    from .product import open_pipeline
     config = load_config(ctx, model=model)
     missing = [str(p) for p in paths if not os.path.lexists(p)]
     if missing:  # told before the model loads and the cache directory is made

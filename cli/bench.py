@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from .common import (CONTEXT, METHODS_HELP, UserError, console, ensure_dir, err_console, friendly, invocation,
-                     load_config, load_model_quietly, nonempty_path)
+                     load_config, load_model_quietly, nonempty_path, progress_bar, working)
 
 bench_app = typer.Typer(help="Benchmarks that write JSON results and print a table.",
                         context_settings=CONTEXT, no_args_is_help=True)
@@ -71,7 +71,6 @@ def bench_quality_cmd(
     mean with its 95% bootstrap interval, and each method against `full` and
     `cacheblend@0.15` item by item ("better"/"worse" only where the paired interval
     excludes zero)."""
-    from rich.progress import Progress
 
     from cachecraft.bench.common import write_result
     from cachecraft.bench.quality import RowsFileError, run_quality
@@ -115,7 +114,7 @@ def bench_quality_cmd(
                 "config": {k: str(getattr(config, k)) for k in RUN_SETTINGS}, "policy": policy,
                 **({"neighbour_pool": neighbour_pool} if neighbour_pool else {}),
                 **({"chunk_order": config.chunk_order} if config.chunk_order != "given" else {})}
-    with Progress(console=err_console, transient=True) as progress:
+    with progress_bar() as progress:
         task = progress.add_task("items", total=len(items))
         try:
             result = run_quality(lm, config, items, specs, max_new_tokens=max_new_tokens, rows_path=rows,
@@ -163,7 +162,6 @@ def bench_diagnose_cmd(
     agreement and first-token KL of the selectors (first tokens, CacheBlend's deviation
     check, question-guided, both, and the after-the-fact oracle) at each budget, for caches
     made after each context."""
-    from rich.progress import Progress
 
     from cachecraft.bench.common import write_result
     from cachecraft.bench.diagnose import CONTEXTS, run_diagnose
@@ -183,7 +181,7 @@ def bench_diagnose_cmd(
     config = load_config(ctx, model=model)
     items = load_items(dataset, limit, skip)
     lm = load_model_quietly(config)
-    with Progress(console=err_console, transient=True) as progress:
+    with progress_bar() as progress:
         task = progress.add_task("items", total=len(items))
         result = run_diagnose(lm, config, items, fractions, wanted,
                               on_item=lambda done, total: progress.update(task, completed=done))
@@ -279,7 +277,6 @@ def bench_workload_cmd(
             --limit 4 --top-k 3 --methods full,cachecraft --evictions pgdsf,lru --warm --neighbours 1
             --cpu-budget 64MiB --disk-budget 256MiB
     """
-    from rich.progress import Progress
 
     from cachecraft.bench.common import write_result
     from cachecraft.bench.workload import run_workload
@@ -301,7 +298,7 @@ def bench_workload_cmd(
     trace, corpus = _trace(items, requests, top_k, zipf, seed)
     warm_up = _warm_up(items, neighbours) if warm else None
     lm = load_model_quietly(config)
-    with Progress(console=err_console, transient=True) as progress:
+    with progress_bar() as progress:
         task = progress.add_task("requests", total=requests * (len(set(names) | {"full"}) + len(policies)))
         done = {"n": 0}
 
@@ -376,7 +373,7 @@ def bench_eviction_cmd(
     items = load_items(dataset, limit)
     ensure_dir(config.cache_dir)
     lm = load_model_quietly(config)
-    with console.status(f"embedding the corpus, then replaying {requests} requests ..."):
+    with working(f"embedding the corpus, then replaying {requests} requests ..."):
         try:
             result = run_replay(lm, items, requests=requests, top_k=top_k, zipf_s=zipf, seed=seed,
                                 kv_dtype=config.kv_dtype,
@@ -492,7 +489,7 @@ def bench_store_cmd(ctx: typer.Context,
     """Put/get throughput per store tier, in GB/s, for SmolLM2-sized chunks."""
     from cachecraft.bench.store import run_store_benchmark
     config = load_config(ctx)
-    with console.status("measuring store throughput ..."):
+    with working("measuring store throughput ..."):
         result = run_store_benchmark(out, cache_dir=config.cache_dir, num_chunks=chunks, num_tokens=tokens,
                                      kv_dtype=config.kv_dtype, repeats=repeats,
                                      command=invocation(ctx, "bench store"))
@@ -567,7 +564,7 @@ def bench_cluster_cmd(
         except servers.ServerUnavailable as exc:
             raise UserError(f"{exc}; or pass --redis-url and --catalog-url of empty databases") from None
         _require_empty(redis_url, catalog_url, workdir)
-        with console.status("running ...") as status:
+        with working("running ...") as status:
             result = run_cluster(config, trace, nodes=nodes, method=method, max_new_tokens=max_new_tokens,
                                  workdir=workdir, redis_url=redis_url, catalog_url=catalog_url,
                                  timed_prompts=timed_prompts, on_step=lambda text: status.update(text))
@@ -643,7 +640,7 @@ def bench_serve_cmd(
     load_model_quietly(config)  # converts a bundled model once, before the servers start
     trace, corpus = _trace(items, requests, top_k, zipf, seed)
     env = {"CACHECRAFT_MODEL": config.model}
-    with tempfile.TemporaryDirectory(prefix="cachecraft-serve-") as workdir, console.status("running ...") as status:
+    with tempfile.TemporaryDirectory(prefix="cachecraft-serve-") as workdir, working("running ...") as status:
         runs = run_serving(trace, clients=counts, methods=names, max_tokens=max_tokens, workdir=Path(workdir),
                            models_dir=config.models_dir, env=env, on_step=lambda text: status.update(text))
     write_result(out, {"benchmark": "serve", "command": invocation(ctx, "bench serve"), "model": config.model,
@@ -668,7 +665,7 @@ def _trace(items, requests: int, top_k: int, zipf: float, seed: int):
     from cachecraft.bench.workload import build_trace
     from cachecraft.retrieval.embed import Embedder
 
-    with console.status("embedding the corpus ..."):
+    with working("embedding the corpus ..."):
         try:
             return build_trace(items, requests, top_k, zipf_s=zipf, seed=seed, embed=Embedder().embed)
         except ValueError as exc:
@@ -680,7 +677,7 @@ def _warm_up(items, neighbours: int):
     from cachecraft.bench.workload import warm_up
     from cachecraft.retrieval.embed import Embedder
 
-    with console.status("finding each passage's neighbours ..."):
+    with working("finding each passage's neighbours ..."):
         return warm_up(items, neighbours, embed=Embedder().embed)
 
 
@@ -747,7 +744,6 @@ def bench_scaling_cmd(
 ) -> None:
     """TTFT and peak memory against context length and number of chunks, per method,
     with agreement against `full` on the same request."""
-    from rich.progress import Progress
 
     from cachecraft.bench.common import write_result
     from cachecraft.bench.scaling import run_scaling
@@ -762,7 +758,7 @@ def bench_scaling_cmd(
     items = load_items(dataset)
     ensure_dir(config.cache_dir)
     lm = load_model_quietly(config)
-    with Progress(console=err_console, transient=True) as progress:
+    with progress_bar() as progress:
         task = progress.add_task("warming up", total=None)
         try:
             result = run_scaling(lm, config, items, specs, contexts=context_list, chunk_counts=chunk_list,
@@ -845,7 +841,6 @@ def bench_gpu_cmd(
 
     Example: cachecraft bench gpu --dataset musique_dev.json --shapes llama-3.1-8b --out gpu.json
     """
-    from rich.progress import Progress
 
     from cachecraft.bench.common import write_result
     from cachecraft.bench.gpu import GPU_TIERS, SHAPES, fixed_fraction_methods, run_gpu
@@ -876,7 +871,7 @@ def bench_gpu_cmd(
                            "dtype": config.dtype, "kv_dtype": config.kv_dtype, "dataset": str(dataset),
                            "runs": runs})
 
-    with Progress(console=err_console, transient=True) as progress:
+    with progress_bar() as progress:
         task = progress.add_task("building the model", total=None)
         try:
             runs = run_gpu(shape_list, config, items, specs, tokenizer_for=tokenizer_for, tiers=tier_list,
@@ -998,7 +993,7 @@ def bench_report_cmd(
         ensure_dir(config.cache_dir)
         lm = load_model_quietly(config)
         for name in [m for m in missing if m in RUNS]:  # the workload run includes the eviction policies
-            with console.status(f"running bench {name} ...") as status:
+            with working(f"running bench {name} ...") as status:
                 RUNS[name](lm, config, dataset, sources[name], on_progress=lambda what: status.update(what))
             console.print(f"wrote {sources[name]}")
     elif missing:

@@ -58,6 +58,22 @@ class UserError(Exception):
     """An error the user can fix; shown as one line."""
 
 
+def progress_bar():
+    """A transient progress bar on stderr (stdout stays clean for answers and JSON); plain
+    lines where stderr is not a terminal, so a log shows the work move."""
+    from cachecraft.progress import bar
+
+    return bar(err_console)
+
+
+def working(text: str):
+    """A spinner on stderr saying ``text`` while a long step runs (its ``update`` changes
+    the text); plain lines where stderr is not a terminal."""
+    from cachecraft.progress import spinner
+
+    return spinner(err_console, text)
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     from cachecraft.bench.common import MissingExtra
     from cachecraft.dataset import DatasetError

@@ -9,12 +9,11 @@ import queue as queue_module
 from dataclasses import dataclass
 from typing import Sequence
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from cachecraft.config import Config
 
-from .common import UserError, console, err_console, load_model_quietly
+from .common import UserError, console, err_console, load_model_quietly, progress_bar
 
 def open_pipeline(config: Config, tiers: Sequence[str] | None = None):
     """Model (behind a spinner) + store + catalog, as a :class:`Pipeline` to close after use."""
@@ -23,12 +22,6 @@ def open_pipeline(config: Config, tiers: Sequence[str] | None = None):
 
     lm = load_model_quietly(config)
     return Pipeline(config, lm=lm, store=TieredStore(config, tiers=tiers))
-
-
-def progress_bar() -> Progress:
-    """A transient progress bar on stderr (stdout stays clean for answers and JSON)."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                    console=err_console, transient=True)
 
 
 # -- warm ------------------------------------------------------------------------------------

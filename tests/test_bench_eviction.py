@@ -46,6 +46,9 @@ def test_command_writes_json(tiny_dir, dataset, tmp_path, cache_dir):
                                       "--policies", "lru,cachecraft", "--out", str(out)],
                                  env={"CACHECRAFT_KV_DTYPE": "float32"})
     assert result.exit_code == 0, result.output
+    # stderr is no terminal here: what the spinner would say comes as a line there, not on stdout
+    assert "] embedding the corpus, then replaying 30 requests ..." in result.stderr
+    assert "embedding" not in result.stdout
     data = json.loads(out.read_text())
     assert data["benchmark"] == "eviction" and data["kv_dtype"] == "float32"
     assert data["command"].startswith("CACHECRAFT_KV_DTYPE=float32 cachecraft bench eviction")

@@ -231,7 +231,7 @@ def test_calibrate_stores_the_fit_for_the_model_and_query_uses_it(fake_calibrati
         assert Pipeline(own, lm=lm, store=store).policy.alpha == 0.4  # the config's own value wins
 
     shown = runner.invoke(app, ["config", "show", "--json"])
-    data = json.loads(shown.output)
+    data = json.loads(shown.stdout)
     assert data["values"]["policy_alpha"] == 0.2 and data["sources"]["policy_alpha"].startswith("calibrated for smollm2")
 
 
@@ -241,7 +241,7 @@ def test_calibrate_takes_items_apart_and_a_divergence_target(fake_calibration, d
     assert result.exit_code == 0, result.output
     seen = fake_calibration[0]
     assert len(seen["items"]) == 1 and seen["goal"] == Goal(target_kl=0.42) and seen["layers"] is None
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert data["policy_alpha"] == 0.2 and data["reached"] is True  # 0.4 <= 0.42; 0.45 is not
     assert data["stored"]["fitted"]["skip"] == 1
 
@@ -417,7 +417,7 @@ def test_a_shipped_fit_applies_only_to_a_model_of_the_shape_it_was_fitted_on(mon
     assert shipped.shipped_fit("smollm2", lm.model.config)["policy_sink_tokens"] == 7
     with TieredStore(config, tiers=("cpu",)) as store:
         assert Pipeline(config, lm=lm, store=store).policy.sink_tokens == 7
-    shown = json.loads(runner.invoke(app, ["config", "show", "--json"]).output)
+    shown = json.loads(runner.invoke(app, ["config", "show", "--json"]).stdout)
     assert shown["values"]["policy_sink_tokens"] == 7
     assert isinstance(shown["values"]["policy_sink_tokens"], int)  # shown as 7, not 7.0
 
@@ -434,7 +434,7 @@ def test_a_shipped_fit_applies_until_the_model_is_calibrated_here(monkeypatch, c
         "policy_drift_shift": 1.0, "fitted": {"model": "smollm2", "source": "shipped", "date": "2026-11-24"}})
     lm = tiny_model("llama")
     config = Config.load(environ={"CACHECRAFT_CACHE_DIR": str(cache_dir)})
-    shown = json.loads(runner.invoke(app, ["config", "show", "--json"]).output)
+    shown = json.loads(runner.invoke(app, ["config", "show", "--json"]).stdout)
     assert shown["values"]["policy_floor"] == 0.2
     assert shown["sources"]["policy_floor"] == "calibrated for smollm2 on 2026-11-24 (shipped with cachecraft)"
     with TieredStore(config, tiers=("cpu",)) as store:

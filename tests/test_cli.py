@@ -31,7 +31,7 @@ def test_help_works_with_short_flag():
 def test_check_model_on_a_local_directory(tiny_dir, cache_dir):
     result = runner.invoke(app, ["check-model", str(tiny_dir), "--prompts", "1", "--json"])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     assert report["passed"] is True
     assert {r["name"] for r in report["results"]} >= {"recompute_all", "exact_prefix", "generate"}
 
@@ -146,7 +146,7 @@ def test_corrupted_config_file_is_reported(tmp_path):
     good = tmp_path / "g.toml"
     good.write_text('max_new_tokens = 5\n')
     result = runner.invoke(app, ["--config", str(good), "config", "show", "--json"])
-    assert json.loads(result.output)["values"]["max_new_tokens"] == 5
+    assert json.loads(result.stdout)["values"]["max_new_tokens"] == 5
 
 
 def test_config_show_says_where_each_value_comes_from(tmp_path, monkeypatch):
@@ -155,7 +155,7 @@ def test_config_show_says_where_each_value_comes_from(tmp_path, monkeypatch):
     monkeypatch.setenv("CACHECRAFT_TOP_K", "7")
     monkeypatch.setenv("CACHECRAFT_MODEL", "from-env")
     args = ["--config", str(path), "--cache-dir", str(tmp_path / "cd"), "config", "show"]
-    shown = json.loads(runner.invoke(app, args + ["--json"]).output)
+    shown = json.loads(runner.invoke(app, args + ["--json"]).stdout)
     assert shown["values"]["model"] == "from-env" and shown["values"]["top_k"] == 7
     assert shown["sources"] == {**{k: "default" for k in shown["values"]}, "max_new_tokens": f"file {path}",
                                 "model": "environment", "top_k": "environment", "cache_dir": "flag"}
@@ -266,3 +266,46 @@ def test_explain_refuses_an_id_no_catalog_can_hold(request_id, cache_dir):
     result = runner.invoke(app, ["explain", request_id])
     assert result.exit_code == 2 and "Invalid value for 'request_id'" in result.output
     assert "Traceback" not in result.output
+
+
+def test_progress_in_a_log_is_a_line_per_description_and_per_tenth_passed():
+    import io
+
+    from rich.console import Console
+
+    from cachecraft.progress import ProgressLines
+
+    out, now = io.StringIO(), [100.0]
+    with ProgressLines(Console(file=out, width=200), clock=lambda: now[0]) as bar:
+        task = bar.add_task("warming chunks", total=None)
+        bar.update(task, completed=1)  # no total yet: no tenth to pass
+        now[0] = 105.0
+        bar.update(task, completed=3, total=20)  # 3/20 passes the first tenth (2/20)
+        bar.update(task, completed=3, total=20)  # nothing new
+        now[0] = 225.0
+        bar.update(task, completed=5)  # passes the second tenth (4/20)
+        bar.update(task, description="warming in context", completed=5)  # a new description
+        bar.update(task, completed=5.5)  # still short of the third tenth (6/20)
+        bar.update(task, advance=14.5)  # the end
+        other = bar.add_task("items", total=4)
+        now[0] = 3725.0
+        bar.update(other, completed=1)  # 1/4 passes two tenths at once: one line
+    assert out.getvalue().splitlines() == ["[0m05s] warming chunks 3/20", "[2m05s] warming chunks 5/20",
+                                           "[2m05s] warming in context 5/20", "[2m05s] warming in context 20/20",
+                                           "[60m25s] items 1/4"]
+
+
+def test_a_spinner_in_a_log_is_a_line_per_new_text():
+    import io
+
+    from rich.console import Console
+
+    from cachecraft.progress import StatusLines
+
+    out, now = io.StringIO(), [10.0]
+    lines = StatusLines(Console(file=out, width=200), clock=lambda: now[0])
+    lines.update("embedding the corpus ...")
+    now[0] = 81.5
+    lines.update("embedding the corpus ...")  # the same text: no line
+    lines.update("node 1 of 2: warming")
+    assert out.getvalue().splitlines() == ["[0m00s] embedding the corpus ...", "[1m11s] node 1 of 2: warming"]

@@ -57,15 +57,22 @@ def one_line_error(result, needle: str) -> None:
 
 
 def test_ingest_warm_query_end_to_end(env, docs, cache_dir):
-    assert "chunks added" in invoke("ingest", str(docs)).output
-    again = json.loads(invoke("ingest", str(docs), "--json").output)
+    ingested = invoke("ingest", str(docs))
+    assert "chunks added" in ingested.stdout
+    again = json.loads(invoke("ingest", str(docs), "--json").stdout)
     assert again["added"] == 0 and again["unchanged"] == again["chunks"] > 0
-    warmed = json.loads(invoke("warm", "--json").output)
+    warming = invoke("warm", "--json")
+    warmed = json.loads(warming.stdout)
     assert warmed["made"] == warmed["total"] == again["chunks"]
-    assert json.loads(invoke("warm", "--json").output)["skipped"] == again["chunks"]
+    # stderr is no terminal here, as in a log file: the progress comes as plain lines there
+    size = sum(p.stat().st_size for p in docs.rglob("*") if p.is_file())
+    assert ingested.stderr.splitlines()[-1].endswith(f"] embedding (chunks) {again['chunks']}/{again['chunks']}")
+    assert f"] reading and chunking (bytes) {size}/{size}" in ingested.stderr
+    assert warming.stderr.splitlines()[-1].endswith(f"] warming chunks {warmed['total']}/{warmed['total']}")
+    assert json.loads(invoke("warm", "--json").stdout)["skipped"] == again["chunks"]
 
-    first = json.loads(invoke("query", "w12 w13 w14", "--json").output)
-    second = json.loads(invoke("query", "w12 w13 w14", "--json", "--top-k", "2").output)
+    first = json.loads(invoke("query", "w12 w13 w14", "--json").stdout)
+    second = json.loads(invoke("query", "w12 w13 w14", "--json", "--top-k", "2").stdout)
     assert len(second["sources"]) == len(second["chunks"]) == 2
     assert all(c["tier"] != "miss" and c["variant"] for c in first["chunks"] + second["chunks"])
     assert second["sources"][0]["source"].endswith("a.md") and second["sources"][0]["title"] == "w5 w6"
@@ -81,7 +88,7 @@ def test_ingest_warm_query_end_to_end(env, docs, cache_dir):
     assert "low relevance" not in shown.output
     emoji = invoke("query", "\U0001F642\U0001F642", "--method", "reuse")
     assert "low relevance: the best source scores" in emoji.output and "-0.0" not in emoji.output
-    stats = json.loads(invoke("stats", "--json").output)
+    stats = json.loads(invoke("stats", "--json").stdout)
     sources = {c["source"] for c in stats["top_chunks"]}
     assert {Path(s).name for s in sources if s and s.endswith(".md")} == {"a.md", "b.md"}  # recorded by warm
     assert all(s and Path(s).parent.name in ("docs", "more") for s in sources)  # no system prompt, no warm context
@@ -125,7 +132,7 @@ def test_files_of_other_types_in_a_directory_are_listed_but_do_not_fail_ingest(e
 
 def test_warm_says_when_the_disk_budget_did_not_keep_what_it_made(env, docs, cache_dir, monkeypatch):
     invoke("ingest", str(docs))
-    made = json.loads(invoke("warm", "--json").output)["made"]
+    made = json.loads(invoke("warm", "--json").stdout)["made"]
     with Catalog(cache_dir) as catalog, catalog.read() as tx:
         sizes = [r.nbytes for r in tx.entries(tier="disk")]
     invoke("evict", "--tier", "disk")
@@ -142,10 +149,10 @@ def test_warm_says_when_the_disk_budget_did_not_keep_what_it_made(env, docs, cac
 
 
 def test_warm_neighbours_makes_in_context_variants_once(env, docs, cache_dir):
-    chunks = json.loads(invoke("ingest", str(docs), "--json").output)["chunks"]
+    chunks = json.loads(invoke("ingest", str(docs), "--json").stdout)["chunks"]
     shown = " ".join(invoke("warm", "--neighbours", "1").output.split())  # the console wraps long lines
     assert f"chunk-caches made {chunks}," in shown and f"in-context variants made {chunks}" in shown
-    again = json.loads(invoke("warm", "--neighbours", "1", "--json").output)
+    again = json.loads(invoke("warm", "--neighbours", "1", "--json").stdout)
     assert (again["made"], again["in_context"], again["skipped"]) == (0, 0, chunks)
     with Catalog(cache_dir) as catalog, catalog.read() as tx:
         prefixes = [len(tx.variant(e.variant_key).prefix) for e in tx.entries(tier="disk")]
@@ -157,9 +164,9 @@ def test_warm_neighbours_makes_in_context_variants_once(env, docs, cache_dir):
 
 
 def test_warm_previous_makes_each_chunk_after_the_one_before_it_in_its_file(env, docs, cache_dir):
-    ingested = json.loads(invoke("ingest", str(docs), "--json").output)
+    ingested = json.loads(invoke("ingest", str(docs), "--json").stdout)
     chunks, files = ingested["chunks"], ingested["corpus_files"]
-    made = json.loads(invoke("warm", "--previous", "--json").output)
+    made = json.loads(invoke("warm", "--previous", "--json").stdout)
     # every chunk but each file's first (no text repeats in these files)
     assert (made["made"], made["in_context"]) == (chunks, chunks - files)
     with Catalog(cache_dir) as catalog, catalog.read() as tx:
@@ -171,15 +178,15 @@ def test_warm_previous_makes_each_chunk_after_the_one_before_it_in_its_file(env,
 def test_evict_and_clear(env, docs, cache_dir):
     invoke("ingest", str(docs))
     invoke("warm")
-    answer = json.loads(invoke("query", "w12 w13", "--json", "--method", "reuse").output)
+    answer = json.loads(invoke("query", "w12 w13", "--json", "--method", "reuse").stdout)
     key = answer["chunks"][0]["chunk"]
-    evicted = json.loads(invoke("evict", "--chunk", key[:10], "--json").output)
+    evicted = json.loads(invoke("evict", "--chunk", key[:10], "--json").stdout)
     assert evicted["removed"] >= 1
-    after = json.loads(invoke("query", "w12 w13", "--json", "--method", "reuse").output)
+    after = json.loads(invoke("query", "w12 w13", "--json", "--method", "reuse").stdout)
     assert after["chunks"][0]["tier"] == "miss"
     assert "cpu tier lives inside" in invoke("evict", "--tier", "cpu").output
     second = after["chunks"][1]["variant"]
-    evicted = json.loads(invoke("evict", "--variant", second[:10], "--json").output)
+    evicted = json.loads(invoke("evict", "--variant", second[:10], "--json").stdout)
     assert evicted["variants"] == [second]
     one_line_error(runner.invoke(app, ["evict", "--variant", second]), "no cached variant matches")
     one_line_error(runner.invoke(app, ["evict", "--chunk", "zzzzzzzz"]), "no cached chunk matches")
@@ -189,7 +196,7 @@ def test_evict_and_clear(env, docs, cache_dir):
         from_b = {r.variant_key for r in tx.entries()
                   if (tx.chunk(tx.variant(r.variant_key).chunk_key).source or "").endswith("b.md")}
     assert from_b
-    evicted = json.loads(invoke("evict", "--source", "b.md", "--json").output)  # a file name naming one document
+    evicted = json.loads(invoke("evict", "--source", "b.md", "--json").stdout)  # a file name naming one document
     assert set(evicted["variants"]) == from_b
     with Catalog(cache_dir) as catalog, catalog.read() as tx:
         assert not from_b & {r.variant_key for r in tx.entries()}
@@ -201,7 +208,7 @@ def test_evict_and_clear(env, docs, cache_dir):
     assert (cache_dir / "store").exists()
     assert "deleted" in invoke("clear", "--yes").output
     assert not (cache_dir / "store").exists() and not (cache_dir / "catalog.sqlite").exists()
-    assert json.loads(invoke("warm", "--json").output)["made"] > 0  # the corpus survived
+    assert json.loads(invoke("warm", "--json").stdout)["made"] > 0  # the corpus survived
     invoke("clear", "--corpus", "--yes")
     one_line_error(runner.invoke(app, ["query", "w12"]), "cachecraft ingest PATH")
 
@@ -209,7 +216,7 @@ def test_evict_and_clear(env, docs, cache_dir):
 def test_documents_and_forget(env, docs, cache_dir):
     assert "0 file(s)" in invoke("documents").output
     invoke("ingest", str(docs))
-    listed = json.loads(invoke("documents", "--json").output)
+    listed = json.loads(invoke("documents", "--json").stdout)
     a, b, c = (str(p.resolve()) for p in (docs / "a.md", docs / "b.md", docs / "more" / "c.markdown"))
     assert [d["path"] for d in listed] == [a, b, c] and all(d["chunks"] >= 1 for d in listed)
     invoke("warm")
@@ -220,13 +227,13 @@ def test_documents_and_forget(env, docs, cache_dir):
     assert from_a and from_b and from_c
 
     one_line_error(runner.invoke(app, ["forget", str(docs / "nothing.md")]), "nothing was ingested from")
-    forgot = json.loads(invoke("forget", "b.md", "--json").output)  # a file name naming one document
+    forgot = json.loads(invoke("forget", "b.md", "--json").stdout)  # a file name naming one document
     assert forgot["files"] == [b] and forgot["evicted"] == len(from_b) and forgot["corpus_files"] == 2
     with Catalog(cache_dir) as catalog, catalog.read() as tx:
         left = {r.variant_key for r in tx.entries()}
     assert not from_b & left and from_a | from_c <= left
-    assert [d["path"] for d in json.loads(invoke("documents", "--json").output)] == [a, c]
-    answer = json.loads(invoke("query", "w60 w61 w62", "--json", "--top-k", "10").output)
+    assert [d["path"] for d in json.loads(invoke("documents", "--json").stdout)] == [a, c]
+    answer = json.loads(invoke("query", "w60 w61 w62", "--json", "--top-k", "10").stdout)
     assert {s["source"] for s in answer["sources"]} == {a, c}  # every chunk left, none of b
 
     (docs / "more" / "c.markdown").unlink()  # a directory gone from disk can still be forgotten
@@ -246,7 +253,7 @@ def test_documents_and_forget(env, docs, cache_dir):
         one_line_error(runner.invoke(app, ["forget", str(docs)]),
                        f"`cachecraft evict --source FILE` drops them, for: {a}")
     assert "0 file(s)" in invoke("documents").output
-    assert json.loads(invoke("evict", "--source", a, "--json").output)["removed"] == len(from_a)
+    assert json.loads(invoke("evict", "--source", a, "--json").stdout)["removed"] == len(from_a)
     one_line_error(runner.invoke(app, ["query", "w12"]), "cachecraft ingest PATH")
 
 
@@ -270,10 +277,10 @@ def test_forget_says_when_the_shared_tier_did_not_answer_and_evict_finishes_late
         assert away.exit_code == 1 and "did not answer" in away.output and "evicted" in away.output
         # the error line says that the tier failed; its own warning would say it twice
         assert not [r for r in caplog.records if r.name == "cachecraft.store.shared"]
-        assert [d["path"] for d in json.loads(invoke("documents", "--json").output)] == [
+        assert [d["path"] for d in json.loads(invoke("documents", "--json").stdout)] == [
             str((docs / "a.md").resolve()), str((docs / "more" / "c.markdown").resolve())]
         assert all(client.exists(f"cachecraft:blob:{v}") for v in from_b)  # this node's copies went, Redis's stayed
-        evicted = json.loads(invoke("evict", "--source", b, "--json").output)  # Redis answers again
+        evicted = json.loads(invoke("evict", "--source", b, "--json").stdout)  # Redis answers again
         assert set(evicted["variants"]) == from_b and evicted["unreached"] is None
         assert not any(client.exists(f"cachecraft:blob:{v}") for v in from_b)
     finally:
@@ -329,10 +336,10 @@ def test_concurrent_queries_and_warm_leave_a_consistent_cache(env, docs, cache_d
     for proc, (out, err) in zip(procs, outputs):
         assert proc.returncode == 0, err
         json.loads(out)
-    assert json.loads(outputs[0][0])["total"] == json.loads(invoke("ingest", str(docs), "--json").output)["chunks"]
-    report = json.loads(invoke("verify", "--json").output)
+    assert json.loads(outputs[0][0])["total"] == json.loads(invoke("ingest", str(docs), "--json").stdout)["chunks"]
+    report = json.loads(invoke("verify", "--json").stdout)
     assert report["consistent"] and not report["problems"]
-    assert json.loads(invoke("warm", "--json").output)["made"] == 0
+    assert json.loads(invoke("warm", "--json").stdout)["made"] == 0
     with Catalog(cache_dir) as catalog, catalog.read() as tx:
         assert len(tx.request_ids()) == 2
 
@@ -347,7 +354,7 @@ def test_warm_workers_with_neighbours_make_each_cache_once_and_count_it_once(env
     report = json.loads(done.stdout)
     assert (report["made"], report["skipped"]) == (report["total"], 0) and report["total"] > 2
     assert report["in_context"] == report["total"]  # one neighbour each
-    again = json.loads(invoke("warm", "--neighbours", "1", "--json").output)
+    again = json.loads(invoke("warm", "--neighbours", "1", "--json").stdout)
     assert (again["made"], again["in_context"], again["skipped"]) == (0, 0, report["total"])
 
 

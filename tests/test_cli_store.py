@@ -30,11 +30,11 @@ def test_verify_reports_damage_and_repairs_it(cache_dir):
 
     damaged = runner.invoke(app, ["verify", "--json"])
     assert damaged.exit_code == 1
-    report = json.loads(damaged.output)
+    report = json.loads(damaged.stdout)
     assert not report["consistent"] and report["problems"]
     repaired = runner.invoke(app, ["verify", "--repair"])
     assert repaired.exit_code == 0, repaired.output
-    clean = json.loads(runner.invoke(app, ["verify", "--json"]).output)
+    clean = json.loads(runner.invoke(app, ["verify", "--json"]).stdout)
     assert clean["ok"] and clean["counts"]["disk_entries"] == 2
 
     with TieredStore(config(cache_dir), tiers=("disk",)) as again:
@@ -48,7 +48,7 @@ def test_stats_json_counts_what_is_stored(cache_dir):
             store.put(make_kv(i))
     result = runner.invoke(app, ["stats", "--json"])
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert data["counts"]["chunks"] == 4 and data["counts"]["variants"] == 4
     assert data["tiers"]["disk"]["budget_bytes"] > 0
     human = runner.invoke(app, ["stats"])
@@ -65,7 +65,7 @@ def test_evict_a_tier_and_clear_leave_no_files_or_rows(cache_dir):
 
     evicted = runner.invoke(app, ["evict", "--tier", "disk", "--json"])
     assert evicted.exit_code == 0, evicted.output
-    assert sorted(json.loads(evicted.output)["variants"]) == sorted(kv.variant for kv in kvs)
+    assert sorted(json.loads(evicted.stdout)["variants"]) == sorted(kv.variant for kv in kvs)
     assert list(disk_dir.rglob("*.val")) == []
     with Catalog(cache_dir) as catalog, catalog.read() as tx:
         assert tx.entries() == [] and tx.counts()["variants"] == 3  # history kept

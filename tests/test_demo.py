@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 
 from rich.console import Console
 from typer.testing import CliRunner
@@ -44,6 +45,8 @@ def test_demo_answers_over_warmed_caches_in_its_own_directory(tmp_path, cache_di
         assert row["answers"]["full"].recompute_fraction == 1.0
     text = out.getvalue()
     assert "chunk-caches: 3 made" in text and "median speedup" in text
+    # a console that is no terminal (a log) gets the progress as lines, up to the end
+    assert re.search(r"^\[0m\d\ds\] warming chunk-caches (\d+)/\1$", text, re.M), text
     home = demo_config(config).cache_dir
     assert (home / "corpus").is_dir() and not (cache_dir / "corpus").exists()  # the user's corpus untouched
     with Catalog(home) as catalog, catalog.read() as tx:

@@ -80,6 +80,6 @@ def test_cli_check_model_passes_on_the_judge(judge, judge_cache, monkeypatch):
     monkeypatch.setenv("CACHECRAFT_CACHE_DIR", str(judge_cache))
     result = CliRunner().invoke(app, ["check-model", JUDGE.name, "--prompts", "1", "--json"])
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output[result.output.index("{"):])
+    report = json.loads(result.stdout[result.stdout.index("{"):])
     assert report["passed"] and report["model"] == JUDGE.name
     assert max(r["max_abs_diff"] for r in report["results"]) < 1e-4

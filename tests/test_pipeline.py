@@ -118,7 +118,7 @@ def test_explain_prints_the_recorded_plan(pipeline):
     result = runner.invoke(app, ["explain", str(answer.request_id), "--json"])
     assert result.exit_code == 0, result.output
     import json
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
     assert [c["variant_key"] for c in data["chunks"]] == [c.variant for c in answer.chunks]
     assert data["chunks"][0]["cfo"] == pytest.approx(answer.chunks[0].cfo)
     latest = runner.invoke(app, ["explain"])
