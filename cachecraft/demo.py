@@ -15,7 +15,7 @@ from rich.table import Table
 
 from cachecraft.config import Config
 from cachecraft.dataset import load_items
-from cachecraft.display import saved
+from cachecraft.display import print_table, saved
 from cachecraft.metrics import first_line
 from cachecraft.model.loader import LoadedModel
 from cachecraft.progress import bar as progress_bar
@@ -91,7 +91,7 @@ def _ask(pipe, question: str, gold: tuple[str, ...], console: Console) -> dict:
         hits = sum(c.tier != "miss" for c in answer.chunks) if method != "full" else 0
         table.add_row(method, f"{answer.ttft_s:.2f}", f"{answer.recompute_fraction:.0%}",
                       f"{hits}/{len(answer.chunks)}", first_line(answer.text))
-    console.print(table)
+    print_table(console, table)
     if cc.kept_exact:
         console.print("These chunks had been asked in this order twice before (an earlier run): cachecraft "
                       "computed them in full once and kept them exact, so from the next ask on they are reused "
@@ -120,7 +120,7 @@ def _print_report(answer, console: Console) -> None:
     for source, chunk in answer.chunk_of_source():
         table.add_row(source.title, f"{source.score:.3f}", chunk.tier, (chunk.variant or "-")[:12],
                       "-" if chunk.cfo is None else f"{chunk.cfo:.3f}", f"{chunk.fraction:.0%}")
-    console.print(table)
+    print_table(console, table)
     console.print(f"prefill time on this request: {saved(answer.saved_s)} (against the measured full-prefill rate). "
                   "Try `cachecraft query \"...\"` and `cachecraft stats` next.", highlight=False)
 

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from cachecraft.config import named_drift_estimator
-from cachecraft.display import saved as saved_text, seconds
+from cachecraft.display import print_table, saved as saved_text, seconds
 
 from . import STARTED
 
@@ -86,7 +85,7 @@ def check_model_cmd(
         for r in report.results:
             value = "-" if r.name == "generate" else f"{r.max_abs_diff:.2e}"
             table.add_row(r.name, value, "[green]ok[/green]" if r.passed else "[red]FAIL[/red]")
-        console.print(table)
+        print_table(console, table)
         console.print("[green]all checks passed[/green]" if report.passed else "[red]some checks failed[/red]")
     raise typer.Exit(0 if report.passed else 1)
 
@@ -225,8 +224,7 @@ def calibrate_cmd(
                       f"{r.relevance:g}", f"{r.recompute:.3f}", f"{r.answer_kl:.4f}",
                       "" if d is None else f"{d.mean:+.4f} [{d.low:+.4f}, {d.high:+.4f}]",
                       f"{r.token_agreement:.3f}", f"{r.agreement:.3f}", f"{r.kl:.4f}", f"{r.ttft_s:.2f}")
-    # not a terminal (a log of a long run): wide enough for every column, not squeezed into 80
-    (console if console.is_terminal else Console(soft_wrap=True, width=max(console.width, 200))).print(table)
+    print_table(console, table)
     if against and len(items) < FEW_ITEMS:  # a bootstrap over 2 items is [the smaller, the larger difference]
         console.print(f"the intervals are rough over {len(items)} item(s): use {FEW_ITEMS} or more to rely on them",
                       highlight=False)
@@ -632,7 +630,7 @@ def verify_cmd(ctx: typer.Context,
         for p in report.problems:
             table.add_row(p.kind, p.target, p.detail, "yes" if p.repaired else "no")
         if report.problems:
-            console.print(table)
+            print_table(console, table)
         counts = ", ".join(f"{k}: {v}" for k, v in report.counts.items())
         state = "[green]consistent[/green]" if report.consistent else "[red]inconsistent[/red] (run with --repair)"
         console.print("; ".join(part for part in (f"{len(report.problems)} problem(s)", counts, state) if part))
@@ -677,7 +675,7 @@ def explain_cmd(ctx: typer.Context,
         table.add_row(str(c.position), c.chunk_key[:12], (c.variant_key or "-")[:12], c.tier, fmt(c.cci),
                       fmt(c.beta_prime), fmt(c.cfo), fmt(c.fraction, "{:.1%}"),
                       "-" if c.stop_layer is None else str(c.stop_layer))
-    console.print(table)
+    print_table(console, table)
     if record.policy:
         policy, origin = record.policy, record.policy.get("sources", {})
         console.print(f"policy: alpha {policy.get('alpha')} ({origin.get('policy_alpha', '?')}), check layer "
@@ -807,7 +805,7 @@ def _print_stats(data: dict) -> None:
                       "?" if held is None else _size(held), _size(budget), used,
                       str(rates["hits_by_tier"].get(tier, 0)), f"{rates['hit_rate_by_tier'].get(tier, 0):.0%}")
     tiers.add_row("miss", "", "", "", "", str(rates["misses"]), f"{1 - rates['hit_rate']:.0%}" if rates["chunks"] else "-")
-    console.print(tiers)
+    print_table(console, tiers)
     if data["by_node"]:
         nodes = _table("requests by node (one catalog, several cache directories)", "node", "cache directory",
                        "requests", "chunk hit rate", "from redis")
@@ -815,25 +813,25 @@ def _print_stats(data: dict) -> None:
             nodes.add_row(row["node"], f"{row['host']}:{row['cache_dir']}", str(row["requests"]),
                           _fraction(row["hit_rate"] if row["chunks"] else None),
                           _fraction(row["hit_rate_by_tier"]["redis"] if row["chunks"] else None))
-        console.print(nodes)
+        print_table(console, nodes)
     methods = _table("requests by method", "method", "requests", "chunk hit rate", "recompute (mean)",
                      "TTFT (mean)", "prefill time saved")
     for row in data["by_method"]:
         methods.add_row(row["method"], str(row["requests"]), _fraction(row["hit_rate"]),
                         _fraction(row["recompute_mean"]),
                         seconds(row["ttft_s_mean"]), saved_text(row["saved_s"], 1))
-    console.print(methods)
+    print_table(console, methods)
     top = _table("top chunks", "chunk", "hits", "variants (stored)", "saves per reuse", "tokens", "source / preview")
     for chunk in data["top_chunks"]:
         top.add_row(chunk["chunk_key"][:12], str(chunk["hits"]), f"{chunk['variants']} ({chunk['live_variants']})",
                     _fraction(chunk.get("best_saving")), str(chunk["num_tokens"]), _source_or_preview(chunk))
-    console.print(top)
+    print_table(console, top)
     dist = data["recompute_fraction"]
     histogram = _table("recompute fraction per request", "range", "requests", "")
     widest = max((n for _, _, n in dist["histogram"]), default=0) or 1
     for low, high, n in dist["histogram"]:
         histogram.add_row(f"{low:.1f}-{high:.1f}", str(n), "#" * round(30 * n / widest))
-    console.print(histogram)
+    print_table(console, histogram)
     saved = data["prefill_time_saved"]
     basis = (f"full prefill timed at {saved['full_s_per_1k_tokens']:.2f} s per 1k prompt tokens by the recorded "
              "`full` requests" if saved["basis"] == "measured" else "full prefill estimated by the cost model; "
@@ -900,7 +898,7 @@ def config_show_cmd(ctx: typer.Context,
     table.add_column("source", overflow="fold")
     for key, value in values.items():
         table.add_row(key, str(value), sources[key])
-    console.print(table)
+    print_table(console, table)
 
 
 def _fitted_policy(config) -> dict | None:

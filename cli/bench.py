@@ -9,6 +9,8 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from cachecraft.display import print_table
+
 from .common import (CONTEXT, METHODS_HELP, UserError, console, ensure_dir, err_console, friendly, invocation,
                      load_config, load_model_quietly, nonempty_path, progress_bar, working)
 
@@ -196,7 +198,7 @@ def bench_diagnose_cmd(
         for label, m in summary["runs"].items():
             table.add_row(context, label, f"{m['recompute_fraction']:.3f}", f"{m['answer_kl']:.4f}",
                           f"{m['token_agreement']:.3f}", f"{m['kl']:.4f}")
-    console.print(table)
+    print_table(console, table)
     console.print(f"wrote {out}")
 
 
@@ -325,7 +327,7 @@ def bench_workload_cmd(
                       f"{m['compute_reduction_vs_prefix']:.0%}" if "compute_reduction_vs_prefix" in m else "-",
                       f"{m['agreement_f1_mean']:.3f}", f"{m['whole_prefix_reuse_rate']:.2f}",
                       f"{census.get('chunks_with_several', 0)}/{census.get('chunks', 0)}" if census else "-")
-    console.print(table)
+    print_table(console, table)
     console.print(f"wrote {out}")
 
 
@@ -391,7 +393,7 @@ def bench_eviction_cmd(
     for r in result["rows"]:
         table.add_row(f"{r['budget_fraction']:.0%} ({r['budget_bytes'] / 2**20:.0f} MiB)", r["policy"],
                       f"{r['hit_rate']:.3f}", f"{r['compute_saved']:.1%}", str(r["evictions"]))
-    console.print(table)
+    print_table(console, table)
     console.print(f"wrote {out}")
 
 
@@ -458,7 +460,7 @@ def print_quality_table(methods: dict[str, dict]) -> None:
                       _with_interval(m, "token_agreement", "token_agreement_mean", 3),
                       _with_interval(m, "agreement_f1", "agreement_f1_mean", 3),
                       f"{m['exact_match_rate']:.2f}", _with_interval(m, "gold_f1", "gold_f1_mean", 3), repeats)
-    console.print(table)
+    print_table(console, table)
 
 
 def print_comparisons(comparisons: dict[str, dict]) -> None:
@@ -474,7 +476,7 @@ def print_comparisons(comparisons: dict[str, dict]) -> None:
     for label, against in comparisons.items():
         for base, comparison in against.items():
             table.add_row(label, base.removeprefix("vs "), *(verdict_phrase(comparison, k) for k, _ in figures))
-    console.print(table)
+    print_table(console, table)
 
 
 
@@ -501,7 +503,7 @@ def bench_store_cmd(ctx: typer.Context,
         table.add_column(m, justify="right")
     for tier, values in tiers.items():
         table.add_row(tier, *(f"{values[m]:.2f}" if isinstance(values.get(m), (int, float)) else "-" for m in metrics))
-    console.print(table)
+    print_table(console, table)
     console.print(f"wrote {out}")
 
 
@@ -579,7 +581,7 @@ def bench_cluster_cmd(
         by_tier = m["hit_rate_by_tier"]
         table.add_row(phase, f"{m['hit_rate']:.0%}", *(f"{by_tier.get(t, 0):.0%}" for t in ("redis", "cpu", "disk")),
                       f"{m['recompute_fraction_mean']:.3f}", f"{m['ttft_s_median']:.3f}", f"{m['token_layers']:,}")
-    console.print(table)
+    print_table(console, table)
     saved = result["prefill_work_saved_vs_isolated"]
     console.print(f"prefill work saved by sharing: {saved:.0%}" if saved is not None else "no prefill work recorded")
     timing = result["tier_timing"]["summary"]
@@ -655,7 +657,7 @@ def bench_serve_cmd(
         table.add_row(r["method"], str(r["clients"]), _num(r["throughput_rps"], 2), _num(t["p50"], 2),
                       _num(t["p90"], 2), _num(t["p99"], 2), _num(r["server_ttft_s_median"], 3),
                       f"{r['hit_rate']:.0%}", str(len(r["errors"])))
-    console.print(table)
+    print_table(console, table)
     console.print(f"wrote {out}")
 
 
@@ -794,7 +796,7 @@ def print_scaling_table(result: dict) -> None:
             table.add_row(r["method"], str(r["context_tokens"]), str(r["n_chunks"]), f"{r['ttft_s']:.2f}",
                           f"{r['speedup_vs_full']:.1f}x", f"{r['agreement_f1']:.2f}", f"{r['kl']:.3f}",
                           f"{r['recompute_fraction']:.2f}", f"{r['peak_rss_mb']:.0f}")
-        console.print(table)
+        print_table(console, table)
     summary = result.get("summary") or {}
     if summary.get("speedup_at_max_context") is not None:
         goal = summary["goal"]

@@ -241,7 +241,7 @@ def print_report(answer, low_relevance: float | None = LOW_RELEVANCE, *, command
         table.add_row(str(i + 1), f"{source.score:.3f}", source.title, os.path.basename(source.source),
                       str(chunk.position + 1) if moved else chunk.chunk[:12], chunk.tier, (chunk.variant or "-")[:12],
                       f"{chunk.fraction:.0%}")
-    console.print(table)
+    console.print(table)  # folds to the console (80 columns piped), keys kept whole
     console.print(f"TTFT {seconds(answer.ttft_s)} (retrieval {seconds(answer.retrieval_s)} apart); "
                   f"{answer.prompt_tokens} prompt tokens, {answer.new_tokens} new; recomputed "
                   f"{answer.recompute_fraction:.0%} of the context; prefill time {saved(answer.saved_s)} "

@@ -309,3 +309,31 @@ def test_a_spinner_in_a_log_is_a_line_per_new_text():
     lines.update("embedding the corpus ...")  # the same text: no line
     lines.update("node 1 of 2: warming")
     assert out.getvalue().splitlines() == ["[0m00s] embedding the corpus ...", "[1m11s] node 1 of 2: warming"]
+
+
+def test_a_table_in_a_log_is_as_wide_as_its_columns_need_and_no_wider_than_the_cap():
+    import io
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from cachecraft.display import WIDEST_LOG_TABLE, print_table
+
+    def table(columns: int) -> Table:
+        made = Table()
+        for i in range(columns):
+            made.add_column(f"column number {i}")
+        made.add_row(*[f"0.{i:03d}" for i in range(columns)])
+        return made
+
+    log = io.StringIO()
+    print_table(Console(file=log, width=80), table(6))  # a file: no terminal
+    lines = log.getvalue().splitlines()
+    # six columns of 15 characters, each with a space either side, and seven borders
+    assert {len(line) for line in lines} == {6 * 17 + 7} and all(f"0.{i:03d}" in lines[3] for i in range(6))
+    log = io.StringIO()
+    print_table(Console(file=log, width=80), table(20))  # 20 * 18 + 1 = 361 columns wanted
+    assert {len(line) for line in log.getvalue().splitlines()} == {WIDEST_LOG_TABLE}
+    screen = io.StringIO()
+    print_table(Console(file=screen, width=80, force_terminal=True, color_system=None), table(6))
+    assert {len(line) for line in screen.getvalue().splitlines()} == {80}  # a terminal keeps its width
