@@ -14,10 +14,14 @@ from typing import Any, Callable, Iterator
 from rich.console import Console
 
 
+QUIET_S = 5.0  # a task passing another tenth says so at most this often (its end always)
+
+
 class ProgressLines:
-    """Progress as lines: one each time a task changes its description or passes another
-    tenth of its total (so also at its end). Nothing before the work moves, so an error at
-    the start stays the only line. Answers the part of rich's ``Progress`` the commands use
+    """Progress as lines: one each time a task changes its description, reaches its end,
+    or passes another tenth of its total at least :data:`QUIET_S` seconds after its last
+    line (so quick work says little). Nothing before the work moves, so an error at the
+    start stays the only line. Answers the part of rich's ``Progress`` the commands use
     (``add_task``, ``update``, a ``with`` block)."""
 
     def __init__(self, out: Console, clock: Callable[[], float] = time.monotonic):
@@ -32,7 +36,8 @@ class ProgressLines:
 
     def add_task(self, description: str, total: float | None = None, **_: Any) -> int:
         """Start a task (no line yet); its id for :meth:`update`."""
-        self.tasks.append({"description": description, "total": total, "completed": 0, "tenth": 0})
+        self.tasks.append({"description": description, "total": total, "completed": 0, "tenth": 0,
+                           "said": self.clock()})
         return len(self.tasks) - 1
 
     def update(self, task: int, *, completed: float | None = None, total: float | None = None,
@@ -46,13 +51,14 @@ class ProgressLines:
         if advance:
             state["completed"] += advance
         tenth = int(10 * state["completed"] / state["total"]) if state["total"] else 0
+        now = self.clock()
         if description is not None and description != state["description"]:
             state["description"] = description
-        elif tenth <= state["tenth"]:
+        elif tenth <= state["tenth"] or (tenth < 10 and now - state["said"] < QUIET_S):
             return
-        state["tenth"] = max(tenth, state["tenth"])
+        state["tenth"], state["said"] = max(tenth, state["tenth"]), now
         count = f" {_number(state['completed'])}/{_number(state['total'])}" if state["total"] else ""
-        _line(self.out, self.clock() - self.began, f"{state['description']}{count}")
+        _line(self.out, now - self.began, f"{state['description']}{count}")
 
 
 class StatusLines:

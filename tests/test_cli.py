@@ -268,31 +268,39 @@ def test_explain_refuses_an_id_no_catalog_can_hold(request_id, cache_dir):
     assert "Traceback" not in result.output
 
 
-def test_progress_in_a_log_is_a_line_per_description_and_per_tenth_passed():
+def test_progress_in_a_log_is_a_line_per_description_and_per_tenth_passed_seconds_apart():
     import io
 
     from rich.console import Console
 
-    from cachecraft.progress import ProgressLines
+    from cachecraft.progress import QUIET_S, ProgressLines
 
+    assert QUIET_S == 5.0  # the times below are chosen around it
     out, now = io.StringIO(), [100.0]
     with ProgressLines(Console(file=out, width=200), clock=lambda: now[0]) as bar:
         task = bar.add_task("warming chunks", total=None)
         bar.update(task, completed=1)  # no total yet: no tenth to pass
+        now[0] = 102.0
+        bar.update(task, completed=3, total=20)  # 3/20 passes the first tenth (2/20), 2 s in: too soon
         now[0] = 105.0
-        bar.update(task, completed=3, total=20)  # 3/20 passes the first tenth (2/20)
+        bar.update(task, completed=3, total=20)  # 5 s after the task began: now said
         bar.update(task, completed=3, total=20)  # nothing new
         now[0] = 225.0
         bar.update(task, completed=5)  # passes the second tenth (4/20)
-        bar.update(task, description="warming in context", completed=5)  # a new description
+        bar.update(task, description="warming in context", completed=5)  # a new description, at once
         bar.update(task, completed=5.5)  # still short of the third tenth (6/20)
-        bar.update(task, advance=14.5)  # the end
+        now[0] = 227.0
+        bar.update(task, completed=7)  # the third tenth, 2 s after the last line: too soon
+        now[0] = 230.0
+        bar.update(task, completed=7)  # 5 s after it
+        now[0] = 231.0
+        bar.update(task, advance=13)  # the end, said however soon
         other = bar.add_task("items", total=4)
         now[0] = 3725.0
         bar.update(other, completed=1)  # 1/4 passes two tenths at once: one line
     assert out.getvalue().splitlines() == ["[0m05s] warming chunks 3/20", "[2m05s] warming chunks 5/20",
-                                           "[2m05s] warming in context 5/20", "[2m05s] warming in context 20/20",
-                                           "[60m25s] items 1/4"]
+                                           "[2m05s] warming in context 5/20", "[2m10s] warming in context 7/20",
+                                           "[2m11s] warming in context 20/20", "[60m25s] items 1/4"]
 
 
 def test_a_spinner_in_a_log_is_a_line_per_new_text():
