@@ -53,7 +53,7 @@ class ProgressLines:
         tenth = int(10 * state["completed"] / state["total"]) if state["total"] else 0
         now = self.clock()
         if description is not None and description != state["description"]:
-            state["description"] = description
+            state["description"], state["tenth"] = description, tenth  # a new step counts its own tenths
         elif tenth <= state["tenth"] or (tenth < 10 and now - state["said"] < QUIET_S):
             return
         state["tenth"], state["said"] = max(tenth, state["tenth"]), now

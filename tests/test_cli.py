@@ -295,12 +295,15 @@ def test_progress_in_a_log_is_a_line_per_description_and_per_tenth_passed_second
         bar.update(task, completed=7)  # 5 s after it
         now[0] = 231.0
         bar.update(task, advance=13)  # the end, said however soon
+        bar.update(task, description="embedding", completed=0, total=97)  # the next step, from 0
+        bar.update(task, completed=97)  # its own end, at once
         other = bar.add_task("items", total=4)
         now[0] = 3725.0
         bar.update(other, completed=1)  # 1/4 passes two tenths at once: one line
     assert out.getvalue().splitlines() == ["[0m05s] warming chunks 3/20", "[2m05s] warming chunks 5/20",
                                            "[2m05s] warming in context 5/20", "[2m10s] warming in context 7/20",
-                                           "[2m11s] warming in context 20/20", "[60m25s] items 1/4"]
+                                           "[2m11s] warming in context 20/20", "[2m11s] embedding 0/97",
+                                           "[2m11s] embedding 97/97", "[60m25s] items 1/4"]
 
 
 def test_a_spinner_in_a_log_is_a_line_per_new_text():
