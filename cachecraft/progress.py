@@ -53,10 +53,10 @@ class ProgressLines:
         tenth = int(10 * state["completed"] / state["total"]) if state["total"] else 0
         now = self.clock()
         if description is not None and description != state["description"]:
-            state["description"], state["tenth"] = description, tenth  # a new step counts its own tenths
+            state["description"] = description  # a new step: its tenths count from here
         elif tenth <= state["tenth"] or (tenth < 10 and now - state["said"] < QUIET_S):
             return
-        state["tenth"], state["said"] = max(tenth, state["tenth"]), now
+        state["tenth"], state["said"] = tenth, now
         count = f" {_number(state['completed'])}/{_number(state['total'])}" if state["total"] else ""
         _line(self.out, now - self.began, f"{state['description']}{count}")
 
