@@ -2,7 +2,9 @@
 
 The system prefix and the question's suffix come from the model's chat template
 when it has one, so a chunk's tokens do not depend on its neighbours and its cache
-key stays the same across requests.
+key stays the same across requests. What a chat adds (a client's instructions, the
+conversation's earlier turns) is written after the chunks, in the question's suffix,
+so the chunk-caches made after the system prefix serve chats too.
 """
 
 from __future__ import annotations
@@ -36,6 +38,40 @@ class PromptPieces:
     @property
     def token_ids(self) -> list[int]:
         return [*self.prefix, *(t for c in self.chunks for t in c), *self.question]
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """What a chat request says besides its question: the client's instructions (its
+    system messages) and the earlier turns, oldest first, as (speaker, text) pairs with
+    speaker ``user`` or ``assistant``."""
+
+    instructions: tuple[str, ...] = ()
+    turns: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        unknown = {speaker for speaker, _ in self.turns} - {"user", "assistant"}
+        if unknown:
+            raise PromptInputError(f"a turn's speaker must be user or assistant, got {', '.join(sorted(unknown))}")
+
+    def opening(self) -> str:
+        """The instructions as written before the first question (empty where there are none)."""
+        return "".join(text.strip() + "\n\n" for text in self.instructions if text.strip())
+
+    def exchanges(self, question: str) -> list[tuple[str, str]]:
+        """The turns and then ``question``, taking turns: one speaker's turns in a row
+        joined, an assistant's turns before the first user's dropped (a greeting says
+        nothing the answer needs), so the list goes user, assistant, ..., user."""
+        merged: list[tuple[str, str]] = []
+        for speaker, text in (*self.turns, ("user", question)):
+            text = text.strip()
+            if not text or (speaker == "assistant" and not merged):
+                continue
+            if merged and merged[-1][0] == speaker:
+                merged[-1] = (speaker, merged[-1][1] + "\n\n" + text)
+            else:
+                merged.append((speaker, text))
+        return merged
 
 
 class PromptBuilder:
@@ -82,20 +118,65 @@ class PromptBuilder:
         body = text.strip()
         return f"{title.strip()}\n{body}\n\n" if title else f"{body}\n\n"
 
-    def build(self, chunks: Sequence[str], question: str, max_tokens: int | None = None) -> PromptPieces:
-        """Tokenize a whole prompt; ``chunks`` are already formatted chunk texts."""
+    def asked(self, question: str) -> str:
+        """``question`` in the question template."""
+        return self.question_template.replace("{question}", question.strip())
+
+    def suffix(self, question: str, conversation: Conversation | None = None) -> str:
+        """The text after the chunks: the question in its template and the template's tail;
+        in a chat, the client's instructions, then each earlier turn as the model's chat
+        template writes a turn (the chunks opening the first user turn), then the question."""
+        exchanges = conversation.exchanges(question) if conversation is not None else []
+        if not exchanges:
+            return self.asked(question) + self.tail
+        said = [(speaker, self.asked(text) if speaker == "user" else text) for speaker, text in exchanges]
+        said[0] = ("user", conversation.opening() + said[0][1])
+        if getattr(self.tokenizer, "chat_template", None):
+            rendered = self._rendered_after_chunks(said)
+            if rendered is not None:
+                return rendered
+        # no chat template (or one that writes a chat's start unlike a question's): the
+        # plain form, each reply after the tail that asks for it
+        gap = "" if self.tail[-1:].isspace() else " "
+        return "".join(text + self.tail if speaker == "user" else gap + text + "\n\n" for speaker, text in said)
+
+    def _rendered_after_chunks(self, said: list[tuple[str, str]]) -> str | None:
+        """The chat template's text after the chunks for turns ``said`` (the first one the
+        user's); None where its text before them is not the system prefix chunk-caches are
+        made after."""
+        turns = [{"role": speaker, "content": text} for speaker, text in said]
+        turns[0] = {"role": "user", "content": _MARK + turns[0]["content"]}
+        try:
+            rendered = self.tokenizer.apply_chat_template([{"role": "system", "content": self.system_prompt}, *turns],
+                                                          tokenize=False, add_generation_prompt=True)
+        except Exception:  # some templates reject a system role: it opens the first turn, as in the head
+            turns[0] = {"role": "user", "content": self.system_prompt + "\n\n" + turns[0]["content"]}
+            try:
+                rendered = self.tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+            except Exception:
+                return None
+        if not isinstance(rendered, str) or rendered.count(_MARK) != 1:
+            return None
+        head, after = rendered.split(_MARK)
+        return after if head == self.head else None
+
+    def build(self, chunks: Sequence[str], question: str, max_tokens: int | None = None,
+              conversation: Conversation | None = None) -> PromptPieces:
+        """Tokenize a whole prompt; ``chunks`` are already formatted chunk texts;
+        ``conversation``: what a chat said before this question."""
         if not question or not question.strip():
             raise PromptInputError("the question is empty")
         if not chunks:
             raise PromptInputError("no chunks given: a RAG prompt needs at least one chunk")
         pieces = PromptPieces(self.prefix_ids(), tuple(self.encode(c) for c in chunks),
-                              self.encode(self.question_template.replace("{question}", question.strip())
-                                          + self.tail))
+                              self.encode(self.suffix(question, conversation)))
         if any(len(c) == 0 for c in pieces.chunks):
             raise PromptInputError("a chunk is empty")
         if max_tokens is not None and pieces.num_tokens > max_tokens:
+            turns = conversation is not None and conversation.turns
             raise PromptTooLong(f"prompt has {pieces.num_tokens} tokens, more than the model's "
-                                f"context window of {max_tokens}")
+                                f"context window of {max_tokens}"
+                                + ("; send fewer of the conversation's earlier turns" if turns else ""))
         return pieces
 
 

@@ -19,8 +19,9 @@ from cachecraft.catalog import CatalogUnavailableError  # noqa: E402
 from cachecraft.config import Config  # noqa: E402
 from cachecraft.pipeline import Pipeline  # noqa: E402
 from cachecraft.pipeline.documents import ForgetIncomplete  # noqa: E402
+from cachecraft.prompt import Conversation  # noqa: E402
 from cachecraft.server.app import create_app  # noqa: E402
-from cachecraft.server.service import Busy, Service, TimedOut  # noqa: E402
+from cachecraft.server.service import Busy, Service, TimedOut, search_text  # noqa: E402
 from cachecraft.server.streaming import StopCutter  # noqa: E402
 from cachecraft.store import TieredStore  # noqa: E402
 from tests.conftest import tiny_model  # noqa: E402
@@ -79,8 +80,7 @@ def streamed(client, path: str, body: dict) -> tuple[str, list[dict]]:
 
 def test_chat_with_documents_answers_as_the_pipeline_does_and_reuses_on_repeat(client, reference):
     want = reference.answer(CHUNKS, QUESTION, method="full")
-    got = chat(client, messages=[{"role": "system", "content": "ignored"}, {"role": "user", "content": QUESTION}],
-               documents=CHUNKS, method="full")
+    got = chat(client, messages=[{"role": "user", "content": QUESTION}], documents=CHUNKS, method="full")
     assert got.status_code == 200, got.text
     data = got.json()
     assert data["object"] == "chat.completion" and data["choices"][0]["message"]["role"] == "assistant"
@@ -93,6 +93,35 @@ def test_chat_with_documents_answers_as_the_pipeline_does_and_reuses_on_repeat(c
     assert first["cachecraft"]["hits_by_tier"] == {"miss": len(CHUNKS)}
     assert again["cachecraft"]["hits_by_tier"] == {"cpu": len(CHUNKS)}
     assert again["cachecraft"]["method"].startswith("cachecraft")
+
+
+def test_a_chat_s_instructions_and_earlier_turns_are_in_its_prompt_and_its_chunks_reuse_caches(client, reference):
+    messages = [{"role": "system", "content": "w40 w41"}, {"role": "user", "content": "w42"},
+                {"role": "assistant", "content": "w43 w44"}, {"role": "developer", "content": "w45"},
+                {"role": "user", "content": QUESTION}]
+    said = Conversation(("w40 w41", "w45"), (("user", "w42"), ("assistant", "w43 w44")))
+    plain = reference.answer(CHUNKS, QUESTION, method="full", record=False)
+    want = reference.answer(CHUNKS, QUESTION, method="full", record=False, conversation=said)
+    got = chat(client, messages=messages, documents=CHUNKS, method="full").json()
+    assert got["choices"][0]["message"]["content"] == want.text
+    # by hand, a token per word (the tiny model has no chat template): w40 w41, w45, the earlier
+    # question as the template asks it (its 13-word instruction, Question: w42), Answer: w43 w44
+    assert got["usage"]["prompt_tokens"] == want.prompt_tokens == plain.prompt_tokens + 2 + 1 + 13 + 2 + 3
+    streamed_text, _ = streamed(client, "/v1/chat/completions",
+                                {"messages": messages, "documents": CHUNKS, "method": "full"})
+    assert streamed_text == want.text
+    # chunk-caches made for a plain question serve the chat, whose own words are computed
+    chat(client, messages=[{"role": "user", "content": QUESTION}], documents=CHUNKS)
+    again = chat(client, messages=messages, documents=CHUNKS).json()
+    assert again["cachecraft"]["hits_by_tier"] == {"cpu": len(CHUNKS)}
+    assert again["usage"]["prompt_tokens"] == want.prompt_tokens
+
+
+def test_a_follow_up_is_searched_for_with_the_user_s_turn_before_it():
+    assert search_text("w9", None) == "w9"
+    assert search_text("w9", Conversation(("w1",), ())) == "w9"  # instructions are not searched for
+    turns = (("user", "w1 w2"), ("assistant", "w3"), ("user", " w4 "), ("assistant", "w5"))
+    assert search_text("w9", Conversation((), turns)) == "w4\nw9"
 
 
 def test_streaming_equals_the_whole_answer(client, reference):
@@ -158,6 +187,14 @@ def test_stop_strings_end_the_answer_before_them(client, reference):
      "needs its text as a string"),
     ("", 400, "the request has no body; send a JSON object"),
     ({"messages": [{"role": "user", "content": "  "}], "documents": ["a"]}, 400, "the question is empty"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "documents": ["a"]},
+     400, "messages: the last user message is followed by an assistant message; the question to answer must "
+          "come last"),
+    ({"messages": [{"role": "system", "content": "s"}], "documents": ["a"]}, 400, "no user message to answer"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "t"}, {"role": "user", "content": "q"}],
+      "documents": ["a"]}, 400, "messages: tool messages are not supported"),
+    ({"messages": [{"role": "user", "content": "w1 " * 1000}, {"role": "user", "content": "q"}],
+      "documents": ["a"]}, 400, "send fewer of the conversation's earlier turns"),
 ])
 def test_bad_requests_are_one_line_json_errors(client, body, status, words):
     if isinstance(body, str):
@@ -260,13 +297,18 @@ def test_ingest_query_stats_health_and_metrics(client, service, tmp_path, monkey
     assert len(answer["cachecraft"]["sources"]) == 2
     assert answer["cachecraft"]["retrieval_s"] > 0
     assert set(answer["cachecraft"]["hits_by_tier"]) <= {"cpu", "disk"}  # warmed
+    follow_up = chat(client, messages=[{"role": "user", "content": CHUNKS[1]}, {"role": "assistant", "content": "w1"},
+                                       {"role": "user", "content": "w299"}], top_k=2)
+    assert follow_up.status_code == 200 and searches[-1][0] == CHUNKS[1].strip() + "\nw299"
+    # found by the turn before, not by w299 alone
+    assert follow_up.json()["cachecraft"]["sources"][0]["id"] == answer["cachecraft"]["sources"][0]["id"]
     assert client.get("/healthz").json()["status"] == "ok"
     assert client.get("/v1/models").json()["data"][0]["object"] == "model"
     stats = client.get("/v1/stats").json()
-    assert stats["counts"]["requests"] == 1 and "budget_bytes" in stats["tiers"]["cpu"]
+    assert stats["counts"]["requests"] == 2 and "budget_bytes" in stats["tiers"]["cpu"]
     metrics = client.get("/metrics").text
     assert 'cachecraft_chunk_lookups_total{tier="' in metrics
-    assert 'cachecraft_http_requests_total{path="/v1/chat/completions",status="200"} 1.0' in metrics
+    assert 'cachecraft_http_requests_total{path="/v1/chat/completions",status="200"} 2.0' in metrics
     assert "cachecraft_tier_bytes{tier=\"cpu\"}" in metrics and "cachecraft_ttft_seconds_bucket" in metrics
     forgot = client.post("/v1/forget", json={"paths": ["d0.txt"]})
     assert forgot.status_code == 200, forgot.text

@@ -48,7 +48,7 @@ from cachecraft.policy.shipped import shipped_fit
 from cachecraft.policy.planner import (FITTED_KEYS, PolicyParams, RecomputePlan, expected_reuse,
                                        params_from_config, policy_settings)
 from cachecraft.prefix_cache import PrefixCache
-from cachecraft.prompt import PromptBuilder, PromptInputError, PromptPieces, builder_for
+from cachecraft.prompt import Conversation, PromptBuilder, PromptInputError, PromptPieces, builder_for
 from cachecraft.retrieval.chunking import Chunker
 from cachecraft.retrieval.corpus import Corpus, SearchHit
 from cachecraft.retrieval.ingest import IngestOutcome, StageProgress, ingest_paths
@@ -158,7 +158,8 @@ class Pipeline:
                ratio: float | None = None, max_new_tokens: int | None = None, streamer=None,
                record: bool = True, sources: Sequence[str] | None = None,
                observer: Observer | None = None, generation: GenerationOptions | None = None,
-               question_template: str | None = None, chunk_order: str | None = None) -> Answer:
+               question_template: str | None = None, chunk_order: str | None = None,
+               conversation: Conversation | None = None) -> Answer:
         """Answer ``question`` over ``chunk_texts`` (formatted chunk texts, in order) with
         ``method``: plan, load, blend, generate, record. ``sources`` (one per chunk) names
         where each chunk came from in the catalog; ``observer`` receives the prefill's
@@ -166,13 +167,14 @@ class Pipeline:
         ``generation``: sampling, stop strings, cancellation (default: greedy);
         ``question_template``: this request's instead of the config's (``"{question}"``: the
         question as given, for a client that wrote its own prompt); ``chunk_order``: this
-        request's instead of the config's ``chunk_order``."""
+        request's instead of the config's ``chunk_order``; ``conversation``: a chat's
+        instructions and earlier turns, written after the chunks, before the question."""
         if chunk_order is not None and chunk_order not in CHUNK_ORDERS:
             raise PromptInputError(f"the chunk order must be one of {CHUNK_ORDERS}, got {chunk_order!r}")
         chosen = self.method(method, ratio)
         start = time.perf_counter()
         request = self._request(chunk_texts, question, sources, question_template,
-                                chunk_order or self.config.chunk_order)
+                                chunk_order or self.config.chunk_order, conversation)
         prepared, result = self._prefill(chosen, request)
         int(result.logits.argmax())  # the first token is decided here
         decided = time.perf_counter()
@@ -442,8 +444,10 @@ class Pipeline:
         return PromptBuilder(self.lm.tokenizer, self.config.system_prompt, question_template)
 
     def _request(self, chunk_texts: Sequence[str], question: str, sources: Sequence[str] | None,
-                 question_template: str | None = None, chunk_order: str = "given") -> RequestContext:
-        pieces = self.builder_with(question_template).build(chunk_texts, question, max_tokens=self.lm.max_context)
+                 question_template: str | None = None, chunk_order: str = "given",
+                 conversation: Conversation | None = None) -> RequestContext:
+        pieces = self.builder_with(question_template).build(chunk_texts, question, max_tokens=self.lm.max_context,
+                                                            conversation=conversation)
         keys = tuple(chunk_key(self.lm.fingerprint, ids) for ids in pieces.chunks)
         self._note_sources(keys, sources)
         lookup = RequestLookup(self.store, keys, self.planner_stats, self._warm_key_of, self._chunk_tokens,

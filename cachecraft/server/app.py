@@ -31,12 +31,12 @@ from cachecraft.catalog import CatalogUnavailableError
 from cachecraft.engine import GenerationOptions
 from cachecraft.pipeline import Answer
 from cachecraft.pipeline.documents import ForgetIncomplete
-from cachecraft.prompt import PromptInputError
+from cachecraft.prompt import Conversation, PromptInputError
 from cachecraft.retrieval.documents import DocumentError
 from cachecraft.retrieval.snapshot import CorpusError
 from cachecraft.server.metrics import Metrics
 from cachecraft.server.schemas import (ChatRequest, CompletionRequest, ForgetRequest, Generation, IngestRequest,
-                                       WarmRequest)
+                                       Message, WarmRequest)
 from cachecraft.server.service import BadRequest, Busy, Job, Service, TimedOut
 from cachecraft.server.streaming import PieceStreamer, StopCutter
 
@@ -112,10 +112,9 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatRequest, request: Request):
-        users = [m for m in body.messages if m.role == "user"]
-        if not users:
-            raise ApiError(400, "invalid_request_error", "messages: no user message to answer", "messages")
-        return await _complete(service, metrics, body, users[-1].text, chat=True, request=request)
+        question, conversation = _chat_question(body.messages)
+        return await _complete(service, metrics, body, question, chat=True, request=request,
+                               conversation=conversation)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -224,8 +223,31 @@ def _said_to_clients(message: str) -> str:
     return message
 
 
-def _job_factory(service: Service, body: Generation, question: str,
-                 cancel: threading.Event) -> Callable[[], Job]:
+def _chat_question(messages: list[Message]) -> tuple[str, Conversation | None]:
+    """The question a chat asks (its last user message) and what else it says: the
+    system and developer messages as instructions, the turns before the question."""
+    last = max((i for i, m in enumerate(messages) if m.role == "user"), default=None)
+    if last is None:
+        raise ApiError(400, "invalid_request_error", "messages: no user message to answer", "messages")
+    if any(m.role == "tool" for m in messages):
+        raise ApiError(400, "invalid_request_error", "messages: tool messages are not supported (this server calls "
+                       "no tools)", "messages")
+    after = [m.role for m in messages[last + 1:] if m.role not in _INSTRUCTING and m.text.strip()]
+    if after:
+        raise ApiError(400, "invalid_request_error", f"messages: the last user message is followed by "
+                       f"{'an' if after[0] == 'assistant' else 'a'} {after[0]} message; the question to answer "
+                       "must come last (continuing a message is not supported)", "messages")
+    instructions = tuple(m.text for m in messages if m.role in _INSTRUCTING and m.text.strip())
+    turns = tuple((m.role, m.text) for m in messages[:last] if m.role not in _INSTRUCTING and m.text.strip())
+    conversation = Conversation(instructions, turns) if instructions or turns else None
+    return messages[last].text, conversation
+
+
+_INSTRUCTING = ("system", "developer")  # roles whose messages instruct rather than converse
+
+
+def _job_factory(service: Service, body: Generation, question: str, cancel: threading.Event,
+                 conversation: Conversation | None = None) -> Callable[[], Job]:
     model = body.model
     if model is not None and model not in (service.model_name, *MODEL_ALIASES):
         raise ApiError(404, "not_found_error", f"model {model!r} is not served here; this server serves "
@@ -235,13 +257,14 @@ def _job_factory(service: Service, body: Generation, question: str,
     return lambda: service.job(question, documents=body.documents, method=body.method, top_k=body.top_k,
                                max_tokens=body.answer_tokens, generation=options,
                                question_template=body.question_template, fit_max_tokens=body.fit_max_tokens,
-                               retrieval_order=body.retrieval_order, chunk_order=body.chunk_order)
+                               retrieval_order=body.retrieval_order, chunk_order=body.chunk_order,
+                               conversation=conversation)
 
 
 async def _complete(service: Service, metrics: Metrics, body: Generation, question: str, *, chat: bool,
-                    request: Request):
+                    request: Request, conversation: Conversation | None = None):
     cancel = threading.Event()
-    make_job = _job_factory(service, body, question, cancel)
+    make_job = _job_factory(service, body, question, cancel, conversation)
     ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     if not body.stream:
         holder: dict[str, Job] = {}

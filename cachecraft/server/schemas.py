@@ -121,7 +121,9 @@ class Generation(_Strict):
 
 
 class ChatRequest(Generation):
-    """``POST /v1/chat/completions``: the question is the last user message."""
+    """``POST /v1/chat/completions``: the question is the last user message; system and
+    developer messages are the client's instructions, the messages before the question
+    the conversation's earlier turns (both written after the chunks)."""
 
     messages: list[Message] = Field(min_length=1)
 

@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 from cachecraft.config import Config
 from cachecraft.engine import GenerationOptions
 from cachecraft.pipeline import Answer, Pipeline, Retrieved
-from cachecraft.prompt import PromptInputError
+from cachecraft.prompt import Conversation, PromptInputError
 
 
 class Busy(Exception):
@@ -49,6 +49,7 @@ class Job:
     question_template: str | None = None  # None: the server's
     retrieved: Retrieved | None = None  # what retrieval found, where chunks is None
     chunk_order: str | None = None  # None: the server's
+    conversation: Conversation | None = None  # a chat's instructions and earlier turns
 
 
 @dataclass
@@ -60,6 +61,14 @@ class Counters:
     refused_busy: int = 0
     timed_out: int = 0
     failed: int = 0
+
+
+def search_text(question: str, conversation: Conversation | None) -> str:
+    """What a chat's retrieval searches for: the question, after the user's turn before it
+    where there is one, so a follow-up ("and the K9?") finds the passages its subject is in."""
+    said_before = [text.strip() for speaker, text in (conversation.turns if conversation else ())
+                   if speaker == "user" and text.strip()]
+    return f"{said_before[-1]}\n{question}" if said_before else question
 
 
 class Service:
@@ -89,11 +98,13 @@ class Service:
     def job(self, question: str, *, documents: Sequence[str] | None, method: str | None, top_k: int | None,
             max_tokens: int | None, generation: GenerationOptions, question_template: str | None = None,
             fit_max_tokens: bool = False, retrieval_order: str | None = None,
-            chunk_order: str | None = None) -> Job:
+            chunk_order: str | None = None, conversation: Conversation | None = None) -> Job:
         """A :class:`Job` for one question, chunk boundaries taken from ``documents`` or, when
         the question holds the chunk separator, from the question itself (the last part is
         the question); otherwise the corpus is searched (in ``retrieval_order``; None: the
-        config's). Raises :class:`BadRequest`."""
+        config's) for the question and the user's turn before it (:func:`search_text`).
+        ``conversation``: a chat's instructions and earlier turns, put in the prompt before
+        the question. Raises :class:`BadRequest`."""
         separator = self.config.chunk_separator
         chunks = list(documents) if documents is not None else None
         marked = chunks is None and separator in question
@@ -115,20 +126,23 @@ class Service:
         except ValueError as exc:
             raise BadRequest(f"method: {exc}") from None
         # retrieved once: the answer is made over the chunks its room was measured on
-        retrieved = self.pipeline.retrieve(question, top_k, retrieval_order) if chunks is None else None
+        retrieved = (self.pipeline.retrieve(search_text(question, conversation), top_k, retrieval_order)
+                     if chunks is None else None)
         room = self._answer_room(chunks if retrieved is None else retrieved.chunks, question, max_tokens,
-                                 question_template, fit_max_tokens)
+                                 question_template, fit_max_tokens, conversation)
         return Job(question, chunks, name, top_k, room, generation, question_template=question_template,
-                   retrieved=retrieved, chunk_order=chunk_order)
+                   retrieved=retrieved, chunk_order=chunk_order, conversation=conversation)
 
     def _answer_room(self, chunks: list[str], question: str, max_tokens: int | None,
-                     question_template: str | None = None, fit: bool = False) -> int:
+                     question_template: str | None = None, fit: bool = False,
+                     conversation: Conversation | None = None) -> int:
         """The answer length: ``max_tokens`` (default: the config's), within what the
         context window leaves after the prompt; a prompt that does not fit is refused, and
         so is a ``max_tokens`` past what is left unless ``fit``."""
         pipe = self.pipeline
         try:
-            pieces = pipe.builder_with(question_template).build(chunks, question, max_tokens=pipe.lm.max_context)
+            pieces = pipe.builder_with(question_template).build(chunks, question, max_tokens=pipe.lm.max_context,
+                                                                conversation=conversation)
         except PromptInputError as exc:
             raise BadRequest(str(exc)) from None
         room = pipe.lm.max_context - pieces.num_tokens
@@ -146,7 +160,7 @@ class Service:
         pipe = self.pipeline
         options: dict[str, Any] = {"max_new_tokens": job.max_new_tokens, "generation": job.generation,
                                    "streamer": streamer, "question_template": job.question_template,
-                                   "chunk_order": job.chunk_order}
+                                   "chunk_order": job.chunk_order, "conversation": job.conversation}
         if job.chunks is None:
             answer = pipe.query(job.question, top_k=job.top_k, method=job.method, retrieved=job.retrieved,
                                 **options)
