@@ -260,6 +260,8 @@ def bench_workload_cmd(
     max_new_tokens: int = typer.Option(32, min=1, help="Answer length."),
     evictions: str = typer.Option("", help="Also replay `cachecraft` under these eviction policies, e.g. "
                                           "lru,lfu,pgdsf,cachecraft (labelled cachecraft[lru] ...)."),
+    exact_after_asks: str = typer.Option("", help="Also replay `cachecraft` with these settings of "
+                                                  "exact_after_asks, e.g. 1,3 (labelled cachecraft[asks=1] ...)."),
     warm: bool = typer.Option(False, "--warm", help="Fill each chunk-cache method's store first as `cachecraft "
                                                     "warm` does (every passage, under the budgets)."),
     model: Optional[str] = typer.Option(None, help="Model: smollm2, qwen2.5-coder-0.5b (the judge) or a path "
@@ -292,6 +294,13 @@ def bench_workload_cmd(
     policies = [e.strip() for e in evictions.split(",") if e.strip()]
     for policy in policies:
         config.replace(eviction=policy)  # unknown policies fail here
+    try:
+        asks = [int(n) for n in exact_after_asks.split(",") if n.strip()]
+    except ValueError:
+        raise UserError(f"--exact-after-asks takes whole numbers separated by commas, got {exact_after_asks!r}") \
+            from None
+    for n in asks:
+        config.replace(exact_after_asks=n)  # negative settings fail here
     budgets = {"cpu": parse_bytes(cpu_budget), "disk": parse_bytes(disk_budget)}
     items = load_items(dataset, limit)
     ensure_dir(config.cache_dir)
@@ -301,7 +310,7 @@ def bench_workload_cmd(
     warm_up = _warm_up(items, neighbours) if warm else None
     lm = load_model_quietly(config)
     with progress_bar() as progress:
-        task = progress.add_task("requests", total=requests * (len(set(names) | {"full"}) + len(policies)))
+        task = progress.add_task("requests", total=requests * (len(set(names) | {"full"}) + len(policies) + len(asks)))
         done = {"n": 0}
 
         def tick(method: str, n: int, total: int) -> None:
@@ -309,7 +318,7 @@ def bench_workload_cmd(
             progress.update(task, completed=done["n"], description=f"{method} {n}/{total}" if n else method)
 
         result = run_workload(lm, config, trace, names, budgets=budgets, max_new_tokens=max_new_tokens,
-                              evictions=policies, on_request=tick, warm=warm_up)
+                              evictions=policies, exact_after=asks, on_request=tick, warm=warm_up)
     write_result(out, {"benchmark": "workload", "command": invocation(ctx, "bench workload"), "model": lm.name,
                        "dataset": str(dataset), "warm": warm, "neighbours": neighbours,
                        "items": len(items), "corpus_chunks": corpus, "unique_requests": len(set(trace)),

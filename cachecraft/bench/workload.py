@@ -125,23 +125,26 @@ def build_trace(items: Sequence[QAItem], requests: int, top_k: int, *, zipf_s: f
 
 def run_workload(lm: LoadedModel, config: Config, trace: Sequence[TraceRequest], methods: Sequence[str], *,
                  budgets: dict[str, int], max_new_tokens: int = 32, evictions: Sequence[str] = (),
+                 exact_after: Sequence[int] = (),
                  on_request: Callable[[str, int, int], None] | None = None, warm: WarmUp | None = None) -> dict:
     """Replay ``trace`` with each method (``full`` first); per-request rows and aggregates.
     ``warm``: what each chunk-cache method's store is filled with first (``full`` and
     ``prefix`` use no chunk-caches and start empty).
 
-    ``evictions`` adds a ``cachecraft`` run per eviction policy, labelled ``cachecraft[policy]``.
+    ``evictions`` adds a ``cachecraft`` run per eviction policy, labelled ``cachecraft[policy]``;
+    ``exact_after`` one per setting of ``exact_after_asks``, labelled ``cachecraft[asks=N]``.
     ``on_request(label, n, total)`` follows the replay (``n`` 0: a warm-up begins).
     A full prefill does not depend on what came before, so ``full`` runs each distinct
     request once and repeats its measured row for the trace's repeats (``replayed``)."""
-    runs = [(m, m, config.eviction) for m in ["full"] + [m for m in methods if m != "full"]]
-    runs += [(f"cachecraft[{e}]", "cachecraft", e) for e in evictions]
+    runs: list[tuple[str, str, dict]] = [(m, m, {}) for m in ["full"] + [m for m in methods if m != "full"]]
+    runs += [(f"cachecraft[{e}]", "cachecraft", {"eviction": e}) for e in evictions]
+    runs += [(f"cachecraft[asks={n}]", "cachecraft", {"exact_after_asks": n}) for n in exact_after]
     rows: list[dict] = []
     usage: dict[str, dict] = {}
     reference: dict[int, str] = {}
-    for label, method, eviction in runs:
+    for label, method, setting in runs:
         method_config = config.replace(cpu_budget_bytes=budgets["cpu"], disk_budget_bytes=budgets["disk"],
-                                       max_new_tokens=max_new_tokens, eviction=eviction)
+                                       max_new_tokens=max_new_tokens, **setting)
         method_rows, usage[label] = _replay(lm, method_config, trace, label, method, reference, on_request,
                                             None if method in ("full", "prefix") else warm)
         rows += method_rows
