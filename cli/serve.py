@@ -27,7 +27,8 @@ def serve_cmd(ctx: typer.Context,
     embedder, the corpus and the store (memory tiers included) loaded once and kept:
     POST /v1/chat/completions and /v1/completions (streaming with "stream": true;
     "documents": [...], or chunks marked by chunk_separator in the prompt, answer over
-    your own chunks), POST /v1/ingest {"paths": [...]}, POST /v1/forget, POST /v1/warm, GET /v1/stats,
+    your own chunks; a chat's earlier messages are its conversation, written after the
+    chunks), POST /v1/ingest {"paths": [...]}, POST /v1/forget, POST /v1/warm, GET /v1/stats,
     /v1/models, /healthz and /metrics (Prometheus). One request computes at a time,
     server_queue more wait, the next gets 429; CACHECRAFT_API_KEY, when set, is required
     as 'Authorization: Bearer <key>'.

@@ -22,6 +22,7 @@ openai = pytest.importorskip("openai", reason="openai not installed (pip install
 from cachecraft.bench.serving import Server  # noqa: E402
 from cachecraft.config import Config  # noqa: E402
 from cachecraft.pipeline import Pipeline  # noqa: E402
+from cachecraft.prompt import Conversation  # noqa: E402
 from cachecraft.store import TieredStore, verify  # noqa: E402
 from tests.servers import free_port  # noqa: E402
 from tests.test_pipeline import CHUNKS, QUESTION  # noqa: E402
@@ -48,12 +49,12 @@ def server(tiny_dir, tmp_path):
     proc.stop()
 
 
-def reference_text(tiny_dir, tmp_path) -> str:
+def reference_text(tiny_dir, tmp_path, conversation: Conversation | None = None) -> str:
     from cachecraft.model.loader import load_model
     config = Config.load(overrides={"cache_dir": tmp_path / "reference", "model": str(tiny_dir), "max_new_tokens": 6,
                                     "kv_dtype": "float32"}, environ={})
     with Pipeline(config, lm=load_model(config.model, config), store=TieredStore(config, tiers=("cpu",))) as pipe:
-        return pipe.answer(CHUNKS, QUESTION, method="full").text
+        return pipe.answer(CHUNKS, QUESTION, method="full", conversation=conversation).text
 
 
 def test_the_openai_client_gets_the_pipelines_answer_streamed_or_not(server, tiny_dir, tmp_path):
@@ -74,6 +75,12 @@ def test_the_openai_client_gets_the_pipelines_answer_streamed_or_not(server, tin
     with pytest.raises(openai.BadRequestError, match="unknown field"):
         client.chat.completions.create(model="cachecraft", messages=[{"role": "user", "content": "q"}],
                                        extra_body={"documents": ["a"], "temprature": 1})
+    # a follow-up: the conversation so far in messages, as any chat client sends it
+    follow_up = client.chat.completions.create(model="cachecraft", max_tokens=6, extra_body=extra, messages=[
+        {"role": "system", "content": "w40"}, {"role": "user", "content": "w41"},
+        {"role": "assistant", "content": want}, {"role": "user", "content": QUESTION}])
+    said = Conversation(("w40",), (("user", "w41"), ("assistant", want)))
+    assert follow_up.choices[0].message.content == reference_text(tiny_dir, tmp_path, said)
 
 
 def test_a_client_gone_mid_stream_leaves_the_server_serving(server):
