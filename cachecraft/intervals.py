@@ -9,7 +9,7 @@ cancels out. "Better" or "worse" is said only where the paired interval excludes
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import numpy as np
 
@@ -54,6 +54,33 @@ def paired(values: Sequence[float], baseline: Sequence[float], **options) -> Int
     if len(values) != len(baseline):
         raise ValueError(f"paired samples differ in length: {len(values)} vs {len(baseline)}")
     return bootstrap([a - b for a, b in zip(values, baseline)], **options)
+
+
+def clustered(values: Sequence[float], clusters: Sequence[Hashable], weights: Sequence[float] | None = None,
+              confidence: float = CONFIDENCE, resamples: int = RESAMPLES, seed: int = SEED) -> Interval:
+    """``sum(values) / sum(weights)`` (the mean where ``weights`` is None) and its
+    percentile-bootstrap interval, resampling whole ``clusters`` (one label per value):
+    where values of a cluster move together (the asks of one chunk order in a trace),
+    resampling them one by one would claim more certainty than they hold. With
+    ``weights``, a ratio of totals (one method's time over another's, request by request)."""
+    data = np.asarray(values, dtype=np.float64)
+    weight = np.ones_like(data) if weights is None else np.asarray(weights, dtype=np.float64)
+    if data.size == 0:
+        raise ValueError("no values to bootstrap")
+    if len(clusters) != data.size or weight.size != data.size:
+        raise ValueError(f"{data.size} values, {len(clusters)} cluster labels and {weight.size} weights differ")
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be within (0, 1), got {confidence}")
+    labels = {label: n for n, label in enumerate(dict.fromkeys(clusters))}
+    index = np.array([labels[label] for label in clusters])
+    sums, totals = np.bincount(index, data), np.bincount(index, weight)  # per cluster
+    rng = np.random.default_rng(seed)
+    drawn = np.apply_along_axis(np.bincount, 1, rng.integers(0, len(labels), size=(resamples, len(labels))),
+                                minlength=len(labels))  # how often each cluster is drawn, per resample
+    ratios = (drawn @ sums) / (drawn @ totals)
+    tail = (1.0 - confidence) / 2
+    low, high = np.quantile(ratios, [tail, 1.0 - tail])
+    return Interval(float(sums.sum() / totals.sum()), float(low), float(high))
 
 
 def verdict(difference: Interval, lower_is_better: bool) -> str:

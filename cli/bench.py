@@ -340,6 +340,77 @@ def bench_workload_cmd(
     console.print(f"wrote {out}")
 
 
+@bench_app.command("compare-workloads")
+@friendly
+def bench_compare_workloads_cmd(
+    ctx: typer.Context,
+    base: list[str] = typer.Option(..., help="A `bench workload` result and the method in it to compare against, "
+                                             "as FILE or FILE:LABEL (label default cachecraft); once per trace."),
+    other: list[str] = typer.Option(..., help="The same trace's run to compare, FILE or FILE:LABEL (e.g. "
+                                              "run.json:cachecraft[asks=1]); in the order of --base."),
+    out: Path = typer.Option(Path("benchmarks/results/workload_compare.json"), parser=nonempty_path,
+                             help="Where to write the JSON result."),
+) -> None:
+    """Compare two settings of `bench workload` request by request over the same traces:
+    agreement F1 with full and the total time to first token, pooled over the traces with
+    95% intervals that resample whole chunk orders.
+
+    Example:
+
+        cachecraft bench compare-workloads --base s0.json --other s0.json:cachecraft[asks=1]
+            --base s1.json --other s1.json:cachecraft[asks=1]
+    """
+    from cachecraft.bench.common import write_result
+    from cachecraft.bench.workload import compare_runs
+    from cachecraft.intervals import verdict
+
+    if len(base) != len(other):
+        raise UserError(f"give one --other per --base ({len(base)} --base, {len(other)} --other)")
+    pairs = [(_workload_rows(b), _workload_rows(o)) for b, o in zip(base, other)]
+    try:
+        result = compare_runs(pairs)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    write_result(out, {"benchmark": "workload_compare", "command": invocation(ctx, "bench compare-workloads"),
+                       "base": base, "other": other, **result})
+    table = Table(title=f"{len(pairs)} trace(s), {result['requests']} requests in {result['clusters']} chunk orders")
+    for column in ("trace (base / other)", "agreement F1", "TTFT mean (s)", "kept exact", "reused exactly"):
+        table.add_column(column, justify="left" if column.startswith("trace") else "right")
+    for spec, trace in zip(base, result["traces"]):
+        b, o = trace["base"], trace["other"]
+        table.add_row(spec, f"{b['agreement_f1']:.3f} / {o['agreement_f1']:.3f}",
+                      f"{b['ttft_s_mean']:.2f} / {o['ttft_s_mean']:.2f}", f"{b['kept_exact']} / {o['kept_exact']}",
+                      f"{b['reused_exact']} / {o['reused_exact']}")
+    print_table(console, table)
+    f1, ttft = result["agreement_f1_difference"], result["ttft_ratio"]
+    from cachecraft.intervals import Interval
+    console.print(f"agreement F1, other - base: {f1['mean']:+.4f} [{f1['low']:+.4f}, {f1['high']:+.4f}] "
+                  f"({verdict(Interval(**f1), lower_is_better=False)}; {result['requests_better']} requests "
+                  f"better, {result['requests_worse']} worse)", highlight=False)
+    console.print(f"total TTFT, other / base: {ttft['mean']:.3f} [{ttft['low']:.3f}, {ttft['high']:.3f}]",
+                  highlight=False)
+    console.print(f"wrote {out}")
+
+
+def _workload_rows(spec: str) -> list[dict]:
+    """The rows of one method in a `bench workload` result, from ``FILE`` or ``FILE:LABEL``."""
+    path, label = spec, "cachecraft"
+    if ":" in spec and not spec.endswith(".json"):
+        path, _, label = spec.rpartition(":")
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except ValueError:
+        raise UserError(f"{path} is not a JSON result") from None
+    if data.get("benchmark") != "workload":
+        raise UserError(f"{path} is not a `bench workload` result")
+    rows = [r for r in data["requests"] if r["method"] == label]
+    if not rows:
+        raise UserError(f"{path} has no method {label!r}; it has {', '.join(data['methods'])}")
+    return rows
+
+
 @bench_app.command("eviction")
 @friendly
 def bench_eviction_cmd(

@@ -348,3 +348,27 @@ def test_a_table_in_a_log_is_as_wide_as_its_columns_need_and_no_wider_than_the_c
     screen = io.StringIO()
     print_table(Console(file=screen, width=80, force_terminal=True, color_system=None), table(6))
     assert {len(line) for line in screen.getvalue().splitlines()} == {80}  # a terminal keeps its width
+
+
+def test_bench_compare_workloads_reads_two_runs_per_trace_and_writes_the_paired_result(tmp_path):
+    def run(path, rows_by_label):
+        rows = [{"request": n, "order": 0, "agreement_f1": f1, "ttft_s": 1.0, "method": label}
+                for label, f1s in rows_by_label.items() for n, f1 in enumerate(f1s)]
+        path.write_text(json.dumps({"benchmark": "workload", "requests": rows,
+                                    "methods": {label: {} for label in rows_by_label}}))
+        return str(path)
+
+    both = run(tmp_path / "both.json", {"cachecraft": [0.5, 1.0], "cachecraft[asks=1]": [1.0, 1.0]})
+    out = tmp_path / "compare.json"
+    result = runner.invoke(app, ["bench", "compare-workloads", "--base", both, "--other", both + ":cachecraft[asks=1]",
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["benchmark"] == "workload_compare" and data["agreement_f1_difference"]["mean"] == 0.25
+    assert data["requests_better"] == 1 and "1 requests better, 0 worse" in result.stdout
+    one_line_error(runner.invoke(app, ["bench", "compare-workloads", "--base", both, "--other", both + ":lru",
+                                       "--out", str(out)]), "has no method 'lru'; it has cachecraft, cachecraft[asks=1]")
+    one_line_error(runner.invoke(app, ["bench", "compare-workloads", "--base", both, "--base", both, "--other", both,
+                                       "--out", str(out)]), "give one --other per --base (2 --base, 1 --other)")
+    one_line_error(runner.invoke(app, ["bench", "compare-workloads", "--base", str(tmp_path / "none.json"),
+                                       "--other", both, "--out", str(out)]), "cannot read")

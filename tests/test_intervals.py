@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachecraft.intervals import NO_DIFFERENCE, Interval, bootstrap, paired, verdict
+from cachecraft.intervals import NO_DIFFERENCE, Interval, bootstrap, clustered, paired, verdict
 
 
 def test_a_quarter_of_ones_by_hand():
@@ -31,3 +31,18 @@ def test_paired_differences_and_their_verdicts():
     assert rounding.low > 0 and verdict(rounding, True) == NO_DIFFERENCE
     with pytest.raises(ValueError, match="length"):
         paired([1.0], [1.0, 2.0])
+
+
+def test_clusters_are_resampled_whole_by_hand():
+    # clusters a = [1, 1] and b = [0]: the mean is 2/3; resampling two clusters draws aa
+    # (mean 1, chance 1/4), ab or ba (2/3, 1/2) or bb (0, 1/4): the ends lie in the end masses
+    assert clustered([1.0, 1.0, 0.0], ["a", "a", "b"]) == Interval(pytest.approx(2 / 3), 0.0, 1.0)
+    # one value per cluster: the plain bootstrap of the values
+    assert clustered([0, 0, 0, 1], [1, 2, 3, 4]) == bootstrap([0, 0, 0, 1])
+    # weights make it a ratio of totals: (2 + 4) / (1 + 1) = 3; each cluster's own ratio is 2 or 4
+    ratio = clustered([2.0, 4.0], ["x", "y"], weights=[1.0, 1.0])
+    assert (ratio.mean, ratio.low, ratio.high) == (3.0, 2.0, 4.0)
+    # a cluster's values stay together: two clusters of one value each, repeated, give the same interval
+    assert clustered([1.0, 1.0, 0.0, 0.0], ["a", "a", "b", "b"]) == clustered([1.0, 0.0], ["a", "b"])
+    with pytest.raises(ValueError, match="differ"):
+        clustered([1.0, 2.0], ["a"])

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cachecraft.bench.workload import (TraceRequest, build_trace, keep_worth, pooled_corpus, run_workload,
-                                       warm_up)
+from cachecraft.bench.workload import (TraceRequest, build_trace, compare_runs, keep_worth, pooled_corpus,
+                                       run_workload, warm_up)
 from cachecraft.config import Config
 from cachecraft.dataset import QAItem
 from tests.conftest import tiny_model
@@ -98,6 +98,29 @@ def test_keep_worth_counts_the_exact_asks_each_keep_served_by_hand():
                               {"request": 9, "order": 2, "served": 1, "f1_before": 0.2}]
     assert worth["keep_asks_served"] == 3 and worth["keeps_serving_none"] == 1
     assert keep_worth([]) == {"keeps": [], "keep_asks_served": 0, "keeps_serving_none": 0}
+
+
+def test_two_settings_are_compared_request_by_request_resampling_whole_orders_by_hand():
+    def row(n, order, f1, ttft, kept=False):
+        return {"request": n, "order": order, "agreement_f1": f1, "ttft_s": ttft, "kept_exact": kept,
+                "reused_exact": False}
+
+    trace_a = ([row(0, 0, 0.5, 2.0), row(1, 0, 1.0, 1.0)], [row(0, 0, 1.0, 1.0, kept=True), row(1, 0, 1.0, 1.0)])
+    trace_b = ([row(0, 0, 1.0, 1.0)], [row(0, 0, 1.0, 2.0)])
+    result = compare_runs([trace_a, trace_b])
+    assert (result["requests"], result["clusters"]) == (3, 2)
+    assert result["traces"][0] == {"base": {"requests": 2, "agreement_f1": 0.75, "ttft_s_mean": 1.5, "kept_exact": 0,
+                                            "reused_exact": 0},
+                                   "other": {"requests": 2, "agreement_f1": 1.0, "ttft_s_mean": 1.0, "kept_exact": 1,
+                                             "reused_exact": 0}}
+    # differences +0.5, 0 (trace a's one order) and 0 (trace b's): the mean 1/6; two orders
+    # drawn: a twice (0.5 / 4, chance 1/4), a and b (1/6, 1/2), b twice (0, 1/4)
+    assert result["agreement_f1_difference"] == {"mean": pytest.approx(1 / 6), "low": 0.0, "high": 0.25}
+    # time, other over base: (2 + 2) / (3 + 1) = 1; a twice 4 / 6, b twice 2 / 1
+    assert result["ttft_ratio"] == {"mean": 1.0, "low": pytest.approx(2 / 3), "high": 2.0}
+    assert (result["requests_better"], result["requests_worse"]) == (1, 0)
+    with pytest.raises(ValueError, match="trace 2: the two runs did not replay the same requests"):
+        compare_runs([trace_a, ([row(0, 0, 1.0, 1.0)], [row(0, 1, 1.0, 1.0)])])
 
 
 def test_eviction_policies_replay_cachecraft_under_each(cache_dir):

@@ -245,6 +245,39 @@ def _measure(pipeline, request: TraceRequest, method: str) -> dict:
             "kept_exact": answer.kept_exact, "reused_exact": answer.reused_exact}
 
 
+def compare_runs(pairs: Sequence[tuple[Sequence[dict], Sequence[dict]]]) -> dict:
+    """Two settings over the same traces, request by request: ``pairs`` holds, per trace,
+    the base setting's rows and the other's (the same requests, in the same chunk orders).
+    Per trace its means and counts; pooled over the traces, the other's agreement F1 minus
+    the base's and the ratio of their total TTFTs (other over base), each with a 95%
+    interval that resamples whole chunk orders of a trace (one order's asks move together:
+    a keep serves them all)."""
+    from cachecraft.intervals import clustered
+
+    traces, diffs, clusters, base_ttft, other_ttft = [], [], [], [], []
+    for n, (base_rows, other_rows) in enumerate(pairs):
+        base = {r["request"]: r for r in base_rows}
+        other = {r["request"]: r for r in other_rows}
+        if base.keys() != other.keys() or any(base[k].get("order") != other[k].get("order") for k in base):
+            raise ValueError(f"trace {n + 1}: the two runs did not replay the same requests in the same chunk orders")
+        if not base:
+            raise ValueError(f"trace {n + 1}: no requests")
+        for k in sorted(base):
+            diffs.append(other[k]["agreement_f1"] - base[k]["agreement_f1"])
+            clusters.append((n, base[k].get("order")))
+            base_ttft.append(base[k]["ttft_s"])
+            other_ttft.append(other[k]["ttft_s"])
+        traces.append({side: {"requests": len(rows), "agreement_f1": statistics.fmean(r["agreement_f1"] for r in rows),
+                              "ttft_s_mean": statistics.fmean(r["ttft_s"] for r in rows),
+                              "kept_exact": sum(bool(r.get("kept_exact")) for r in rows),
+                              "reused_exact": sum(bool(r.get("reused_exact")) for r in rows)}
+                       for side, rows in (("base", base_rows), ("other", other_rows))})
+    return {"traces": traces, "requests": len(diffs), "clusters": len(set(clusters)),
+            "agreement_f1_difference": clustered(diffs, clusters).to_dict(),
+            "ttft_ratio": clustered(other_ttft, clusters, weights=base_ttft).to_dict(),
+            "requests_better": sum(d > 0 for d in diffs), "requests_worse": sum(d < 0 for d in diffs)}
+
+
 def summarize(rows: list[dict]) -> dict:
     """Aggregates of one method over the trace."""
     ttft = sorted(r["ttft_s"] for r in rows)
