@@ -366,14 +366,15 @@ def bench_compare_workloads_cmd(
 
     if len(base) != len(other):
         raise UserError(f"give one --other per --base ({len(base)} --base, {len(other)} --other)")
-    pairs = [(_workload_rows(b), _workload_rows(o)) for b, o in zip(base, other)]
+    runs = [(_workload_rows(b), _workload_rows(o)) for b, o in zip(base, other)]
+    models = sorted({model for pair in runs for _, model in pair})
     try:
-        result = compare_runs(pairs)
+        result = compare_runs([(b_rows, o_rows) for (b_rows, _), (o_rows, _) in runs])
     except ValueError as exc:
         raise UserError(str(exc)) from None
     write_result(out, {"benchmark": "workload_compare", "command": invocation(ctx, "bench compare-workloads"),
-                       "base": base, "other": other, **result})
-    table = Table(title=f"{len(pairs)} trace(s), {result['requests']} requests in {result['clusters']} chunk orders")
+                       "model": ", ".join(models), "base": base, "other": other, **result})
+    table = Table(title=f"{len(runs)} trace(s), {result['requests']} requests in {result['clusters']} chunk orders")
     for column in ("trace (base / other)", "agreement F1", "TTFT mean (s)", "kept exact", "reused exactly"):
         table.add_column(column, justify="left" if column.startswith("trace") else "right")
     for spec, trace in zip(base, result["traces"]):
@@ -392,8 +393,9 @@ def bench_compare_workloads_cmd(
     console.print(f"wrote {out}")
 
 
-def _workload_rows(spec: str) -> list[dict]:
-    """The rows of one method in a `bench workload` result, from ``FILE`` or ``FILE:LABEL``."""
+def _workload_rows(spec: str) -> tuple[list[dict], str]:
+    """The rows of one method in a `bench workload` result, from ``FILE`` or ``FILE:LABEL``,
+    and the model that ran it."""
     path, label = spec, "cachecraft"
     if ":" in spec and not spec.endswith(".json"):
         path, _, label = spec.rpartition(":")
@@ -408,7 +410,7 @@ def _workload_rows(spec: str) -> list[dict]:
     rows = [r for r in data["requests"] if r["method"] == label]
     if not rows:
         raise UserError(f"{path} has no method {label!r}; it has {', '.join(data['methods'])}")
-    return rows
+    return rows, str(data.get("model", "?"))
 
 
 @bench_app.command("eviction")

@@ -179,3 +179,18 @@ def test_workload_block_counts_kept_exact_requests_and_the_asks_they_served_wher
     assert "| kept exact (asks they served) | reused exactly |\n|---|---|---|---|---|---|---|---|---|---|---|\n" in text
     assert "| full | 1.25 | 7.00 | 0.200 | 0.144 | 0.93 | 85% | - | 0.939 | 0 (0) | 0 |" in text
     assert "| cachecraft | 1.25 | 7.00 | 0.200 | 0.144 | 0.93 | 85% | - | 0.939 | 2 (7) | 2 |" in text
+
+
+def test_a_comparison_of_workloads_has_a_row_per_trace_and_the_pooled_verdict(tmp_path):
+    side = {"requests": 90, "agreement_f1": 0.9876, "ttft_s_mean": 1.004, "kept_exact": 4, "reused_exact": 74}
+    data = {"benchmark": "workload_compare", "command": "cachecraft bench compare-workloads", "model": "m",
+            "date": "2026-12-07T00:00", "machine": {"cpu": "cpu", "cores": 2}, "base": ["r/s0.json"],
+            "other": ["r/s0.json:cachecraft[asks=1]"], "requests": 90, "clusters": 7,
+            "traces": [{"base": side, "other": {**side, "agreement_f1": 0.991, "kept_exact": 5}}],
+            "agreement_f1_difference": {"mean": 0.0034, "low": 0.001, "high": 0.0071},
+            "ttft_ratio": {"mean": 0.97, "low": 0.94, "high": 1.01}, "requests_better": 2, "requests_worse": 0}
+    text = render(tmp_path, "compare_some_name", data)
+    assert "(m, 1 traces, 90 requests in 7 chunk orders, 2026-12-07, cpu, 2 cores)" in text
+    assert "| `s0.json` / `s0.json:cachecraft[asks=1]` | 0.988 / 0.991 | 1.00 / 1.00 | 4 / 5 | 74 / 74 |" in text
+    assert ("agreement F1, other - base, +0.0034 [+0.0010, +0.0071] (better; 2 requests better, 0 worse); "
+            "total TTFT, other / base, 0.970 [0.940, 1.010].") in text

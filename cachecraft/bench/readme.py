@@ -121,6 +121,29 @@ def workload_table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def workload_compare_table(data: dict) -> str:
+    """Markdown table of a ``bench compare-workloads`` result: each trace's two runs side by
+    side, then the pooled paired differences with their intervals."""
+    from cachecraft.intervals import Interval, verdict
+
+    f1, ttft = data["agreement_f1_difference"], data["ttft_ratio"]
+    lines = [_made(data, f"{len(data['traces'])} traces, {data['requests']} requests in {data['clusters']} chunk "
+                         "orders") + ")", "",
+             "| trace: base / other | agreement F1 vs full | TTFT mean (s) | kept exact | reused exactly |",
+             "|---|---|---|---|---|"]
+    for base, other, trace in zip(data["base"], data["other"], data["traces"]):
+        b, o = trace["base"], trace["other"]
+        lines.append(f"| `{Path(base).name}` / `{Path(other).name}` | {b['agreement_f1']:.3f} / "
+                     f"{o['agreement_f1']:.3f} | {b['ttft_s_mean']:.2f} / {o['ttft_s_mean']:.2f} | "
+                     f"{b['kept_exact']} / {o['kept_exact']} | {b['reused_exact']} / {o['reused_exact']} |")
+    lines += ["", f"Pooled, request by request (95% intervals resampling whole chunk orders): agreement F1, other "
+                  f"- base, {f1['mean']:+.4f} [{f1['low']:+.4f}, {f1['high']:+.4f}] "
+                  f"({verdict(Interval(**f1), lower_is_better=False)}; {data['requests_better']} requests better, "
+                  f"{data['requests_worse']} worse); total TTFT, other / base, {ttft['mean']:.3f} "
+                  f"[{ttft['low']:.3f}, {ttft['high']:.3f}]."]
+    return "\n".join(lines)
+
+
 def store_table(data: dict) -> str:
     """Markdown table of a ``bench store`` result (headed by its command when it names one)."""
     env = data.get("environment", {})
@@ -321,6 +344,7 @@ def gpu_table(data: dict) -> str:
 # the names here are results whose table differs from their kind's.
 BY_BENCHMARK = {"quality": quality_table, "calibrate": calibrate_table, "cluster": cluster_table,
                 "diagnose": diagnose_table, "serve": serve_table, "workload": workload_table,
+                "workload_compare": workload_compare_table,
                 "store": store_table, "eviction": eviction_table, "scaling": scaling_table, "gpu": gpu_table}
 RENDERERS = {"scaling_8k_revisit": method_rows_table, "scaling_8k_sweep": method_rows_table}
 BLOCK = re.compile(r"<!-- results:([\w.\-]+) -->\n")
