@@ -361,8 +361,7 @@ def bench_compare_workloads_cmd(
             --base s1.json --other s1.json:cachecraft[asks=1]
     """
     from cachecraft.bench.common import write_result
-    from cachecraft.bench.workload import compare_runs
-    from cachecraft.intervals import verdict
+    from cachecraft.bench.workload import compare_runs, comparison_verdicts
 
     if len(base) != len(other):
         raise UserError(f"give one --other per --base ({len(base)} --base, {len(other)} --other)")
@@ -383,13 +382,7 @@ def bench_compare_workloads_cmd(
                       f"{b['ttft_s_mean']:.2f} / {o['ttft_s_mean']:.2f}", f"{b['kept_exact']} / {o['kept_exact']}",
                       f"{b['reused_exact']} / {o['reused_exact']}")
     print_table(console, table)
-    f1, ttft = result["agreement_f1_difference"], result["ttft_ratio"]
-    from cachecraft.intervals import Interval
-    console.print(f"agreement F1, other - base: {f1['mean']:+.4f} [{f1['low']:+.4f}, {f1['high']:+.4f}] "
-                  f"({verdict(Interval(**f1), lower_is_better=False)}; {result['requests_better']} requests "
-                  f"better, {result['requests_worse']} worse)", highlight=False)
-    console.print(f"total TTFT, other / base: {ttft['mean']:.3f} [{ttft['low']:.3f}, {ttft['high']:.3f}]",
-                  highlight=False)
+    console.print(comparison_verdicts(result), highlight=False)
     console.print(f"wrote {out}")
 
 

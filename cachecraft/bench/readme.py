@@ -124,9 +124,8 @@ def workload_table(data: dict) -> str:
 def workload_compare_table(data: dict) -> str:
     """Markdown table of a ``bench compare-workloads`` result: each trace's two runs side by
     side, then the pooled paired differences with their intervals."""
-    from cachecraft.intervals import Interval, verdict
+    from cachecraft.bench.workload import comparison_verdicts
 
-    f1, ttft = data["agreement_f1_difference"], data["ttft_ratio"]
     lines = [_made(data, f"{len(data['traces'])} traces, {data['requests']} requests in {data['clusters']} chunk "
                          "orders") + ")", "",
              "| trace: base / other | agreement F1 vs full | TTFT mean (s) | kept exact | reused exactly |",
@@ -136,11 +135,8 @@ def workload_compare_table(data: dict) -> str:
         lines.append(f"| `{Path(base).name}` / `{Path(other).name}` | {b['agreement_f1']:.3f} / "
                      f"{o['agreement_f1']:.3f} | {b['ttft_s_mean']:.2f} / {o['ttft_s_mean']:.2f} | "
                      f"{b['kept_exact']} / {o['kept_exact']} | {b['reused_exact']} / {o['reused_exact']} |")
-    lines += ["", f"Pooled, request by request (95% intervals resampling whole chunk orders): agreement F1, other "
-                  f"- base, {f1['mean']:+.4f} [{f1['low']:+.4f}, {f1['high']:+.4f}] "
-                  f"({verdict(Interval(**f1), lower_is_better=False)}; {data['requests_better']} requests better, "
-                  f"{data['requests_worse']} worse); total TTFT, other / base, {ttft['mean']:.3f} "
-                  f"[{ttft['low']:.3f}, {ttft['high']:.3f}]."]
+    lines += ["", "Pooled, request by request (95% intervals resampling whole chunk orders): "
+                  + comparison_verdicts(data) + "."]
     return "\n".join(lines)
 
 

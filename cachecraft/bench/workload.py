@@ -278,6 +278,18 @@ def compare_runs(pairs: Sequence[tuple[Sequence[dict], Sequence[dict]]]) -> dict
             "requests_better": sum(d > 0 for d in diffs), "requests_worse": sum(d < 0 for d in diffs)}
 
 
+def comparison_verdicts(result: dict) -> str:
+    """A :func:`compare_runs` result's pooled figures in words: the agreement F1 difference
+    and its verdict, the requests it moved, the ratio of total TTFTs."""
+    from cachecraft.intervals import Interval, verdict
+
+    f1, ttft = result["agreement_f1_difference"], result["ttft_ratio"]
+    return (f"agreement F1, other - base, {f1['mean']:+.4f} [{f1['low']:+.4f}, {f1['high']:+.4f}] "
+            f"({verdict(Interval(**f1), lower_is_better=False)}; {result['requests_better']} requests better, "
+            f"{result['requests_worse']} worse); total TTFT, other / base, {ttft['mean']:.3f} "
+            f"[{ttft['low']:.3f}, {ttft['high']:.3f}]")
+
+
 def summarize(rows: list[dict]) -> dict:
     """Aggregates of one method over the trace."""
     ttft = sorted(r["ttft_s"] for r in rows)
