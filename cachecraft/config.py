@@ -154,7 +154,7 @@ class Config:
     # so that later asks reuse it exactly and answer as full prefill does (0: never). Asks
     # count since the order was last kept exact: where its variants were evicted before any
     # ask reused them, the next keep waits twice as long as that one did (up to 8 times this)
-    exact_after_asks: int = 2
+    exact_after_asks: int = 1
     early_stop_layers: str = ""  # comma-separated layers or depths, e.g. "12,20" or "0.4,0.67"; empty: off
     early_stop_share: float = 0.25
     stats_layer_step: int = 4  # attention statistics at every 4th layer (1: every layer)

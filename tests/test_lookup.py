@@ -124,7 +124,9 @@ def test_load_fractions_come_from_the_tier_the_record_names_else_the_store():
 def test_planning_a_request_from_disk_asks_the_catalog_for_variants_once(cache_dir, monkeypatch):
     config = Config.load(overrides={"cache_dir": cache_dir, "max_new_tokens": 2}, environ={})
     with TieredStore(config, tiers=("disk",)) as store:
-        pipe = Pipeline(config, lm=tiny_model("llama"), store=store, policy=PolicyParams(alpha=0.5, check_layer=2))
+        # exact_after_asks 2: the reordered chunks' second ask is planned, not kept exact
+        pipe = Pipeline(config, lm=tiny_model("llama"), store=store,
+                        policy=PolicyParams(alpha=0.5, check_layer=2, exact_after_asks=2))
         pipe.answer(CHUNKS, QUESTION)  # makes a variant of every chunk
         calls = {"many": 0, "one": 0, "stats": 0}
         for name, counter in (("variants_of_chunks", "many"), ("variants_of", "one"), ("stats_of", "stats")):

@@ -852,7 +852,7 @@ def test_a_full_disk_costs_the_new_chunk_caches_not_the_answer(cache_dir, tmp_pa
         raise OSError(errno.ENOSPC, "No space left on device")
 
     lm = tiny_model("llama")
-    policy = PolicyParams(alpha=0.5, check_layer=2)
+    policy = PolicyParams(alpha=0.5, check_layer=2, exact_after_asks=2)  # the second ask here keeps nothing
     with TieredStore(configured(cache_dir), tiers=("disk",)) as store, \
             TieredStore(configured(tmp_path / "control"), tiers=("disk",)) as control_store:
         pipe = Pipeline(configured(cache_dir), lm=lm, store=store, policy=policy)

@@ -139,18 +139,18 @@ def test_settings_of_exact_after_asks_replay_cachecraft_under_each(cache_dir):
     config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32"}, environ={})
     cache_dir.mkdir(parents=True)
     asked = TraceRequest(ITEMS[0].question, tuple(pooled_corpus(ITEMS)[:3]), 0)  # passages of item 0, as warmed
-    result = run_workload(tiny_model("llama"), config, [asked] * 4, ["cachecraft"], exact_after=[1, 9],
+    result = run_workload(tiny_model("llama"), config, [asked] * 4, ["cachecraft"], exact_after=[2, 9],
                           budgets={"cpu": 1 << 24, "disk": 1 << 26}, max_new_tokens=2,
                           warm=warm_up(ITEMS, 0, embed=fake_embed))
-    assert list(result["methods"]) == ["full", "cachecraft", "cachecraft[asks=1]", "cachecraft[asks=9]"]
+    assert list(result["methods"]) == ["full", "cachecraft", "cachecraft[asks=2]", "cachecraft[asks=9]"]
 
     def kept(label):
         return [(r["kept_exact"], r["reused_exact"]) for r in result["requests"] if r["method"] == label]
 
     # the warmed caches answer the first ask; the order is kept exact at its second ask with
-    # the setting at 1 and its third with the default (2), then reused exactly; never at 9
-    assert kept("cachecraft[asks=1]") == [(False, False), (True, False), (False, True), (False, True)]
-    assert kept("cachecraft") == [(False, False), (False, False), (True, False), (False, True)]
+    # the default (1) and its third with the setting at 2, then reused exactly; never at 9
+    assert kept("cachecraft") == [(False, False), (True, False), (False, True), (False, True)]
+    assert kept("cachecraft[asks=2]") == [(False, False), (False, False), (True, False), (False, True)]
     assert kept("cachecraft[asks=9]") == [(False, False)] * 4
 
 

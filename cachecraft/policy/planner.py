@@ -49,7 +49,7 @@ class PolicyParams:
     # stored as a full prefill's KV after the chunks before them, is computed in full from
     # its first such chunk on and kept so, once (0: never; see rules.exact_from and
     # rules.exact_wait, which waits longer after a keep that no ask reused)
-    exact_after_asks: int = 2
+    exact_after_asks: int = 1
 
     def __post_init__(self) -> None:
         assert self.alpha >= 0, f"alpha must be >= 0, got {self.alpha}"
