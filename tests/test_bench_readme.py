@@ -190,7 +190,7 @@ def test_a_comparison_of_workloads_has_a_row_per_trace_and_the_pooled_verdict(tm
             "agreement_f1_difference": {"mean": 0.0034, "low": 0.001, "high": 0.0071},
             "ttft_ratio": {"mean": 0.97, "low": 0.94, "high": 1.01}, "requests_better": 2, "requests_worse": 0}
     text = render(tmp_path, "compare_some_name", data)
-    assert "(m, 1 traces, 90 requests in 7 chunk orders, 2026-12-07, cpu, 2 cores)" in text
+    assert "(m, 1 trace, 90 requests in 7 chunk orders, 2026-12-07, cpu, 2 cores)" in text
     assert "| `s0.json` / `s0.json:cachecraft[asks=1]` | 0.988 / 0.991 | 1.00 / 1.00 | 4 / 5 | 74 / 74 |" in text
     assert ("agreement F1, other - base, +0.0034 [+0.0010, +0.0071] (better; 2 requests better, 0 worse); "
             "total TTFT, other / base, 0.970 [0.940, 1.010].") in text

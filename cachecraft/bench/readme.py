@@ -126,8 +126,9 @@ def workload_compare_table(data: dict) -> str:
     side, then the pooled paired differences with their intervals."""
     from cachecraft.bench.workload import comparison_verdicts
 
-    lines = [_made(data, f"{len(data['traces'])} traces, {data['requests']} requests in {data['clusters']} chunk "
-                         "orders") + ")", "",
+    traces = len(data["traces"])
+    lines = [_made(data, f"{traces} trace{'s' * (traces != 1)}, {data['requests']} requests in {data['clusters']} "
+                         "chunk orders") + ")", "",
              "| trace: base / other | agreement F1 vs full | TTFT mean (s) | kept exact | reused exactly |",
              "|---|---|---|---|---|"]
     for base, other, trace in zip(data["base"], data["other"], data["traces"]):
