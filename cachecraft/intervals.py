@@ -75,9 +75,8 @@ def clustered(values: Sequence[float], clusters: Sequence[Hashable], weights: Se
     index = np.array([labels[label] for label in clusters])
     sums, totals = np.bincount(index, data), np.bincount(index, weight)  # per cluster
     rng = np.random.default_rng(seed)
-    drawn = np.apply_along_axis(np.bincount, 1, rng.integers(0, len(labels), size=(resamples, len(labels))),
-                                minlength=len(labels))  # how often each cluster is drawn, per resample
-    ratios = (drawn @ sums) / (drawn @ totals)
+    drawn = rng.integers(0, len(labels), size=(resamples, len(labels)))  # clusters drawn, per resample
+    ratios = sums[drawn].sum(axis=1) / totals[drawn].sum(axis=1)
     tail = (1.0 - confidence) / 2
     low, high = np.quantile(ratios, [tail, 1.0 - tail])
     return Interval(float(sums.sum() / totals.sum()), float(low), float(high))
