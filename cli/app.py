@@ -580,29 +580,64 @@ def evict_cmd(
 def clear_cmd(
     ctx: typer.Context,
     corpus: bool = typer.Option(False, "--corpus", help="Also delete the ingested corpus and its index."),
+    shared: bool = typer.Option(False, "--shared", help="Also empty what every node shares: all rows of the "
+                                "catalog_url database and every entry of the redis_url tier. Stop the other "
+                                "nodes first."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
 ) -> None:
     """Delete every chunk-cache and the catalog (requests, statistics) of the cache
     directory. Converted models, the config file and, unless --corpus, the ingested corpus
     stay. Other cachecraft processes using the directory must be stopped first.
 
-    Example: cachecraft clear --yes
+    With catalog_url set (a catalog several nodes share), only this node's rows go
+    (its placements, the requests it answered): chunks, variants and their
+    statistics stay for the other nodes, as do the shared tier's entries.
+    --shared empties those too.
+
+    Examples: cachecraft clear --yes
+    On a cluster, with every node stopped: cachecraft clear --shared --yes
     """
+    from cachecraft.config import hide_password
     from cachecraft.store import destroy
     config = load_config(ctx)
-    if config.catalog_url:
-        raise UserError("clear removes the SQLite catalog in the cache directory; with catalog_url "
-                        "set it is not supported yet (drop the PostgreSQL database by hand)")
+    if shared and not (config.catalog_url or config.redis_url):
+        raise UserError("--shared empties the catalog_url database and the redis_url tier that nodes share; "
+                        "neither is set, so run clear without it")
     what = "every chunk-cache and the catalog" + (" and the corpus" if corpus else "")
+    where = str(config.cache_dir)
+    if shared:
+        servers = [f"the catalog at {hide_password(config.catalog_url)}"] if config.catalog_url else []
+        servers += [f"the shared tier at {hide_password(config.redis_url)}"] if config.redis_url else []
+        where += " and everything every node stored in " + " and ".join(servers)
+    elif config.catalog_url:
+        what = "this node's chunk-caches and catalog rows" + (" and the corpus" if corpus else "")
     if not yes:
-        typer.confirm(f"Delete {what} in {config.cache_dir}?", abort=True)
-    removed = bool(destroy(config.cache_dir).removed)
+        note = " (stop every other node first)" if shared else ""
+        typer.confirm(f"Delete {what} in {where}{note}?", abort=True)
+    report = destroy(config.cache_dir, catalog_url=config.catalog_url or None,
+                     redis_url=config.redis_url or None, shared=shared)
+    removed = report.anything
     if corpus and config.corpus_dir.exists():
         from cachecraft.retrieval.corpus import Corpus
         Corpus(config.corpus_dir, config.embedder).erase()
         removed = True
-    console.print(f"deleted {what} in {config.cache_dir}" if removed else f"nothing to delete in {config.cache_dir}",
-                  highlight=False)
+    if not removed:
+        console.print(f"nothing to delete in {where}", highlight=False)
+        return
+    counts = []
+    if report.catalog_rows:
+        rows = report.catalog_rows
+        counts.append(f"{rows.get('entries', 0)} placement(s), {rows.get('requests', 0)} request(s)"
+                      + (f", {rows.get('variants', 0)} variant(s) of {rows.get('chunks', 0)} chunk(s), "
+                         f"{rows.get('nodes', 0)} node(s)" if shared else "") + " from the catalog")
+    if shared and config.redis_url:
+        counts.append(f"{report.shared_entries} entr{'y' if report.shared_entries == 1 else 'ies'} "
+                      "from the shared tier")
+    console.print(f"deleted {what} in {where}" + (f" ({'; '.join(counts)})" if counts else ""), highlight=False)
+    if config.catalog_url and not shared:
+        console.print("chunks, variants and their statistics stay in the shared catalog for the other nodes"
+                      + (", and the shared tier keeps its entries" if config.redis_url else "")
+                      + "; clear --shared empties them", highlight=False)
 
 
 @app.command("verify")

@@ -79,9 +79,12 @@ def test_evict_a_tier_and_clear_leave_no_files_or_rows(cache_dir):
     assert busy.exit_code == 1 and "other cachecraft process" in busy.output and "Traceback" not in busy.output
     assert root.is_dir() and catalog_path(cache_dir).exists()
     store.close()
+    pending = cache_dir / "pending-requests"  # requests a lost catalog left unrecorded go too
+    pending.mkdir()
+    (pending / "1234.json").write_text("[]")
     cleared = runner.invoke(app, ["clear", "--yes"])
     assert cleared.exit_code == 0 and "deleted" in cleared.output
-    assert not root.exists() and not catalog_path(cache_dir).exists()
+    assert not root.exists() and not catalog_path(cache_dir).exists() and not pending.exists()
     again = runner.invoke(app, ["clear", "--yes"])
     assert again.exit_code == 0 and "nothing to delete" in again.output
 

@@ -176,3 +176,130 @@ def test_four_nodes_share_redis_and_postgres_and_one_killed_mid_write_loses_noth
         assert report.ok, (directory, report.problems)
     used = int(client.get(f"{shared_mod.PREFIX}bytes"))
     assert used == sum(int(v) for v in client.hvals(f"{shared_mod.PREFIX}size"))
+
+
+def _two_nodes_with_a_request_each(tmp_path, redis_url: str, catalog_url: str):
+    """Nodes ``a`` and ``b`` on one catalog and Redis, each storing one chunk-cache and
+    answering one request; returns (a's kv, b's kv, a's node id, b's node id)."""
+    from cachecraft.catalog.records import RequestChunk, RequestRecord
+    kvs, nodes = (make_kv(1), make_kv(2)), []
+    for name, kv in zip("ab", kvs):
+        with TieredStore(Config(cache_dir=tmp_path / name, redis_url=redis_url, catalog_url=catalog_url),
+                         tiers=("cpu", "disk")) as store:
+            store.put(kv)
+            chunk = RequestChunk(0, kv.chunk, kv.variant, "disk")
+            store.catalog.record_request(RequestRecord("q", "reuse", (chunk,), 0.0, 0.01, 0.1, node=store.node))
+            nodes.append(store.node)
+    return (*kvs, *nodes)
+
+
+def test_clear_on_a_node_drops_its_rows_and_files_and_leaves_the_other_nodes(tmp_path, redis_server,  # noqa: F811
+                                                                            pg_url, client, monkeypatch):  # noqa: F811
+    from typer.testing import CliRunner
+
+    from cachecraft.catalog import Catalog
+    from cachecraft.store import store_paths
+    from cli.app import app
+    mine, theirs, a, b = _two_nodes_with_a_request_each(tmp_path, redis_server.url, pg_url)
+    for var, value in (("CACHE_DIR", tmp_path / "a"), ("CATALOG_URL", pg_url), ("REDIS_URL", redis_server.url)):
+        monkeypatch.setenv(f"CACHECRAFT_{var}", str(value))
+
+    result = CliRunner().invoke(app, ["clear", "--yes"])
+    assert result.exit_code == 0, result.output
+    assert "1 placement(s), 1 request(s) from the catalog" in result.output
+    assert "stay in the shared catalog" in result.output
+    assert not store_paths(tmp_path / "a")[0].exists() and store_paths(tmp_path / "b")[1].is_dir()
+    with Catalog(tmp_path, url=pg_url) as catalog, catalog.read() as tx:
+        assert {e.node for e in tx.entries()} == {b}  # a's disk row went, b's stayed
+        assert set(tx.nodes()) == {b}
+        assert tx.variant(mine.variant) is not None and tx.variant(mine.variant).tier is None  # history kept
+        assert tx.variant(theirs.variant).tier == "disk"
+        assert tx.counts()["requests"] == 1
+    assert len(client.hkeys(f"{shared_mod.PREFIX}meta")) == 2  # the shared tier is not this node's
+    with Catalog(tmp_path, url=pg_url) as catalog:
+        assert [e.kind for e in catalog.events(variant_key=mine.variant)][-1] == "clear"
+
+    # the cleared directory joins again as a new node and still finds a's chunk-cache in Redis
+    with TieredStore(Config(cache_dir=tmp_path / "a", redis_url=redis_server.url, catalog_url=pg_url),
+                     tiers=("cpu", "disk")) as again:
+        assert again.node not in (a, b)
+        assert same_kv(again.get(mine.variant), mine, again.stored_dtype)
+    for directory in "ab":
+        assert verify(tmp_path / directory, catalog_url=pg_url, redis_url=redis_server.url).ok
+
+
+def test_clear_shared_empties_the_catalog_and_the_shared_tier(tmp_path, redis_server, pg_url, client,  # noqa: F811
+                                                              monkeypatch):
+    from typer.testing import CliRunner
+
+    from cachecraft.catalog import Catalog
+    from cli.app import app
+    mine, theirs, a, b = _two_nodes_with_a_request_each(tmp_path, redis_server.url, pg_url)
+    client.set("other:key", b"not ours")
+    monkeypatch.setenv("CACHECRAFT_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv("CACHECRAFT_CATALOG_URL", pg_url)
+    monkeypatch.setenv("CACHECRAFT_REDIS_URL", redis_server.url)
+
+    refused = CliRunner().invoke(app, ["clear", "--shared"], input="n\n")
+    assert refused.exit_code == 1 and "stop every other node first" in refused.output
+    assert len(client.hkeys(f"{shared_mod.PREFIX}meta")) == 2
+    result = CliRunner().invoke(app, ["clear", "--shared", "--yes"])
+    assert result.exit_code == 0, result.output
+    assert "2 placement(s), 2 request(s), 2 variant(s) of 2 chunk(s), 2 node(s)" in result.output
+    assert "2 entries from the shared tier" in result.output
+    assert client.keys(f"{shared_mod.PREFIX}*") == [] and client.get("other:key") == b"not ours"
+    with Catalog(tmp_path, url=pg_url) as catalog, catalog.read() as tx:
+        counts = tx.counts()
+        assert counts["chunks"] == counts["variants"] == counts["requests"] == 0
+        assert tx.entries() == [] and tx.nodes() == {}
+    # b's own directory stays; opened again, it joins anew and records its blob
+    with TieredStore(Config(cache_dir=tmp_path / "b", redis_url=redis_server.url, catalog_url=pg_url),
+                     tiers=("cpu", "disk")) as store_b:
+        assert store_b.node == b
+        assert same_kv(store_b.get(theirs.variant), theirs, store_b.stored_dtype)
+    assert verify(tmp_path / "b", catalog_url=pg_url, redis_url=redis_server.url).ok
+
+
+def test_clear_shared_with_the_shared_tier_down_says_what_was_done_and_keeps_the_directory(
+        tmp_path, redis_server, pg_url, monkeypatch):  # noqa: F811
+    from typer.testing import CliRunner
+
+    from cachecraft.store import store_paths
+    from cli.app import app
+    _two_nodes_with_a_request_each(tmp_path, redis_server.url, pg_url)
+    redis_server.stop()
+    monkeypatch.setenv("CACHECRAFT_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv("CACHECRAFT_CATALOG_URL", pg_url)
+    monkeypatch.setenv("CACHECRAFT_REDIS_URL", redis_server.url)
+    result = CliRunner().invoke(app, ["clear", "--shared", "--yes"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "the shared catalog was emptied, but redis_url" in result.output
+    assert "run clear --shared again" in result.output
+    assert store_paths(tmp_path / "a")[0].is_dir()
+    redis_server.start()
+    again = CliRunner().invoke(app, ["clear", "--shared", "--yes"])
+    assert again.exit_code == 0, again.output
+    assert not store_paths(tmp_path / "a")[0].exists()
+
+
+def test_clear_shared_without_servers_is_refused(cache_dir):
+    from typer.testing import CliRunner
+
+    from cli.app import app
+    result = CliRunner().invoke(app, ["clear", "--shared", "--yes"])
+    assert result.exit_code == 1 and "neither is set" in result.output
+
+
+def test_clear_with_the_catalog_unreachable_deletes_nothing(tmp_path, redis_server, pg_url, monkeypatch):  # noqa: F811
+    from typer.testing import CliRunner
+
+    from cachecraft.store import store_paths
+    from cli.app import app
+    from tests.servers import free_port
+    _two_nodes_with_a_request_each(tmp_path, redis_server.url, pg_url)
+    monkeypatch.setenv("CACHECRAFT_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv("CACHECRAFT_CATALOG_URL", f"postgresql+psycopg://nobody@127.0.0.1:{free_port()}/none")
+    result = CliRunner().invoke(app, ["clear", "--yes"])
+    assert result.exit_code == 1 and "Traceback" not in result.output and "catalog_url" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert len(list(store_paths(tmp_path / "a")[1].rglob("*.val"))) == 1

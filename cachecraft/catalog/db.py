@@ -483,6 +483,37 @@ class CatalogTx:
             self.event(kind, rec.variant_key, rec.tier, None, rec.nbytes, owner)
         return removed
 
+    def forget_node(self, node: str) -> dict[str, int]:
+        """Drop what one node of a shared catalog holds: its placements (its disk tier's and
+        its processes' memory rows, each logged as a ``clear`` event), the requests it
+        answered, and its membership, so that the directory joins anew when next opened.
+        Chunks, variants and their statistics stay: every node reads them. Returns the rows
+        deleted (``entries``, ``requests``)."""
+        rows = list(self.session.scalars(select(Entry).where(Entry.node == node)))
+        for row in rows:
+            self.session.delete(row)
+        self.session.flush()
+        for key in {row.variant_key for row in rows}:
+            self.refresh_tier(key)
+        for row in rows:
+            self.event("clear", row.variant_key, row.tier, None, row.nbytes, row.owner)
+        answered = select(Request.id).where(Request.node == node)
+        self.session.execute(delete(RequestChunkRow).where(RequestChunkRow.request_id.in_(answered)))
+        requests = self.session.execute(delete(Request).where(Request.node == node)).rowcount
+        self.session.execute(delete(SchemaInfo).where(SchemaInfo.key == NODE_PREFIX + node))
+        return {"entries": len(rows), "requests": int(requests or 0)}
+
+    def empty(self) -> dict[str, int]:
+        """Delete every row of every table (chunks, variants and their statistics,
+        placements, requests, events, model profiles) and every node's membership; the
+        schema and its version stay. Returns the rows deleted per table."""
+        deleted = {}
+        for model in (RequestChunkRow, Request, TierEvent, Entry, Variant, Chunk, ModelProfile):
+            deleted[model.__tablename__] = int(self.session.execute(delete(model)).rowcount or 0)
+        gone = self.session.execute(delete(SchemaInfo).where(SchemaInfo.key.startswith(NODE_PREFIX)))
+        deleted["nodes"] = int(gone.rowcount or 0)
+        return deleted
+
     def variant_tiers(self) -> dict[str, str | None]:
         """The recorded ``tier`` of every variant."""
         return dict(self.session.execute(select(Variant.key, Variant.tier)).all())

@@ -12,13 +12,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from cachecraft.catalog import TIERS, Catalog, remove_catalog
-from cachecraft.store.errors import SelectorError, StoreBusyError, StoreConfigError
+from cachecraft.catalog.pending import PENDING_DIR
+from cachecraft.store.errors import SelectorError, SharedTierError, StoreBusyError, StoreConfigError
 from cachecraft.store.locks import FileLock, live_owners, owner_alive
+from cachecraft.store.nodes import node_id
 from cachecraft.store.placement import NoRoom, disk_victims
 from cachecraft.store.paths import MAINTENANCE_LOCK, store_paths
 from cachecraft.store.recover import rebuild_from_disk
@@ -51,9 +53,17 @@ class EvictReport:
 
 @dataclass(frozen=True)
 class DestroyReport:
-    """Paths :func:`destroy` deleted (empty when there was nothing to delete)."""
+    """What :func:`destroy` deleted: local paths (empty when there were none), rows of a
+    shared catalog (per kind), and how many entries the shared tier held."""
 
     removed: tuple[str, ...] = ()
+    catalog_rows: dict[str, int] = field(default_factory=dict)
+    shared_entries: int = 0
+
+    @property
+    def anything(self) -> bool:
+        """Whether anything at all was deleted."""
+        return bool(self.removed or any(self.catalog_rows.values()) or self.shared_entries)
 
 
 def recover_catalog(store: TieredStore) -> bool:
@@ -284,19 +294,40 @@ def _unreached(store: TieredStore, failures_before: int) -> str | None:
     return store.shared.where if _shared_failures(store) > failures_before else None
 
 
-def destroy(cache_dir: str | Path, *, lock_timeout_s: float = 10.0) -> DestroyReport:
-    """Delete the store (every tier's files and the locks) and the catalog of ``cache_dir``;
-    whatever else the directory holds (corpus, converted models, config) stays.
+def destroy(cache_dir: str | Path, *, catalog_url: str | None = None, redis_url: str | None = None,
+            shared: bool = False, lock_timeout_s: float = 10.0) -> DestroyReport:
+    """Delete the store (every tier's files, the locks, requests waiting to be recorded)
+    and the catalog of ``cache_dir``; whatever else the directory holds (corpus,
+    converted models, config) stays.
+
+    With ``catalog_url`` (a catalog several nodes share) only this node's rows go: its
+    placements, the requests it answered and its membership; chunks, variants and their
+    statistics stay for the other nodes. ``shared`` empties what the nodes share instead:
+    every row of the catalog and, with ``redis_url``, every entry of the shared tier (the
+    other nodes must be stopped; their own directories stay, and are recorded again when
+    they next start).
 
     Works without opening a store. Raises :class:`StoreBusyError`, deleting nothing,
     while another process has a store open there or writes to the disk tier for longer
-    than ``lock_timeout_s``.
+    than ``lock_timeout_s``; a catalog server that cannot be reached deletes nothing
+    either. The catalog goes before the local files, so a failure between them leaves
+    files that the directory records anew when next opened.
     """
     root, _, locks = store_paths(cache_dir)
     busy = live_owners(locks)
     if busy:
         raise StoreBusyError(f"{len(busy)} other cachecraft process(es) are using {cache_dir}; "
                              "stop them, then run clear again")
+    rows: dict[str, int] = {}
+    node = node_id(root)
+    if catalog_url and (shared or node):
+        catalog = Catalog(cache_dir, url=catalog_url)
+        try:
+            with catalog.write() as tx:
+                rows = tx.empty() if shared else tx.forget_node(node)
+        finally:
+            catalog.close()
+    entries = _empty_shared_tier(redis_url, emptied_catalog=bool(rows)) if shared and redis_url else 0
     removed = []
     exclusive = (FileLock(locks / MAINTENANCE_LOCK).exclusive(lock_timeout_s) if locks.is_dir()
                  else contextlib.nullcontext(True))  # no locks directory: no store to wait for
@@ -307,4 +338,23 @@ def destroy(cache_dir: str | Path, *, lock_timeout_s: float = 10.0) -> DestroyRe
             shutil.rmtree(root)
             removed.append(str(root))
         removed += [str(path) for path in remove_catalog(cache_dir)]
-    return DestroyReport(tuple(removed))
+        pending = Path(cache_dir) / PENDING_DIR
+        if pending.exists():
+            shutil.rmtree(pending)
+            removed.append(str(pending))
+    return DestroyReport(tuple(removed), rows, entries)
+
+
+def _empty_shared_tier(url: str, *, emptied_catalog: bool) -> int:
+    """Every entry of the shared tier deleted; how many there were. One line naming
+    ``redis_url`` (and what was already done) when the server does not answer."""
+    from cachecraft.store.shared import RedisTier
+    tier = RedisTier(url, 0)
+    try:
+        return tier.clear()
+    except tier._redis_errors as exc:
+        done = "the shared catalog was emptied, but " if emptied_catalog else ""
+        raise SharedTierError(f"{done}redis_url {tier.where} cannot be reached ({str(exc).splitlines()[0]}); "
+                              "start the server, then run clear --shared again") from None
+    finally:
+        tier.close()

@@ -257,6 +257,20 @@ class RedisTier:
 
         return self._call("delete", run)
 
+    def clear(self) -> int:
+        """Delete the whole tier, every node's entries (each ``cachecraft:*`` key); returns
+        how many entries it held. Unlike the request path, a Redis error is raised."""
+        entries = int(self.client.hlen(f"{PREFIX}meta"))
+        batch: list[bytes] = []
+        for key in self.client.scan_iter(match=f"{PREFIX}*", count=500):
+            batch.append(key)
+            if len(batch) == 500:
+                self.client.unlink(*batch)
+                batch = []
+        if batch:
+            self.client.unlink(*batch)
+        return entries
+
     def _drop_corrupt(self, variant: str, why: str) -> None:
         self.counters.corrupt += 1
         log.warning("dropped damaged shared entry %s from %s: %s", variant, self.where, why)
