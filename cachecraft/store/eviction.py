@@ -209,7 +209,25 @@ class _Scored:
     tick: int
 
 
-class PGDSFPolicy(EvictionPolicy):
+class _ByPriority(EvictionPolicy):
+    """Lowest priority evicted first, the least recently used among equals; ``_state``
+    maps each key the tier holds to a record with its last access ``tick``."""
+
+    _state: dict
+
+    @abstractmethod
+    def priorities(self) -> dict[str, float]:
+        """Current priority of every entry (lowest is evicted first)."""
+
+    def candidates(self) -> list[str]:
+        prio = self.priorities()
+        return sorted(self._state, key=lambda k: (prio[k], self._state[k].tick))
+
+    def keys(self) -> set[str]:
+        return set(self._state)
+
+
+class PGDSFPolicy(_ByPriority):
     """GDSF with RAGCache's prefill-time cost: ``clock + frequency * cost / size``."""
 
     name = "pgdsf"
@@ -252,12 +270,6 @@ class PGDSFPolicy(EvictionPolicy):
         """Current priority of every entry (lowest is evicted first)."""
         return {k: s.base + self.value(s) for k, s in self._state.items()}
 
-    def candidates(self) -> list[str]:
-        prio = self.priorities()
-        return sorted(self._state, key=lambda k: (prio[k], self._state[k].tick))
-
-    def keys(self) -> set[str]:
-        return set(self._state)
 
 
 class CacheCraftPolicy(PGDSFPolicy):
@@ -307,7 +319,7 @@ class _Held:
     tick: int  # the last access, for ties
 
 
-class DecayPolicy(EvictionPolicy):
+class DecayPolicy(_ByPriority):
     """``cachecraft``'s value with a decayed access count in place of the clock.
 
     Expected reuse is a decayed count of accesses that is kept for keys the tier no
@@ -373,12 +385,6 @@ class DecayPolicy(EvictionPolicy):
         return _discounted_by_rank({k: (h.info.chunk, self.value(k), h.tick) for k, h in self._state.items()},
                                    self.redundancy_discount, most_recent_first=True)
 
-    def candidates(self) -> list[str]:
-        prio = self.priorities()
-        return sorted(self._state, key=lambda k: (prio[k], self._state[k].tick))
-
-    def keys(self) -> set[str]:
-        return set(self._state)
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
