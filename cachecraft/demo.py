@@ -18,7 +18,7 @@ from cachecraft.dataset import load_items
 from cachecraft.display import print_table, saved
 from cachecraft.metrics import first_line
 from cachecraft.model.loader import LoadedModel
-from cachecraft.progress import bar as progress_bar
+from cachecraft.progress import bar as progress_bar, spinner
 
 DEMO_METHODS = ("cachecraft", "full")
 SAMPLE_CORPUS = Path("data/kestrel")
@@ -79,7 +79,7 @@ def _prepare(pipe, corpus: Path, console: Console) -> None:
 
 
 def _ask(pipe, question: str, gold: tuple[str, ...], console: Console) -> dict:
-    with console.status(f"answering: {question}"):
+    with spinner(console, f"answering: {question}"):
         answers = {method: pipe.query(question, method=method) for method in DEMO_METHODS}
     cc, full = answers["cachecraft"], answers["full"]
     table = Table(title=f"{question}  ({cc.prompt_tokens} prompt tokens, {len(cc.chunks)} chunks; "

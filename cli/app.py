@@ -28,7 +28,7 @@ from .bench import bench_app
 from .serve import register as register_serve
 from .common import (CONTEXT, METHODS_HELP, UserError, console, err_console, friendly, invocation, load_config,
                      load_model_quietly, nonempty_path, progress_bar, quiet_libraries,
-                     shared_tier_failures_reported_here, summarize_commands)
+                     shared_tier_failures_reported_here, summarize_commands, working)
 
 app = typer.Typer(help="cachecraft: reuse per-chunk KV caches for RAG, recompute only what matters.",
                   context_settings=CONTEXT, no_args_is_help=True, add_completion=False)
@@ -73,7 +73,7 @@ def check_model_cmd(
     from cachecraft.checks import check_model
     config = load_config(ctx, model=model)
     lm = load_model_quietly(config, model)
-    with console.status("checking ..."):
+    with working("checking ..."):
         report = check_model(lm, prompts=prompts, tolerance=tolerance)
     if as_json:
         print(json.dumps(report.to_dict(), indent=2))

@@ -187,7 +187,7 @@ def ensure_dir(path: Path) -> Path:
 def load_model_quietly(config: Config, name: str | None = None):
     """Load the configured (or named) model behind a spinner."""
     from cachecraft.model.loader import load_model
-    with console.status(f"loading model {name or config.model} ..."):
+    with working(f"loading model {name or config.model} ..."):
         return load_model(name, config)
 
 

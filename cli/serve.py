@@ -12,7 +12,7 @@ from typing import Any, Optional
 import typer
 
 from . import STARTED
-from .common import UserError, console, err_console, friendly, load_config
+from .common import UserError, console, err_console, friendly, load_config, working
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -62,7 +62,7 @@ def serve_cmd(ctx: typer.Context,
         listening.close()
         raise
     try:
-        with console.status("measuring the prefill cost (once per model and machine) ..."):
+        with working("measuring the prefill cost (once per model and machine) ..."):
             pipe.ensure_cost_model()
         if len(pipe.corpus):
             pipe.corpus.load_embedder()

@@ -115,3 +115,23 @@ def test_a_conversion_reads_each_gguf_file_once_and_puts_gguf_back(tmp_path):
         raise RuntimeError("a conversion that fails")
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
     assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+
+
+def test_the_gguf_conversion_bar_is_off_while_transformers_bars_are_off():
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    from cachecraft.model.loader import _gguf_read_once
+
+    original, was_enabled = gguf_utils.tqdm, hf_logging.is_progress_bar_enabled()
+    try:
+        hf_logging.enable_progress_bar()
+        with _gguf_read_once():
+            assert gguf_utils.tqdm is original  # bars on: the conversion's bar too
+        hf_logging.disable_progress_bar()  # what the command line does
+        with _gguf_read_once():
+            assert gguf_utils.tqdm(range(3)).disable
+            assert list(gguf_utils.tqdm(range(3), desc="x")) == [0, 1, 2]
+        assert gguf_utils.tqdm is original
+    finally:
+        (hf_logging.enable_progress_bar if was_enabled else hf_logging.disable_progress_bar)()

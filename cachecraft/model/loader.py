@@ -154,7 +154,8 @@ def _gguf_read_once() -> Iterator[None]:
             readers[key] = make_reader(path, mode)
         return readers[key]
 
-    with _GGUF_PATCH:  # two conversions in one process take turns, so each puts back the originals
+    # two conversions in one process take turns, so each puts back the originals
+    with _GGUF_PATCH, _gguf_bar_obeys_transformers():
         make_reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
         gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.lru_cache(maxsize=None)(name_map)
         try:
@@ -162,6 +163,25 @@ def _gguf_read_once() -> Iterator[None]:
         finally:
             gguf.GGUFReader, gguf.get_tensor_name_map = make_reader, name_map
             readers.clear()
+
+
+@contextmanager
+def _gguf_bar_obeys_transformers() -> Iterator[None]:
+    """transformers draws the GGUF conversion's bar with tqdm itself, past its own switch for
+    progress bars (``disable_progress_bar``, which the command line turns off); while that
+    switch is off, so is this bar (in a log it was a run of carriage-return updates)."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None or hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
 
 
 def model_fingerprint(model: torch.nn.Module, tokenizer, dtype: torch.dtype) -> str:
