@@ -583,6 +583,10 @@ def clear_cmd(
     shared: bool = typer.Option(False, "--shared", help="Also empty what every node shares: all rows of the "
                                 "catalog_url database and every entry of the redis_url tier. Stop the other "
                                 "nodes first."),
+    node: Optional[str] = typer.Option(None, "--node", metavar="ID",
+                                       help="Only drop the catalog_url rows of another node, one gone for good "
+                                       "(the start of its id, from the node column of `cachecraft stats`); "
+                                       "nothing of this directory is touched."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
 ) -> None:
     """Delete every chunk-cache and the catalog (requests, statistics) of the cache
@@ -596,10 +600,14 @@ def clear_cmd(
 
     Examples: cachecraft clear --yes
     On a cluster, with every node stopped: cachecraft clear --shared --yes
+    A node gone for good: cachecraft clear --node 3f9a1c
     """
     from cachecraft.config import hide_password
     from cachecraft.store import destroy
     config = load_config(ctx)
+    if node is not None:
+        _forget_node(config, node, corpus=corpus, shared=shared, yes=yes)
+        return
     if shared and not (config.catalog_url or config.redis_url):
         raise UserError("--shared empties the catalog_url database and the redis_url tier that nodes share; "
                         "neither is set, so run clear without it")
@@ -638,6 +646,22 @@ def clear_cmd(
         console.print("chunks, variants and their statistics stay in the shared catalog for the other nodes"
                       + (", and the shared tier keeps its entries" if config.redis_url else "")
                       + "; clear --shared empties them", highlight=False)
+
+
+def _forget_node(config, node: str, *, corpus: bool, shared: bool, yes: bool) -> None:
+    """``clear --node``: another node's rows of the shared catalog."""
+    from cachecraft.config import hide_password
+    from cachecraft.store.maintenance import forget_node
+    if corpus or shared:
+        raise UserError("--node drops another node's catalog rows only; give it without --corpus and --shared")
+    if not config.catalog_url:
+        raise UserError("--node drops a node's rows from a catalog several nodes share; catalog_url is not set")
+    where = hide_password(config.catalog_url)
+    if not yes:
+        typer.confirm(f"Delete the rows of node {node.strip()}... from the catalog at {where}?", abort=True)
+    name, rows = forget_node(config.cache_dir, config.catalog_url, node)
+    console.print(f"deleted node {name} from the catalog at {where} ({rows['entries']} placement(s), "
+                  f"{rows['requests']} request(s)); chunks, variants and their statistics stay", highlight=False)
 
 
 @app.command("verify")

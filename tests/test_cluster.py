@@ -303,3 +303,36 @@ def test_clear_with_the_catalog_unreachable_deletes_nothing(tmp_path, redis_serv
     assert result.exit_code == 1 and "Traceback" not in result.output and "catalog_url" in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert len(list(store_paths(tmp_path / "a")[1].rglob("*.val"))) == 1
+
+
+def test_clear_node_drops_another_node_s_rows_only(tmp_path, redis_server, pg_url, monkeypatch):  # noqa: F811
+    from typer.testing import CliRunner
+
+    from cachecraft.catalog import Catalog
+    from cachecraft.store import store_paths
+    from cli.app import app
+    mine, theirs, a, b = _two_nodes_with_a_request_each(tmp_path, redis_server.url, pg_url)
+    monkeypatch.setenv("CACHECRAFT_CACHE_DIR", str(tmp_path / "a"))
+    monkeypatch.setenv("CACHECRAFT_CATALOG_URL", pg_url)
+
+    def clear(*args: str):
+        return CliRunner().invoke(app, ["clear", "--yes", *args])
+
+    own = clear("--node", a[:8])
+    assert own.exit_code == 1 and "this cache directory's own node" in own.output
+    unknown = clear("--node", "zzzzzzzz")
+    assert unknown.exit_code == 1 and "no node of the catalog" in unknown.output and a in unknown.output
+    short = clear("--node", b[:3])
+    assert short.exit_code == 1 and "at least 6 characters" in short.output
+    mixed = clear("--node", b, "--shared")
+    assert mixed.exit_code == 1 and "without --corpus and --shared" in mixed.output
+    result = clear("--node", b[:6].upper())
+    assert result.exit_code == 0, result.output
+    assert f"deleted node {b} " in result.output and "1 placement(s), 1 request(s)" in result.output
+    with Catalog(tmp_path, url=pg_url) as catalog, catalog.read() as tx:
+        assert set(tx.nodes()) == {a} and {e.node for e in tx.entries()} == {a}
+        assert tx.counts()["requests"] == 1 and tx.variant(theirs.variant).tier is None
+    assert store_paths(tmp_path / "a")[0].is_dir() and store_paths(tmp_path / "b")[0].is_dir()
+    monkeypatch.delenv("CACHECRAFT_CATALOG_URL")
+    alone = clear("--node", b)
+    assert alone.exit_code == 1 and "catalog_url is not set" in alone.output

@@ -483,6 +483,13 @@ class CatalogTx:
             self.event(kind, rec.variant_key, rec.tier, None, rec.nbytes, owner)
         return removed
 
+    def node_ids(self) -> set[str]:
+        """Every node id the catalog names: members, and nodes with placements or requests."""
+        named = set(self.nodes())
+        for column in (Entry.node, Request.node):
+            named |= set(self.session.scalars(select(column).where(column != "").distinct()))
+        return named
+
     def forget_node(self, node: str) -> dict[str, int]:
         """Drop what one node of a shared catalog holds: its placements (its disk tier's and
         its processes' memory rows, each logged as a ``clear`` event), the requests it

@@ -345,6 +345,36 @@ def destroy(cache_dir: str | Path, *, catalog_url: str | None = None, redis_url:
     return DestroyReport(tuple(removed), rows, entries)
 
 
+def forget_node(cache_dir: str | Path, catalog_url: str, prefix: str) -> tuple[str, dict[str, int]]:
+    """Drop the rows of another node of the shared catalog at ``catalog_url`` (one gone for
+    good): its placements, the requests it answered, its membership. ``prefix`` names it
+    (the start of its id, as ``cachecraft stats`` shows it); this directory's
+    own node is refused (``clear`` drops it with its files). Returns (node id, rows deleted
+    per kind); :class:`SelectorError` when ``prefix`` names no node or several."""
+    wanted = prefix.strip().lower()
+    if len(wanted) < MIN_PREFIX:
+        raise SelectorError(f"give at least {MIN_PREFIX} characters of the node id (the node column of "
+                            "`cachecraft stats`)")
+    own = node_id(store_paths(cache_dir)[0])
+    catalog = Catalog(cache_dir, url=catalog_url)
+    try:
+        with catalog.write() as tx:
+            known = tx.node_ids()
+            matched = sorted(n for n in known if n.lower().startswith(wanted))
+            if not matched:
+                raise SelectorError(f"no node of the catalog at {catalog.where} has an id starting with "
+                                    f"{wanted!r}; it names {len(known)}: {', '.join(sorted(known)) or 'none'}")
+            if len(matched) > 1:
+                raise SelectorError(f"{wanted!r} matches {len(matched)} nodes; give more characters")
+            node = matched[0]
+            if node == own:
+                raise SelectorError(f"{node} is this cache directory's own node; run clear without --node "
+                                    "to drop it with its files")
+            return node, tx.forget_node(node)
+    finally:
+        catalog.close()
+
+
 def _empty_shared_tier(url: str, *, emptied_catalog: bool) -> int:
     """Every entry of the shared tier deleted; how many there were. One line naming
     ``redis_url`` (and what was already done) when the server does not answer."""
