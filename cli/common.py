@@ -111,6 +111,9 @@ def friendly(func: Callable) -> Callable:
 
 def quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # read at import, so the processes a command starts (bench cluster's nodes) load models
+    # without transformers' bars too
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # a damaged PDF is reported as ingest's own one line; pypdf's warnings about it add nothing
     logging.getLogger("pypdf").setLevel(logging.ERROR)
     try:

@@ -372,3 +372,14 @@ def test_bench_compare_workloads_reads_two_runs_per_trace_and_writes_the_paired_
                                        "--out", str(out)]), "give one --other per --base (2 --base, 1 --other)")
     one_line_error(runner.invoke(app, ["bench", "compare-workloads", "--base", str(tmp_path / "none.json"),
                                        "--other", both, "--out", str(out)]), "cannot read")
+
+
+def test_processes_a_command_starts_load_models_without_transformers_bars(monkeypatch):
+    from cli.common import quiet_libraries
+
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS", raising=False)
+    quiet_libraries()  # as every command does first
+    child = subprocess.run([sys.executable, "-c", "from transformers.utils import logging; "
+                            "print(logging.is_progress_bar_enabled())"],
+                           env=dict(os.environ), capture_output=True, text=True, timeout=120)
+    assert child.stdout.strip() == "False", child.stderr
