@@ -692,8 +692,9 @@ def bench_serve_cmd(
     model: Optional[str] = typer.Option(None, help="Model (default: config model)."),
 ) -> None:
     """Concurrent clients against `cachecraft serve` on this machine (a fresh server per
-    method and client count): throughput, client-side TTFT percentiles (queueing
-    included) and hit rate per tier, with `full` on the same trace as the baseline.
+    method and client count, every method run at one client count before the next):
+    throughput, client-side TTFT percentiles (queueing included) and hit rate per tier,
+    with `full` on the same trace as the baseline.
 
     Example: cachecraft bench serve --dataset musique_dev.json --clients 1,2,4,8"""
     import tempfile

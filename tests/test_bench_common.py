@@ -131,3 +131,11 @@ def test_write_script_result_names_the_benchmark_model_and_dataset(tmp_path):
     assert (written["benchmark"], written["model"], written["dataset"], written["items"]) == (
         "a_measurement", "smollm2", str(tmp_path / "items.json"), 3)
     assert "machine" in written
+
+
+def test_serve_runs_are_made_side_by_side_alternating_which_method_goes_first():
+    from cachecraft.bench.serving import run_order
+
+    assert run_order([1, 2, 4], ["cachecraft", "full"]) == [("cachecraft", 1), ("full", 1), ("full", 2),
+                                                             ("cachecraft", 2), ("cachecraft", 4), ("full", 4)]
+    assert run_order([8], ["full"]) == [("full", 8)]

@@ -190,8 +190,8 @@ def test_bench_serve_runs_clients_against_fresh_servers(tiny_dir, tmp_path):
     env = {"CACHECRAFT_MODEL": str(tiny_dir), "CACHECRAFT_KV_DTYPE": "float32", "OMP_NUM_THREADS": "1"}
     runs = run_serving(trace, clients=[1, 2], methods=["cachecraft", "full"], max_tokens=3, workdir=tmp_path / "w",
                        models_dir=models, env=env)
-    assert [(r["method"], r["clients"]) for r in runs] == [("cachecraft", 1), ("cachecraft", 2), ("full", 1),
-                                                            ("full", 2)]
+    assert [(r["method"], r["clients"], r["started"]) for r in runs] == [
+        ("cachecraft", 1, 0), ("cachecraft", 2, 3), ("full", 1, 1), ("full", 2, 2)]  # made side by side
     for run in runs:
         assert run["requests"] == 6 and run["errors"] == [] and run["throughput_rps"] > 0
         assert run["client_ttft_s"]["p50"] <= run["client_ttft_s"]["p99"]

@@ -3,7 +3,8 @@
 A Zipf trace of MuSiQue-format requests (as ``bench workload`` makes it) is sent by N
 client threads at once (each takes the next request as soon as its last one is
 answered), with the retrieved chunks as ``documents``, streamed, to a server started
-fresh (empty cache directory) for every method and client count. Per run: throughput,
+fresh (empty cache directory) for every method and client count; the methods take turns
+at each client count, so that the machine's drift over the run falls on each alike. Per run: throughput,
 time to first token as the client sees it (queueing included) at the 50th, 90th and
 99th percentile, the server's own TTFT, and hit rate per tier. ``full`` on the same
 trace is the baseline.
@@ -142,21 +143,31 @@ def run_clients(url: str, trace: Sequence[TraceRequest], clients: int, method: s
             "rows": sorted(rows, key=lambda r: r["index"])}
 
 
+def run_order(clients: Sequence[int], methods: Sequence[str]) -> list[tuple[str, int]]:
+    """The (method, client count) runs in the order they are made: every method at one
+    client count before the next count, the methods' order reversed at every other count,
+    so that drift in this machine's speed over the run weighs on each method alike."""
+    order = []
+    for i, n in enumerate(clients):
+        order += [(method, n) for method in (methods if i % 2 == 0 else list(reversed(methods)))]
+    return order
+
+
 def run_serving(trace: Sequence[TraceRequest], *, clients: Sequence[int], methods: Sequence[str], max_tokens: int,
                 workdir: Path, models_dir: Path, env: dict[str, str],
                 on_step: Callable[[str], None] | None = None) -> list[dict]:
     """Every (method, client count) on a fresh server (an empty cache directory whose
-    ``models`` folder links to ``models_dir``, so converted models are reused); one
-    result per run."""
-    results = []
-    for method in methods:
-        for n in clients:
-            if on_step:
-                on_step(f"{method}, {n} client(s)")
-            cache_dir = fresh_cache_dir(workdir / f"{method}-{n}", models_dir)
-            server = Server(cache_dir, {**env, "CACHECRAFT_SERVER_QUEUE": str(max(n, 1))})
-            try:
-                results.append(run_clients(server.url, trace, n, method, max_tokens))
-            finally:
-                server.stop()
-    return results
+    ``models`` folder links to ``models_dir``, so converted models are reused), made in
+    :func:`run_order`; one result per run, listed method by method, each with ``started``
+    (its place in that order, from 0)."""
+    made = {}
+    for started, (method, n) in enumerate(run_order(clients, methods)):
+        if on_step:
+            on_step(f"{method}, {n} client(s)")
+        cache_dir = fresh_cache_dir(workdir / f"{method}-{n}", models_dir)
+        server = Server(cache_dir, {**env, "CACHECRAFT_SERVER_QUEUE": str(max(n, 1))})
+        try:
+            made[method, n] = {**run_clients(server.url, trace, n, method, max_tokens), "started": started}
+        finally:
+            server.stop()
+    return [made[method, n] for method in methods for n in clients]
