@@ -4,10 +4,10 @@ A Zipf trace of MuSiQue-format requests (as ``bench workload`` makes it) is sent
 client threads at once (each takes the next request as soon as its last one is
 answered), with the retrieved chunks as ``documents``, streamed, to a server started
 fresh (empty cache directory) for every method and client count; the methods take turns
-at each client count, so that the machine's drift over the run falls on each alike. Per run: throughput,
-time to first token as the client sees it (queueing included) at the 50th, 90th and
-99th percentile, the server's own TTFT, and hit rate per tier. ``full`` on the same
-trace is the baseline.
+at each client count, so that the machine's drift over the run falls on each alike. Per
+run: throughput, time to first token as the client sees it (queueing included) at the
+50th, 90th and 99th percentile, the server's own TTFT, and hit rate per tier. ``full``
+on the same trace is the baseline.
 """
 
 from __future__ import annotations

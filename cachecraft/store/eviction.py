@@ -271,7 +271,6 @@ class PGDSFPolicy(_ByPriority):
         return {k: s.base + self.value(s) for k, s in self._state.items()}
 
 
-
 class CacheCraftPolicy(PGDSFPolicy):
     """Expected reuse x compute saved per byte, with redundant variants discounted."""
 
@@ -384,7 +383,6 @@ class DecayPolicy(_ByPriority):
         # before any request could use it. The sibling used last fits today's requests.
         return _discounted_by_rank({k: (h.info.chunk, self.value(k), h.tick) for k, h in self._state.items()},
                                    self.redundancy_discount, most_recent_first=True)
-
 
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
