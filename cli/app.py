@@ -642,10 +642,11 @@ def clear_cmd(
         counts.append(f"{report.shared_entries} entr{'y' if report.shared_entries == 1 else 'ies'} "
                       "from the shared tier")
     console.print(f"deleted {what} in {where}" + (f" ({'; '.join(counts)})" if counts else ""), highlight=False)
-    if config.catalog_url and not shared:
-        console.print("chunks, variants and their statistics stay in the shared catalog for the other nodes"
-                      + (", and the shared tier keeps its entries" if config.redis_url else "")
-                      + "; clear --shared empties them", highlight=False)
+    kept = (["chunks, variants and their statistics stay in the shared catalog for the other nodes"]
+            if config.catalog_url else []) + (["the shared tier keeps its entries"] if config.redis_url else [])
+    if kept and not shared:
+        console.print(", and ".join(kept) + "; clear --shared empties " + ("them" if len(kept) > 1 else "it"),
+                      highlight=False)
 
 
 def _forget_node(config, node: str, *, corpus: bool, shared: bool, yes: bool) -> None:

@@ -336,3 +336,21 @@ def test_clear_node_drops_another_node_s_rows_only(tmp_path, redis_server, pg_ur
     monkeypatch.delenv("CACHECRAFT_CATALOG_URL")
     alone = clear("--node", b)
     assert alone.exit_code == 1 and "catalog_url is not set" in alone.output
+
+
+def test_clear_with_only_a_shared_tier_keeps_its_entries_and_says_so(tmp_path, redis_server, client,  # noqa: F811
+                                                                      monkeypatch):
+    from typer.testing import CliRunner
+
+    from cli.app import app
+    with TieredStore(Config(cache_dir=tmp_path / "n", redis_url=redis_server.url), tiers=("cpu", "disk")) as store:
+        store.put(make_kv(3))
+    monkeypatch.setenv("CACHECRAFT_CACHE_DIR", str(tmp_path / "n"))
+    monkeypatch.setenv("CACHECRAFT_REDIS_URL", redis_server.url)
+    result = CliRunner().invoke(app, ["clear", "--yes"])
+    assert result.exit_code == 0, result.output
+    assert "the shared tier keeps its entries; clear --shared empties it" in result.output
+    assert len(client.hkeys(f"{shared_mod.PREFIX}meta")) == 1
+    emptied = CliRunner().invoke(app, ["clear", "--shared", "--yes"])
+    assert emptied.exit_code == 0 and "1 entry from the shared tier" in emptied.output
+    assert client.keys(f"{shared_mod.PREFIX}*") == []
