@@ -193,18 +193,30 @@ def _two_nodes_with_a_request_each(tmp_path, redis_url: str, catalog_url: str):
     return (*kvs, *nodes)
 
 
-def test_clear_on_a_node_drops_its_rows_and_files_and_leaves_the_other_nodes(tmp_path, redis_server,  # noqa: F811
-                                                                            pg_url, client, monkeypatch):  # noqa: F811
+def _clear_as(monkeypatch, cache_dir, *, catalog_url: str | None = None, redis_url: str | None = None):
+    """``cachecraft clear ARGS`` as the node at ``cache_dir`` with these servers runs it (its
+    config from the environment), as a function of the arguments (``input``: the answer to
+    the prompt)."""
     from typer.testing import CliRunner
 
+    from cli.app import app
+    monkeypatch.setenv("CACHECRAFT_CACHE_DIR", str(cache_dir))
+    for name, value in (("CATALOG_URL", catalog_url), ("REDIS_URL", redis_url)):
+        if value:
+            monkeypatch.setenv(f"CACHECRAFT_{name}", value)
+        else:
+            monkeypatch.delenv(f"CACHECRAFT_{name}", raising=False)
+    return lambda *args, input=None: CliRunner().invoke(app, ["clear", *args], input=input)
+
+
+def test_clear_on_a_node_drops_its_rows_and_files_and_leaves_the_other_nodes(tmp_path, redis_server,  # noqa: F811
+                                                                            pg_url, client, monkeypatch):  # noqa: F811
     from cachecraft.catalog import Catalog
     from cachecraft.store import store_paths
-    from cli.app import app
     mine, theirs, a, b = _two_nodes_with_a_request_each(tmp_path, redis_server.url, pg_url)
-    for var, value in (("CACHE_DIR", tmp_path / "a"), ("CATALOG_URL", pg_url), ("REDIS_URL", redis_server.url)):
-        monkeypatch.setenv(f"CACHECRAFT_{var}", str(value))
+    clear = _clear_as(monkeypatch, tmp_path / "a", catalog_url=pg_url, redis_url=redis_server.url)
 
-    result = CliRunner().invoke(app, ["clear", "--yes"])
+    result = clear("--yes")
     assert result.exit_code == 0, result.output
     assert "1 placement(s), 1 request(s) from the catalog" in result.output
     assert "stay in the shared catalog" in result.output
@@ -230,20 +242,15 @@ def test_clear_on_a_node_drops_its_rows_and_files_and_leaves_the_other_nodes(tmp
 
 def test_clear_shared_empties_the_catalog_and_the_shared_tier(tmp_path, redis_server, pg_url, client,  # noqa: F811
                                                               monkeypatch):
-    from typer.testing import CliRunner
-
     from cachecraft.catalog import Catalog
-    from cli.app import app
     mine, theirs, a, b = _two_nodes_with_a_request_each(tmp_path, redis_server.url, pg_url)
     client.set("other:key", b"not ours")
-    monkeypatch.setenv("CACHECRAFT_CACHE_DIR", str(tmp_path / "a"))
-    monkeypatch.setenv("CACHECRAFT_CATALOG_URL", pg_url)
-    monkeypatch.setenv("CACHECRAFT_REDIS_URL", redis_server.url)
+    clear = _clear_as(monkeypatch, tmp_path / "a", catalog_url=pg_url, redis_url=redis_server.url)
 
-    refused = CliRunner().invoke(app, ["clear", "--shared"], input="n\n")
+    refused = clear("--shared", input="n\n")
     assert refused.exit_code == 1 and "stop every other node first" in refused.output
     assert len(client.hkeys(f"{shared_mod.PREFIX}meta")) == 2
-    result = CliRunner().invoke(app, ["clear", "--shared", "--yes"])
+    result = clear("--shared", "--yes")
     assert result.exit_code == 0, result.output
     assert "2 placement(s), 2 request(s), 2 variant(s) of 2 chunk(s), 2 node(s)" in result.output
     assert "2 entries from the shared tier" in result.output
@@ -262,61 +269,45 @@ def test_clear_shared_empties_the_catalog_and_the_shared_tier(tmp_path, redis_se
 
 def test_clear_shared_with_the_shared_tier_down_says_what_was_done_and_keeps_the_directory(
         tmp_path, redis_server, pg_url, monkeypatch):  # noqa: F811
-    from typer.testing import CliRunner
-
     from cachecraft.store import store_paths
-    from cli.app import app
     _two_nodes_with_a_request_each(tmp_path, redis_server.url, pg_url)
     redis_server.stop()
-    monkeypatch.setenv("CACHECRAFT_CACHE_DIR", str(tmp_path / "a"))
-    monkeypatch.setenv("CACHECRAFT_CATALOG_URL", pg_url)
-    monkeypatch.setenv("CACHECRAFT_REDIS_URL", redis_server.url)
-    result = CliRunner().invoke(app, ["clear", "--shared", "--yes"])
+    clear = _clear_as(monkeypatch, tmp_path / "a", catalog_url=pg_url, redis_url=redis_server.url)
+    result = clear("--shared", "--yes")
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "the shared catalog was emptied, but redis_url" in result.output
     assert "run clear --shared again" in result.output
     assert store_paths(tmp_path / "a")[0].is_dir()
     redis_server.start()
-    again = CliRunner().invoke(app, ["clear", "--shared", "--yes"])
+    again = clear("--shared", "--yes")
     assert again.exit_code == 0, again.output
     assert not store_paths(tmp_path / "a")[0].exists()
 
 
-def test_clear_shared_without_servers_is_refused(cache_dir):
-    from typer.testing import CliRunner
-
-    from cli.app import app
-    result = CliRunner().invoke(app, ["clear", "--shared", "--yes"])
+def test_clear_shared_without_servers_is_refused(cache_dir, monkeypatch):
+    result = _clear_as(monkeypatch, cache_dir)("--shared", "--yes")
     assert result.exit_code == 1 and "neither is set" in result.output
 
 
 def test_clear_with_the_catalog_unreachable_deletes_nothing(tmp_path, redis_server, pg_url, monkeypatch):  # noqa: F811
-    from typer.testing import CliRunner
-
     from cachecraft.store import store_paths
-    from cli.app import app
     from tests.servers import free_port
     _two_nodes_with_a_request_each(tmp_path, redis_server.url, pg_url)
-    monkeypatch.setenv("CACHECRAFT_CACHE_DIR", str(tmp_path / "a"))
-    monkeypatch.setenv("CACHECRAFT_CATALOG_URL", f"postgresql+psycopg://nobody@127.0.0.1:{free_port()}/none")
-    result = CliRunner().invoke(app, ["clear", "--yes"])
+    unreachable = f"postgresql+psycopg://nobody@127.0.0.1:{free_port()}/none"
+    result = _clear_as(monkeypatch, tmp_path / "a", catalog_url=unreachable)("--yes")
     assert result.exit_code == 1 and "Traceback" not in result.output and "catalog_url" in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert len(list(store_paths(tmp_path / "a")[1].rglob("*.val"))) == 1
 
 
 def test_clear_node_drops_another_node_s_rows_only(tmp_path, redis_server, pg_url, monkeypatch):  # noqa: F811
-    from typer.testing import CliRunner
-
     from cachecraft.catalog import Catalog
     from cachecraft.store import store_paths
-    from cli.app import app
     mine, theirs, a, b = _two_nodes_with_a_request_each(tmp_path, redis_server.url, pg_url)
-    monkeypatch.setenv("CACHECRAFT_CACHE_DIR", str(tmp_path / "a"))
-    monkeypatch.setenv("CACHECRAFT_CATALOG_URL", pg_url)
+    as_a = _clear_as(monkeypatch, tmp_path / "a", catalog_url=pg_url)
 
     def clear(*args: str):
-        return CliRunner().invoke(app, ["clear", "--yes", *args])
+        return as_a("--yes", *args)
 
     own = clear("--node", a[:8])
     assert own.exit_code == 1 and "this cache directory's own node" in own.output
@@ -333,24 +324,19 @@ def test_clear_node_drops_another_node_s_rows_only(tmp_path, redis_server, pg_ur
         assert set(tx.nodes()) == {a} and {e.node for e in tx.entries()} == {a}
         assert tx.counts()["requests"] == 1 and tx.variant(theirs.variant).tier is None
     assert store_paths(tmp_path / "a")[0].is_dir() and store_paths(tmp_path / "b")[0].is_dir()
-    monkeypatch.delenv("CACHECRAFT_CATALOG_URL")
-    alone = clear("--node", b)
+    alone = _clear_as(monkeypatch, tmp_path / "a")("--yes", "--node", b)
     assert alone.exit_code == 1 and "catalog_url is not set" in alone.output
 
 
 def test_clear_with_only_a_shared_tier_keeps_its_entries_and_says_so(tmp_path, redis_server, client,  # noqa: F811
                                                                       monkeypatch):
-    from typer.testing import CliRunner
-
-    from cli.app import app
     with TieredStore(Config(cache_dir=tmp_path / "n", redis_url=redis_server.url), tiers=("cpu", "disk")) as store:
         store.put(make_kv(3))
-    monkeypatch.setenv("CACHECRAFT_CACHE_DIR", str(tmp_path / "n"))
-    monkeypatch.setenv("CACHECRAFT_REDIS_URL", redis_server.url)
-    result = CliRunner().invoke(app, ["clear", "--yes"])
+    clear = _clear_as(monkeypatch, tmp_path / "n", redis_url=redis_server.url)
+    result = clear("--yes")
     assert result.exit_code == 0, result.output
     assert "the shared tier keeps its entries; clear --shared empties it" in result.output
     assert len(client.hkeys(f"{shared_mod.PREFIX}meta")) == 1
-    emptied = CliRunner().invoke(app, ["clear", "--shared", "--yes"])
+    emptied = clear("--shared", "--yes")
     assert emptied.exit_code == 0 and "1 entry from the shared tier" in emptied.output
     assert client.keys(f"{shared_mod.PREFIX}*") == []
