@@ -163,8 +163,10 @@ def calibrate_cmd(
     policy_drift_shift, policy_drift_estimator and policy_relevance at their defaults;
     `config show` and `explain` say so. The chunk-caches are made the way `warm` makes them.
 
-    Example: cachecraft calibrate --dataset musique_dev.json --skip 30 --limit 20 --budget 0.05
-    --floors 0,0.03 --sink-tokens 0,8
+    Example:
+
+        cachecraft calibrate --dataset musique_dev.json --skip 30 --limit 20
+            --budget 0.05 --floors 0,0.03 --sink-tokens 0,8
     """
 
     from cachecraft.bench.common import write_result
@@ -373,7 +375,8 @@ def forget_cmd(
     holds stays) and, unless --keep-caches, their chunk-caches leave every tier. Nothing
     changes when a path names no ingested file (`cachecraft documents` lists them).
 
-    Examples: cachecraft forget docs/old-manual.md; cachecraft forget docs/archive/
+    Example: cachecraft forget docs/old-manual.md
+    Example: cachecraft forget docs/archive/
     """
     from cachecraft.pipeline.documents import forget_documents
     from cachecraft.retrieval.corpus import Corpus

@@ -215,8 +215,12 @@ def bench_dataset_cmd(
 ) -> None:
     """Turn questions about your ingested corpus into a MuSiQue-format file, each with the
     chunks `query` would retrieve for it (no gold answers), so `bench quality --dataset`
-    measures the methods on your own documents, e.g. after `cachecraft ingest DOCS`:
-    cachecraft bench dataset --questions questions.txt --out mine.json"""
+    measures the methods on your own documents.
+
+    Example, after `cachecraft ingest DOCS`:
+
+        cachecraft bench dataset --questions questions.txt --out mine.json
+    """
     from cachecraft.retrieval.corpus import Corpus
 
     if not questions.is_file():
@@ -259,9 +263,9 @@ def bench_workload_cmd(
     seed: int = typer.Option(0, help="Trace seed."),
     max_new_tokens: int = typer.Option(32, min=1, help="Answer length."),
     evictions: str = typer.Option("", help="Also replay `cachecraft` under these eviction policies, e.g. "
-                                          "lru,lfu,pgdsf,cachecraft (labelled cachecraft[lru] ...)."),
+                                          "lru,lfu,pgdsf,cachecraft (labelled cachecraft\\[lru] ...)."),
     exact_after_asks: str = typer.Option("", help="Also replay `cachecraft` with these settings of "
-                                                  "exact_after_asks, e.g. 1,3 (labelled cachecraft[asks=1] ...)."),
+                                                  "exact_after_asks, e.g. 1,3 (labelled cachecraft\\[asks=1] ...)."),
     warm: bool = typer.Option(False, "--warm", help="Fill each chunk-cache method's store first as `cachecraft "
                                                     "warm` does (every passage, under the budgets)."),
     model: Optional[str] = typer.Option(None, help="Model: smollm2, qwen2.5-coder-0.5b (the judge) or a path "
@@ -277,8 +281,9 @@ def bench_workload_cmd(
 
     Example:
 
-        cachecraft bench workload --model qwen2.5-coder-0.5b --dataset ../shared/data/musique_dev.json
-            --limit 4 --top-k 3 --methods full,cachecraft --evictions pgdsf,lru --warm --neighbours 1
+        cachecraft bench workload --model qwen2.5-coder-0.5b
+            --dataset ../shared/data/musique_dev.json --limit 4 --top-k 3
+            --methods full,cachecraft --evictions pgdsf,lru --warm --neighbours 1
             --cpu-budget 64MiB --disk-budget 256MiB
     """
 
@@ -347,7 +352,7 @@ def bench_compare_workloads_cmd(
     base: list[str] = typer.Option(..., help="A `bench workload` result and the method in it to compare against, "
                                              "as FILE or FILE:LABEL (label default cachecraft); once per trace."),
     other: list[str] = typer.Option(..., help="The same trace's run to compare, FILE or FILE:LABEL (e.g. "
-                                              "run.json:cachecraft[asks=1]); in the order of --base."),
+                                              "run.json:cachecraft\\[asks=1]); in the order of --base."),
     out: Path = typer.Option(Path("benchmarks/results/workload_compare.json"), parser=nonempty_path,
                              help="Where to write the JSON result."),
 ) -> None:
@@ -357,8 +362,9 @@ def bench_compare_workloads_cmd(
 
     Example:
 
-        cachecraft bench compare-workloads --base s0.json --other s0.json:cachecraft[asks=1]
-            --base s1.json --other s1.json:cachecraft[asks=1]
+        cachecraft bench compare-workloads
+            --base s0.json --other s0.json:cachecraft\\[asks=1]
+            --base s1.json --other s1.json:cachecraft\\[asks=1]
     """
     from cachecraft.bench.common import write_result
     from cachecraft.bench.workload import compare_runs, comparison_verdicts
@@ -611,7 +617,10 @@ def bench_cluster_cmd(
     Without --redis-url / --catalog-url it starts throw-away servers (Debian packages
     redis-server and postgresql).
 
-    Example: cachecraft bench cluster --dataset musique_dev.json --nodes 3 --requests 36"""
+    Example:
+
+        cachecraft bench cluster --dataset musique_dev.json --nodes 3 --requests 36
+    """
     import contextlib
     import tempfile
 
@@ -917,7 +926,10 @@ def bench_gpu_cmd(
     random weights, with the chunk-caches in each tier. Meant for a CUDA machine (the
     config's device and dtype: bfloat16 there); tiny-llama runs anywhere.
 
-    Example: cachecraft bench gpu --dataset musique_dev.json --shapes llama-3.1-8b --out gpu.json
+    Example:
+
+        cachecraft bench gpu --dataset musique_dev.json --shapes llama-3.1-8b
+            --out gpu.json
     """
 
     from cachecraft.bench.common import write_result

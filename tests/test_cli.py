@@ -383,3 +383,55 @@ def test_processes_a_command_starts_load_models_without_transformers_bars(monkey
                             "print(logging.is_progress_bar_enabled())"],
                            env=dict(os.environ), capture_output=True, text=True, timeout=120)
     assert child.stdout.strip() == "False", child.stderr
+
+
+def _commands(group, path=()):
+    """Every (path, command) under a command group, the group itself included."""
+    yield path, group
+    for name, command in (getattr(group, "commands", None) or {}).items():
+        yield from _commands(command, path + (name,))
+
+
+def test_every_example_in_a_commands_help_stays_on_one_line_at_80_columns():
+    import typer.main
+
+    root = typer.main.get_command(app)
+    narrow = CliRunner(env={"COLUMNS": "80"})
+    examples = 0
+    for path, command in _commands(root):
+        doc = command.help or ""
+        # The lines a reader copies: "Example: cachecraft ..." and the lines of an indented example.
+        lines = [line.strip().replace("\\[", "[") for line in doc.splitlines()
+                 if line.strip().startswith(("Example: cachecraft", "cachecraft ", "--"))]
+        if not lines:
+            continue
+        result = narrow.invoke(app, [*path, "--help"])
+        assert result.exit_code == 0, result.output
+        shown = [" ".join(line.split()) for line in result.output.splitlines()]
+        assert max(len(line) for line in result.output.splitlines()) <= 80
+        for line in lines:
+            examples += 1
+            assert any(" ".join(line.split()) in row for row in shown), (path, line, result.output)
+    assert examples >= 10
+
+
+def test_square_brackets_in_help_texts_are_shown_not_taken_for_markup():
+    """Help is rich markup: an unescaped [asks=1] in a label vanished from `--help`."""
+    import re
+
+    import typer.main
+
+    wide = CliRunner(env={"COLUMNS": "250"})
+    brackets = 0
+    for path, command in _commands(typer.main.get_command(app)):
+        texts = [command.help or ""] + [getattr(param, "help", None) or "" for param in command.params]
+        found = [match.group(0).replace("\\[", "[") for text in texts
+                 for match in re.finditer(r"\\?\[[^\]]*\]", text)]
+        if not found:
+            continue
+        output = wide.invoke(app, [*path, "--help"]).output
+        shown = " ".join(re.sub("[│╭╮╰╯─]", " ", output).split())
+        for text in found:
+            brackets += 1
+            assert text in shown, (path, text)
+    assert brackets >= 5
