@@ -139,3 +139,16 @@ def test_serve_runs_are_made_side_by_side_alternating_which_method_goes_first():
     assert run_order([1, 2, 4], ["cachecraft", "full"]) == [("cachecraft", 1), ("full", 1), ("full", 2),
                                                              ("cachecraft", 2), ("cachecraft", 4), ("full", 4)]
     assert run_order([8], ["full"]) == [("full", 8)]
+
+
+def test_the_serve_table_gives_the_server_ttft_mean_beside_its_median():
+    from cachecraft.bench.readme import serve_table
+
+    rows = [{"server_ttft_s": s} for s in (0.25, 0.25, 4.0, None)]  # the last one failed
+    run = {"method": "cachecraft", "clients": 1, "throughput_rps": 0.5, "hit_rate": 0.5, "errors": ["x"],
+           "client_ttft_s": {"p50": 1.0, "p90": 2.0, "p99": 3.0}, "server_ttft_s_median": 0.25, "rows": rows}
+    table = serve_table({"runs": [run], "command": "cachecraft bench serve", "model": "tiny", "unique_requests": 3,
+                         "top_k": 3, "date": "2026-12-07", "machine": {"cpu": "cpu", "cores": 2}})
+    header, rule, line = table.splitlines()[-3:]
+    assert header.count("|") == rule.count("|") == line.count("|") == 11
+    assert "| 0.250 | 1.500 | 50% | 1 |" in line  # mean of 0.25, 0.25 and 4.0
