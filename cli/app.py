@@ -28,7 +28,8 @@ from .bench import bench_app
 from .serve import register as register_serve
 from .common import (CONTEXT, METHODS_HELP, UserError, console, err_console, friendly, invocation, load_config,
                      load_model_quietly, nonempty_path, progress_bar, quiet_libraries,
-                     shared_tier_failures_reported_here, summarize_commands, working)
+                     shared_tier_failures_reported_here, reflow_commands, summarize_commands,
+                     working)
 
 app = typer.Typer(help="cachecraft: reuse per-chunk KV caches for RAG, recompute only what matters.",
                   context_settings=CONTEXT, no_args_is_help=True, add_completion=False)
@@ -597,9 +598,11 @@ def clear_cmd(
     stay. Other cachecraft processes using the directory must be stopped first.
 
     With catalog_url set (a catalog several nodes share), only this node's rows go
-    (its placements, the requests it answered): chunks, variants and their
-    statistics stay for the other nodes, as do the shared tier's entries.
-    --shared empties those too.
+    (its placements, the requests it answered): chunks, variants and their statistics
+    stay for the other nodes, as do the shared tier's entries. --shared
+    empties those too. Before --shared or --node deletes, the other nodes that answered
+    a request in the last 10 minutes or hold chunk-caches in memory are named: they may
+    still be running.
 
     Examples: cachecraft clear --yes
     On a cluster, with every node stopped: cachecraft clear --shared --yes
@@ -622,6 +625,8 @@ def clear_cmd(
         where += " and everything every node stored in " + " and ".join(servers)
     elif config.catalog_url:
         what = "this node's chunk-caches and catalog rows" + (" and the corpus" if corpus else "")
+    if shared and config.catalog_url:
+        _say_which_nodes_look_alive(config)
     if not yes:
         note = " (stop every other node first)" if shared else ""
         typer.confirm(f"Delete {what} in {where}{note}?", abort=True)
@@ -661,11 +666,26 @@ def _forget_node(config, node: str, *, corpus: bool, shared: bool, yes: bool) ->
     if not config.catalog_url:
         raise UserError("--node drops a node's rows from a catalog several nodes share; catalog_url is not set")
     where = hide_password(config.catalog_url)
+    from cachecraft.store.maintenance import MIN_PREFIX
+    if len(node.strip()) >= MIN_PREFIX:  # a shorter one is refused below, with the reason
+        _say_which_nodes_look_alive(config, node.strip().lower())
     if not yes:
         typer.confirm(f"Delete the rows of node {node.strip()}... from the catalog at {where}?", abort=True)
     name, rows = forget_node(config.cache_dir, config.catalog_url, node)
     console.print(f"deleted node {name} from the catalog at {where} ({rows['entries']} placement(s), "
                   f"{rows['requests']} request(s)); chunks, variants and their statistics stay", highlight=False)
+
+
+def _say_which_nodes_look_alive(config, prefix: str = "") -> None:
+    """Before ``clear --shared`` or ``--node`` deletes: the other nodes (those whose id
+    starts with ``prefix``) that answered a request lately or hold chunk-caches in memory,
+    since this node cannot see whether their processes still run."""
+    from cachecraft.store.maintenance import ACTIVE_WITHIN_S, active_nodes
+    alive = [n for n in active_nodes(config.cache_dir, config.catalog_url) if n.node.lower().startswith(prefix)]
+    if alive:
+        console.print(f"{len(alive)} other node(s) may still be running (a request in the last "
+                      f"{ACTIVE_WITHIN_S / 60:.0f} min, or chunk-caches held in memory): "
+                      + "; ".join(n.describe() for n in alive), highlight=False)
 
 
 @app.command("verify")
@@ -985,6 +1005,7 @@ def _fitted_policy(config) -> dict | None:
 
 
 summarize_commands(app, config_app, bench_app)
+reflow_commands(app, config_app, bench_app)
 
 
 def main() -> None:

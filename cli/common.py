@@ -209,3 +209,25 @@ def summarize_commands(*apps: typer.Typer) -> None:
                 shielded = paragraph.replace("e.g. ", "e.g.\0").replace("i.e. ", "i.e.\0")
                 sentence = shielded.split(". ")[0].rstrip(".").replace("\0", " ")
                 info.short_help = sentence + "."
+
+
+def reflow(doc: str) -> str:
+    """A docstring as ``--help`` should show it: every paragraph after the first on one line
+    (rich wraps it to the terminal; typer keeps the docstring's own breaks there, which
+    break lines twice in an 80-column terminal), except example paragraphs (starting with
+    ``Example``) and indented blocks, whose lines are kept as written."""
+    paragraphs = doc.split("\n\n")
+    kept = [p if p.lstrip().startswith("Example") or any(line.startswith(" ") for line in p.splitlines())
+            else " ".join(p.split()) for p in paragraphs]
+    return "\n\n".join(kept)
+
+
+def reflow_commands(*apps: typer.Typer) -> None:
+    """Give every command without its own ``help`` its docstring, :func:`reflow`-ed."""
+    import inspect
+
+    for typer_app in apps:
+        for info in typer_app.registered_commands:
+            doc = inspect.getdoc(info.callback) if info.callback else None
+            if info.help is None and doc:
+                info.help = reflow(doc)

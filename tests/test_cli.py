@@ -435,3 +435,11 @@ def test_square_brackets_in_help_texts_are_shown_not_taken_for_markup():
             brackets += 1
             assert text in shown, (path, text)
     assert brackets >= 5
+
+
+def test_reflow_joins_prose_paragraphs_and_keeps_examples_and_indented_blocks_as_written():
+    from cli.common import reflow
+
+    doc = "First\nline.\n\nSecond paragraph\nwraps  here.\n\nExample: a\nExample: b\n\n    code\n        more"
+    assert reflow(doc) == ("First line.\n\nSecond paragraph wraps here.\n\nExample: a\nExample: b\n\n"
+                           "    code\n        more")

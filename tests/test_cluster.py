@@ -340,3 +340,42 @@ def test_clear_with_only_a_shared_tier_keeps_its_entries_and_says_so(tmp_path, r
     emptied = clear("--shared", "--yes")
     assert emptied.exit_code == 0 and "1 entry from the shared tier" in emptied.output
     assert client.keys(f"{shared_mod.PREFIX}*") == []
+
+
+def test_clear_shared_and_node_name_the_other_nodes_that_look_alive(tmp_path, redis_server, pg_url,  # noqa: F811
+                                                                     monkeypatch):
+    import time
+
+    from cachecraft.store.maintenance import active_nodes
+    mine, theirs, a, b = _two_nodes_with_a_request_each(tmp_path, redis_server.url, pg_url)
+    config_c = Config(cache_dir=tmp_path / "c", redis_url=redis_server.url, catalog_url=pg_url)
+    with TieredStore(config_c, tiers=("cpu", "disk")) as running:  # node c runs, a chunk-cache in memory
+        running.put(make_kv(3))
+        assert running.locate(make_kv(3).variant) == "cpu"
+        c = running.node
+        seen = {n.node: n for n in active_nodes(tmp_path / "a", pg_url)}
+        assert set(seen) == {b, c}  # a itself is not named; b answered just now, c holds memory
+        assert seen[b].in_memory == 0 and 0 <= seen[b].last_request_age_s < 60
+        assert seen[c].in_memory == 1 and seen[c].last_request_age_s is None
+        later = active_nodes(tmp_path / "a", pg_url, now=time.time() + 3600)
+        assert [(n.node, n.in_memory) for n in later] == [(c, 1)]  # an hour on, only c's memory counts
+        clear = _clear_as(monkeypatch, tmp_path / "a", catalog_url=pg_url, redis_url=redis_server.url)
+        refused = clear("--shared", input="n\n")
+        text = " ".join(refused.output.split())
+        assert refused.exit_code == 1 and "2 other node(s) may still be running" in text
+        assert f"node {b}: last request " in text and f"node {c}: 1 chunk-cache(s) in memory" in text
+        one = clear("--node", c[:8], input="n\n")
+        assert one.exit_code == 1 and "1 other node(s) may still be running" in one.output and b not in one.output
+    # c closed its store: its memory rows went with it, so only b's recent request is named
+    assert [n.node for n in active_nodes(tmp_path / "a", pg_url)] == [b]
+    quiet = _clear_as(monkeypatch, tmp_path / "a", catalog_url=pg_url)("--node", c[:8], input="n\n")
+    assert "may still be running" not in quiet.output
+
+
+def test_a_node_s_activity_reads_in_seconds_minutes_or_hours():
+    from cachecraft.store.maintenance import NodeActivity
+
+    assert NodeActivity("3f9a", 42.4, 0).describe() == "node 3f9a: last request 42 s ago"
+    assert NodeActivity("3f9a", 150.0, 2).describe() == "node 3f9a: last request 2 min ago, 2 chunk-cache(s) in memory"
+    assert NodeActivity("3f9a", 3 * 3600.0, 0).describe() == "node 3f9a: last request 3 h ago"
+    assert NodeActivity("3f9a", None, 1).describe() == "node 3f9a: 1 chunk-cache(s) in memory"

@@ -490,6 +490,16 @@ class CatalogTx:
             named |= set(self.session.scalars(select(column).where(column != "").distinct()))
         return named
 
+    def node_activity(self) -> dict[str, tuple[float | None, int]]:
+        """Per node id the catalog names: when it last answered a request (epoch seconds;
+        None: never) and how many chunk-caches its processes hold in memory, rows a process
+        that closes its store drops, so a node that holds some is running (or crashed)."""
+        last = dict(self.session.execute(select(Request.node, func.max(Request.created_at))
+                                         .where(Request.node != "").group_by(Request.node)).all())
+        held = dict(self.session.execute(select(Entry.node, func.count()).where(Entry.tier != "disk", Entry.node != "")
+                                         .group_by(Entry.node)).all())
+        return {node: (last.get(node), int(held.get(node, 0))) for node in self.node_ids()}
+
     def forget_node(self, node: str) -> dict[str, int]:
         """Drop what one node of a shared catalog holds: its placements (its disk tier's and
         its processes' memory rows, each logged as a ``clear`` event), the requests it

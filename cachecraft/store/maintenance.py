@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
@@ -343,6 +344,61 @@ def destroy(cache_dir: str | Path, *, catalog_url: str | None = None, redis_url:
             shutil.rmtree(pending)
             removed.append(str(pending))
     return DestroyReport(tuple(removed), rows, entries)
+
+
+@dataclass(frozen=True)
+class NodeActivity:
+    """Signs that a node of a shared catalog is still running: its last request and the
+    chunk-caches its processes hold in memory."""
+
+    node: str
+    last_request_age_s: float | None  # None: it never answered one
+    in_memory: int
+
+    def describe(self) -> str:
+        """One phrase, e.g. ``node 3f9a1c2b…: last request 2 min ago, 12 chunk-caches in memory``."""
+        signs = []
+        if self.last_request_age_s is not None:
+            signs.append(f"last request {_age(self.last_request_age_s)} ago")
+        if self.in_memory:
+            signs.append(f"{self.in_memory} chunk-cache(s) in memory")
+        return f"node {self.node}: " + ", ".join(signs)
+
+
+ACTIVE_WITHIN_S = 600.0
+"""A node that answered a request this recently may still be running."""
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.0f} h"
+
+
+def active_nodes(cache_dir: str | Path, catalog_url: str, *, within_s: float = ACTIVE_WITHIN_S,
+                 now: float | None = None) -> list[NodeActivity]:
+    """The nodes of the shared catalog at ``catalog_url``, other than this directory's own,
+    that look alive: they answered a request in the last ``within_s`` seconds or their
+    processes hold chunk-caches in memory (a process that closes its store drops those
+    rows). What ``clear --shared`` and ``clear --node`` show before they delete, since no
+    node can see another's processes."""
+    own = node_id(store_paths(cache_dir)[0])
+    now = time.time() if now is None else now
+    catalog = Catalog(cache_dir, url=catalog_url)
+    try:
+        with catalog.read() as tx:
+            activity = tx.node_activity()
+    finally:
+        catalog.close()
+    found = []
+    for node, (last, in_memory) in sorted(activity.items()):
+        age = None if last is None else now - last
+        if node != own and (in_memory or (age is not None and age < within_s)):
+            found.append(NodeActivity(node, age, in_memory))
+    return found
 
 
 def forget_node(cache_dir: str | Path, catalog_url: str, prefix: str) -> tuple[str, dict[str, int]]:
