@@ -32,7 +32,7 @@ from cachecraft.pipeline import Answer, Pipeline, PrefillTrace
 from cachecraft.policy.calibrate import ANY_DEVICE, POLICY_PROFILE
 from cachecraft.policy.planner import params_from_config
 from cachecraft.policy.shipped import shipped_fit
-from cachecraft.prompt import PromptBuilder
+from cachecraft.prompt import Conversation, PromptBuilder
 from cachecraft.store import TieredStore
 
 Meter = Callable[[], ContextManager]
@@ -142,6 +142,16 @@ def item_chunks(item: QAItem) -> list[str]:
     return [PromptBuilder.chunk_text(text, title) for title, text in item.passages]
 
 
+CHAT_SUFFIX = "+chat"
+"""Label suffix of a method's answer to a follow-up question in a chat (``cachecraft+chat``)."""
+
+
+def follow_up_conversation(item: QAItem, reference: "Reference") -> Conversation:
+    """The chat a follow-up question is asked in: the item's question and full's answer to
+    it, the same for every method, so only the chunk-caches differ between them."""
+    return Conversation(turns=(("user", item.question), ("assistant", reference.answer.text)))
+
+
 def answer_traced(pipeline: Pipeline, chunks: Sequence[str], question: str, method: Method | str,
                   **options) -> tuple[Answer, PrefillTrace]:
     """:meth:`Pipeline.answer`, with the prefill's trace (logits, work) kept."""
@@ -190,17 +200,19 @@ def compare(item: QAItem, answer: Answer, trace: PrefillTrace, forced: torch.Ten
 def evaluate_items(pipeline: Pipeline, items: Sequence[QAItem], methods: Sequence[Method], *,
                    max_new_tokens: int = 32, on_item: Callable[[int, int], None] | None = None,
                    meter: Meter | None = None, on_answer: OnAnswer | None = None,
-                   on_rows: Callable[[QAItem, list[dict]], None] | None = None) -> list[dict]:
+                   on_rows: Callable[[QAItem, list[dict]], None] | None = None,
+                   follow_up: str | None = None) -> list[dict]:
     """One row per (item, method), ``full`` first on every item (the reference).
     ``meter``: a context manager factory wrapped around each request (its ``peak_mb``
     and ``growth_mb`` go into the row); ``on_answer`` sees every answer with its trace;
-    ``on_rows`` gets each item's rows as soon as the item is done."""
+    ``on_rows`` gets each item's rows as soon as the item is done; ``follow_up``: a chat's
+    second question, as :func:`evaluate_item` asks it."""
     order = method_order(methods)
     pipeline.ensure_cost_model()  # measured once, outside every timed request
     rows: list[dict] = []
     for index, item in enumerate(items):
         item_rows = evaluate_item(pipeline, item, order, max_new_tokens=max_new_tokens, meter=meter,
-                                  on_answer=on_answer)
+                                  on_answer=on_answer, follow_up=follow_up)
         rows += item_rows
         if on_rows:
             on_rows(item, item_rows)
@@ -228,11 +240,14 @@ def reordered_reference(pipeline: Pipeline, item: QAItem, chunks: Sequence[str],
 
 def _answer_row(pipeline: Pipeline, item: QAItem, chunks: Sequence[str], method: Method,
                 against: Reference | None, max_new_tokens: int, meter: Meter | None, on_answer: OnAnswer | None,
-                make_reference: bool = False) -> tuple[dict, Reference | None]:
+                make_reference: bool = False, question: str | None = None,
+                conversation: Conversation | None = None) -> tuple[dict, Reference | None]:
     """One request with ``method``: its row against ``against`` (None: against itself) and,
-    with no ``against`` or with ``make_reference``, the reference its answer makes."""
+    with no ``against`` or with ``make_reference``, the reference its answer makes.
+    ``question``/``conversation``: a chat's follow-up in place of the item's question."""
     with (meter() if meter else nullcontext()) as mem:
-        answer, trace = answer_traced(pipeline, chunks, item.question, method, max_new_tokens=max_new_tokens)
+        answer, trace = answer_traced(pipeline, chunks, question or item.question, method,
+                                      max_new_tokens=max_new_tokens, conversation=conversation)
     if on_answer:
         on_answer(item, answer, trace)
     made = None
@@ -247,22 +262,32 @@ def _answer_row(pipeline: Pipeline, item: QAItem, chunks: Sequence[str], method:
     return row, made
 
 
-def row_labels(order: Sequence[Method | InContext], chunk_order: str = "given") -> list[str]:
+def row_labels(order: Sequence[Method | InContext], chunk_order: str = "given", follow_up: bool = False) -> list[str]:
     """The methods an item's rows name, in order: ``order``'s, and with ``chunk_order``
     ``cache`` a ``full+nbN`` row (full over the order the in-context variants give the
-    prompt) before the first in-context run."""
+    prompt) before the first in-context run; with ``follow_up``, each plain method's
+    ``method+chat`` row after them."""
     labels = [m.label for m in order]
     first = next((m for m in order if isinstance(m, InContext)), None)
     if chunk_order == "cache" and first is not None:
         labels.insert(labels.index(first.label), f"full{InContext.SUFFIX}{first.neighbours}")
+    if follow_up:
+        labels += [f"{m.label}{CHAT_SUFFIX}" for m in order if not isinstance(m, InContext)]
     return labels
 
 
 def evaluate_item(pipeline: Pipeline, item: QAItem, order: Sequence[Method | InContext], *, max_new_tokens: int,
-                  meter: Meter | None = None, on_answer: OnAnswer | None = None) -> list[dict]:
+                  meter: Meter | None = None, on_answer: OnAnswer | None = None,
+                  follow_up: str | None = None) -> list[dict]:
     """Every method of ``order`` (the reference first) on one item; its caches are made
     by ``warm`` first (the in-context variants just before the first :class:`InContext`
-    run) and removed at the end."""
+    run) and removed at the end. ``follow_up``: then every plain method (full first, the
+    new reference) answers this question after the item's question and full's answer
+    (:func:`follow_up_conversation`), as a chat's second turn, in rows labelled
+    ``method+chat``; not with in-context runs, whose variants the plain methods would
+    then find."""
+    if follow_up and any(isinstance(m, InContext) for m in order):
+        raise ValueError("a follow-up question is asked with the plain methods only, not with in-context runs")
     chunks = item_chunks(item)
     start = time.perf_counter()
     pipeline.warm(chunks)
@@ -290,5 +315,14 @@ def evaluate_item(pipeline: Pipeline, item: QAItem, order: Sequence[Method | InC
         if isinstance(method, InContext):
             row.update(method=method.label, in_context_variants=in_context, in_context_warm_s=in_context_s)
         rows.append({**row, "warm_s": warm_s})
+    if follow_up and reference is not None:
+        chat = follow_up_conversation(item, reference)
+        second: Reference | None = None
+        for method in order:
+            gc.collect()
+            row, made = _answer_row(pipeline, item, chunks, method, second, max_new_tokens, meter, on_answer,
+                                    question=follow_up, conversation=chat)
+            second = second or made  # full's second turn is the reference of the others'
+            rows.append({**row, "method": f"{method.label}{CHAT_SUFFIX}", "warm_s": warm_s})
     pipeline.forget(chunks)  # no later item reads them; left there, they would crowd its caches out
     return rows

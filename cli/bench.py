@@ -63,6 +63,10 @@ def bench_quality_cmd(
                                        "a MuSiQue-format file (all its passages), or `previous`: the chunk "
                                        "before it in its file in the ingested corpus, as `warm --previous` "
                                        "makes them (one variant per passage)."),
+    follow_up: str = typer.Option("", "--follow-up", help="Then ask this question in a chat after each item's "
+                                  "question and full's answer to it, with every method but the --in-context "
+                                  "runs (rows METHOD+chat, each paired with full's follow-up and with its own "
+                                  "first answer), e.g. 'Which passage says so? Give its title.'"),
     early_stop: str = typer.Option("", "--early-stop", help="Also run cachecraft with these early-stop layers "
                                    "(layers or depths below 1, as config early_stop_layers, e.g. 0.5 or 12,18), "
                                    "labelled cachecraft@ALPHA/E... and paired with the plain cachecraft run."),
@@ -108,6 +112,8 @@ def bench_quality_cmd(
             specs += [InContext(m, neighbours, embed, pool) for m in again]
     elif neighbour_pool:
         raise UserError("--neighbour-pool says where --in-context finds neighbours: add --in-context")
+    if follow_up.strip() and in_context.strip():
+        raise UserError("--follow-up is asked with the plain methods only: run --in-context separately")
     lm = load_model_quietly(config)
     # The policy the default method runs with (the config's, else the model's fit) and where
     # each value came from: a resumed run must use the same, and the result says which it was.
@@ -120,7 +126,7 @@ def bench_quality_cmd(
         task = progress.add_task("items", total=len(items))
         try:
             result = run_quality(lm, config, items, specs, max_new_tokens=max_new_tokens, rows_path=rows,
-                                 resume=resume, settings=settings,
+                                 resume=resume, settings=settings, follow_up=follow_up.strip() or None,
                                  on_item=lambda done, total: progress.update(task, completed=done))
         except RowsFileError as exc:
             raise UserError(str(exc)) from None
@@ -130,6 +136,7 @@ def bench_quality_cmd(
                "limit": len(items), "skip": skip, "rows": str(rows),
                "in_context_neighbours": neighbours if in_context.strip() else 0,
                "neighbour_pool": neighbour_pool or "item", "chunk_order": config.chunk_order,
+               "follow_up": follow_up.strip() or None,
                "policy": {"values": policy, "sources": sources}, **result}
     write_result(out, payload)
     print_quality_table(result["methods"])

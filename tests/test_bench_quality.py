@@ -97,3 +97,34 @@ def test_an_early_stop_run_is_labelled_and_paired_with_the_plain_policy(tiny_lla
     stops = [c.stop_layer for c in seen["cachecraft@0.5/E0.5"].chunks if c.stop_layer is not None]
     assert stops and all(s == round(0.5 * layers) + 1 for s in stops)  # the depth resolved: stop after that layer
     assert all(c.stop_layer is None for c in seen["cachecraft@0.5"].chunks)  # the config's early stop is off
+
+
+def test_a_follow_up_is_answered_in_a_chat_as_the_pipeline_answers_it_and_paired_turn_for_turn(
+        tiny_llama, dataset, tmp_path):
+    from cachecraft.prompt import Conversation
+
+    item = load_items(dataset, limit=1)[0]
+    config = _config(tmp_path / "bench")
+    seen = []
+    result = run_quality(tiny_llama, config, [item], parse_methods("reuse,cacheblend@0.15"), max_new_tokens=3,
+                         follow_up="w7 w8?", on_answer=lambda item, answer, trace: seen.append((answer, trace)))
+    labels = ["full", "reuse", "cacheblend@0.15", "full+chat", "reuse+chat", "cacheblend@0.15+chat"]
+    assert [r["method"] for r in result["items"]] == labels
+    rows = {r["method"]: r for r in result["items"]}
+    assert rows["full+chat"]["answer_kl"] == 0.0 and rows["full+chat"]["recompute_fraction"] == 1.0
+    assert rows["reuse+chat"]["recompute_fraction"] == 0.0  # the chunk-caches serve the second turn too
+    assert set(result["comparisons"]["reuse+chat"]) == {"vs full+chat", "vs cacheblend@0.15+chat", "vs reuse"}
+    assert set(result["comparisons"]["full+chat"]) == {"vs cacheblend@0.15+chat"}
+
+    # the second turn is what the pipeline answers in that chat: the item's question, full's answer
+    chat = Conversation(turns=(("user", item.question), ("assistant", seen[0][0].text)))
+    public = _config(tmp_path / "public")
+    chunks = item_chunks(item)
+    with TieredStore(public, tiers=("cpu",)) as store:
+        pipeline = Pipeline(public, lm=tiny_llama, store=store, keep_new_variants=False)
+        pipeline.warm(chunks)
+        for (bench_answer, bench_trace), method in zip(seen[3:], ("full", "reuse", "cacheblend@0.15")):
+            answer, trace = answer_traced(pipeline, chunks, "w7 w8?", method, max_new_tokens=3, conversation=chat)
+            assert torch.equal(trace.logits, bench_trace.logits), method
+            assert answer.text == bench_answer.text, method
+    assert seen[3][1].token_ids.shape[0] > seen[0][1].token_ids.shape[0]  # the earlier turn is in the prompt

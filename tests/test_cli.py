@@ -443,3 +443,18 @@ def test_reflow_joins_prose_paragraphs_and_keeps_examples_and_indented_blocks_as
     doc = "First\nline.\n\nSecond paragraph\nwraps  here.\n\nExample: a\nExample: b\n\n    code\n        more"
     assert reflow(doc) == ("First line.\n\nSecond paragraph wraps here.\n\nExample: a\nExample: b\n\n"
                            "    code\n        more")
+
+
+def test_bench_quality_asks_a_follow_up_and_refuses_it_beside_in_context_runs(tiny_dir, dataset, tmp_path, cache_dir):
+    out = tmp_path / "chat.json"
+    result = runner.invoke(app, ["bench", "quality", "--dataset", str(dataset), "--limit", "1", "--methods", "reuse",
+                                 "--follow-up", "Which passage says so?", "--out", str(out),
+                                 "--model", str(tiny_dir), "--max-new-tokens", "2"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out.read_text())
+    assert data["follow_up"] == "Which passage says so?"
+    assert [r["method"] for r in data["items"]] == ["full", "reuse", "full+chat", "reuse+chat"]
+    both = runner.invoke(app, ["bench", "quality", "--dataset", str(dataset), "--methods", "reuse",
+                               "--follow-up", "Why?", "--in-context", "reuse", "--out", str(tmp_path / "x.json"),
+                               "--model", str(tiny_dir)])
+    one_line_error(both, "--follow-up is asked with the plain methods only")

@@ -30,7 +30,8 @@ from cachecraft.bench.common import PeakRSS
 from cachecraft.intervals import bootstrap, paired, verdict
 from cachecraft.config import Config
 from cachecraft.dataset import QAItem
-from cachecraft.evaluation import InContext, OnAnswer, evaluate_items, method_order, row_labels, scratch_pipeline
+from cachecraft.evaluation import (CHAT_SUFFIX, InContext, OnAnswer, evaluate_items, method_order, row_labels,
+                                   scratch_pipeline)
 from cachecraft.methods import Method
 
 # Quality figures per row, and whether lower is better.
@@ -66,7 +67,8 @@ def aggregate(rows: list[dict], label: str) -> dict:
         "kv_mb_mean": mean("kv_mb"),
     }
     if all("repetition" in r for r in rows):  # rows of runs before repetition was detected lack it
-        full = {r["item"]: r["repetition"] for r in rows if r["method"] == "full"}
+        reference = "full" + (CHAT_SUFFIX if label.endswith(CHAT_SUFFIX) else "")  # the same turn's full
+        full = {r["item"]: r["repetition"] for r in rows if r["method"] == reference}
         summary["repetitions"] = int(sum(r["repetition"] for r in mine))
         summary["repetitions_where_full_does_not"] = int(sum(
             1 for r in mine if r["repetition"] and not full.get(r["item"], 0.0)))
@@ -80,7 +82,10 @@ def aggregate(rows: list[dict], label: str) -> dict:
 
 def plain_label(label: str) -> str | None:
     """The run a variant of a method is paired with: ``method`` for ``method+nbN`` (in-context
-    variants) and for ``cachecraft@a/E...`` (its own early-stop layers); None for others."""
+    variants), for ``method+chat`` (the same method on the item's own question) and for
+    ``cachecraft@a/E...`` (its own early-stop layers); None for others."""
+    if label.endswith(CHAT_SUFFIX):
+        return label.removesuffix(CHAT_SUFFIX)
     own = InContext.base_label(label)
     if own is None and "/E" in label:
         own = label.split("/E", 1)[0]
@@ -97,8 +102,10 @@ def compare_methods(rows: list[dict], labels: Sequence[str]) -> dict:
     for label in labels:
         own = plain_label(label)  # an in-context or early-stop run is also paired with its plain run
         _, sep, tail = label.rpartition(InContext.SUFFIX)
-        if own == "full":  # full over the variants' order: its figures are against the given order's
-            bases: tuple[str, ...] = ("full",)
+        if label.endswith(CHAT_SUFFIX):  # a follow-up: against the baselines' follow-ups and its own first turn
+            bases: tuple[str, ...] = (*(f"{b}{CHAT_SUFFIX}" for b in BASELINES), *([own] if own != "full" else []))
+        elif own == "full":  # full over the variants' order: its figures are against the given order's
+            bases = ("full",)
         else:  # an in-context run also against the baselines run with the same variants (the same
             # prompt where the chunks' order follows them); full's is its reference
             alike = [f"{b}{InContext.SUFFIX}{tail}" for b in BASELINES if b != "full"] if sep and tail.isdigit() else []
@@ -132,7 +139,7 @@ def paired_figures(by: dict[str, dict[int, dict]], label: str, base: str) -> dic
 def run_quality(lm, config: Config, items: Sequence[QAItem], methods: Sequence[Method], *,
                 max_new_tokens: int = 32, on_item: Callable[[int, int], None] | None = None,
                 on_answer: OnAnswer | None = None, rows_path: str | Path | None = None, resume: bool = False,
-                settings: dict[str, Any] | None = None) -> dict:
+                settings: dict[str, Any] | None = None, follow_up: str | None = None) -> dict:
     """Run every method on every item through a scratch pipeline built from ``config``
     (its system prompt, question template, warm context, KV dtype, policy settings);
     returns ``{"items": [...], "methods": {...}, "comparisons": {...}}``.
@@ -142,11 +149,12 @@ def run_quality(lm, config: Config, items: Sequence[QAItem], methods: Sequence[M
     again (the file must hold the same settings but for the items: a run can be extended to
     more items, or reported on fewer, and the file keeps every finished item's rows).
     ``on_answer`` sees every answer and its prefill trace, as
-    :func:`~cachecraft.evaluation.evaluate_items` says."""
+    :func:`~cachecraft.evaluation.evaluate_items` says. ``follow_up``: every plain method
+    also answers this question as a chat's second turn (rows ``method+chat``)."""
     order = method_order(methods)
-    labels = row_labels(order, config.chunk_order)
+    labels = row_labels(order, config.chunk_order, follow_up=bool(follow_up))
     settings = {**(settings or {}), "methods": labels, "items": [item.index for item in items],
-                "max_new_tokens": max_new_tokens}
+                "max_new_tokens": max_new_tokens, **({"follow_up": follow_up} if follow_up else {})}
     done: list[dict] = []
     if rows_path is not None:
         rows_path = Path(rows_path)
@@ -158,7 +166,7 @@ def run_quality(lm, config: Config, items: Sequence[QAItem], methods: Sequence[M
     todo = [item for item in items if item.index not in finished]
     with scratch_pipeline(lm, config) as pipeline:
         rows = evaluate_items(pipeline, todo, order, max_new_tokens=max_new_tokens, meter=PeakRSS,
-                              on_answer=on_answer,
+                              on_answer=on_answer, follow_up=follow_up,
                               on_rows=(lambda item, new: append_rows(rows_path, new)) if rows_path else None,
                               on_item=(lambda n, total: on_item(n + len(finished), len(items))) if on_item else None)
     position = {item.index: i for i, item in enumerate(items)}
