@@ -599,10 +599,10 @@ def clear_cmd(
 
     With catalog_url set (a catalog several nodes share), only this node's rows go
     (its placements, the requests it answered): chunks, variants and their statistics
-    stay for the other nodes, as do the shared tier's entries. --shared
-    empties those too. Before --shared or --node deletes, the other nodes that answered
-    a request in the last 10 minutes or hold chunk-caches in memory are named: they may
-    still be running.
+    stay for the other nodes, as do the shared tier's entries. --shared empties those
+    too. Before --shared or --node deletes, the other nodes that answered a request in
+    the last 10 minutes or hold chunk-caches in memory are named: they may still be
+    running.
 
     Examples: cachecraft clear --yes
     On a cluster, with every node stopped: cachecraft clear --shared --yes
@@ -660,13 +660,12 @@ def clear_cmd(
 def _forget_node(config, node: str, *, corpus: bool, shared: bool, yes: bool) -> None:
     """``clear --node``: another node's rows of the shared catalog."""
     from cachecraft.config import hide_password
-    from cachecraft.store.maintenance import forget_node
+    from cachecraft.store.maintenance import MIN_PREFIX, forget_node
     if corpus or shared:
         raise UserError("--node drops another node's catalog rows only; give it without --corpus and --shared")
     if not config.catalog_url:
         raise UserError("--node drops a node's rows from a catalog several nodes share; catalog_url is not set")
     where = hide_password(config.catalog_url)
-    from cachecraft.store.maintenance import MIN_PREFIX
     if len(node.strip()) >= MIN_PREFIX:  # a shorter one is refused below, with the reason
         _say_which_nodes_look_alive(config, node.strip().lower())
     if not yes:

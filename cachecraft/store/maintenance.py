@@ -356,7 +356,7 @@ class NodeActivity:
     in_memory: int
 
     def describe(self) -> str:
-        """One phrase, e.g. ``node 3f9a1c2b…: last request 2 min ago, 12 chunk-caches in memory``."""
+        """One phrase, e.g. ``node 3f9a…: last request 2 min ago, 12 chunk-cache(s) in memory``."""
         signs = []
         if self.last_request_age_s is not None:
             signs.append(f"last request {_age(self.last_request_age_s)} ago")
