@@ -26,10 +26,9 @@ from . import STARTED
 
 from .bench import bench_app
 from .serve import register as register_serve
-from .common import (CONTEXT, METHODS_HELP, UserError, console, err_console, friendly, invocation, load_config,
-                     load_model_quietly, nonempty_path, progress_bar, quiet_libraries,
-                     shared_tier_failures_reported_here, reflow_commands, summarize_commands,
-                     working)
+from .common import (CONTEXT, FEW_ITEMS, METHODS_HELP, UserError, console, err_console, friendly, invocation,
+                     load_config, load_model_quietly, nonempty_path, progress_bar, quiet_libraries, reflow_commands,
+                     shared_tier_failures_reported_here, summarize_commands, working)
 
 app = typer.Typer(help="cachecraft: reuse per-chunk KV caches for RAG, recompute only what matters.",
                   context_settings=CONTEXT, no_args_is_help=True, add_completion=False)
@@ -89,9 +88,6 @@ def check_model_cmd(
         print_table(console, table)
         console.print("[green]all checks passed[/green]" if report.passed else "[red]some checks failed[/red]")
     raise typer.Exit(0 if report.passed else 1)
-
-
-FEW_ITEMS = 10  # below this many items, calibrate calls its paired intervals rough
 
 
 @app.command("calibrate")

@@ -11,8 +11,8 @@ from rich.table import Table
 
 from cachecraft.display import print_table
 
-from .common import (CONTEXT, METHODS_HELP, UserError, console, ensure_dir, err_console, friendly, invocation,
-                     load_config, load_model_quietly, nonempty_path, progress_bar, working)
+from .common import (CONTEXT, FEW_ITEMS, METHODS_HELP, UserError, console, ensure_dir, err_console, friendly,
+                     invocation, load_config, load_model_quietly, nonempty_path, progress_bar, working)
 
 bench_app = typer.Typer(help="Benchmarks that write JSON results and print a table.",
                         context_settings=CONTEXT, no_args_is_help=True)
@@ -141,6 +141,9 @@ def bench_quality_cmd(
     write_result(out, payload)
     print_quality_table(result["methods"])
     print_comparisons(result["comparisons"])
+    if result["comparisons"] and len(items) < FEW_ITEMS:
+        console.print(f"the intervals are rough over {len(items)} item(s): use {FEW_ITEMS} or more to rely on "
+                      "their verdicts", highlight=False)
     console.print(f"wrote {out} (rows: {rows})")
 
 
@@ -565,7 +568,6 @@ def print_comparisons(comparisons: dict[str, dict]) -> None:
         for base, comparison in against.items():
             table.add_row(label, base.removeprefix("vs "), *(verdict_phrase(comparison, k) for k, _ in figures))
     print_table(console, table)
-
 
 
 @bench_app.command("store")

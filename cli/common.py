@@ -28,6 +28,7 @@ METHODS_HELP = ("full: prefill everything; prefix: exact prefix reuse of earlier
 
 from cachecraft.config import Config, ConfigError
 
+FEW_ITEMS = 10  # below this many items, paired intervals are called rough (a bootstrap over 2 is their range)
 CONTEXT = {"help_option_names": ["-h", "--help"]}
 
 

@@ -453,6 +453,7 @@ def test_bench_quality_asks_a_follow_up_and_refuses_it_beside_in_context_runs(ti
     assert result.exit_code == 0, result.output
     data = json.loads(out.read_text())
     assert data["follow_up"] == "Which passage says so?"
+    assert "the intervals are rough over 1 item(s): use 10 or more" in " ".join(result.output.split())
     assert [r["method"] for r in data["items"]] == ["full", "reuse", "full+chat", "reuse+chat"]
     both = runner.invoke(app, ["bench", "quality", "--dataset", str(dataset), "--methods", "reuse",
                                "--follow-up", "Why?", "--in-context", "reuse", "--out", str(tmp_path / "x.json"),
