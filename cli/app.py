@@ -27,7 +27,7 @@ from . import STARTED
 from .bench import bench_app
 from .serve import register as register_serve
 from .common import (CONTEXT, FEW_ITEMS, METHODS_HELP, UserError, console, err_console, friendly, invocation,
-                     load_config, load_model_quietly, nonempty_path, progress_bar, quiet_libraries, reflow_commands,
+                     load_config, load_model_quietly, nonempty_path, progress_bar, quiet_libraries,
                      shared_tier_failures_reported_here, summarize_commands, working)
 
 app = typer.Typer(help="cachecraft: reuse per-chunk KV caches for RAG, recompute only what matters.",
@@ -1000,7 +1000,6 @@ def _fitted_policy(config) -> dict | None:
 
 
 summarize_commands(app, config_app, bench_app)
-reflow_commands(app, config_app, bench_app)
 
 
 def main() -> None:

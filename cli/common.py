@@ -196,20 +196,24 @@ def load_model_quietly(config: Config, name: str | None = None):
 
 
 def summarize_commands(*apps: typer.Typer) -> None:
-    """Give every command without a ``short_help`` the first sentence of its docstring,
-    on one line, for the command lists of ``--help`` (which otherwise keep the
-    docstring's line breaks)."""
+    """Prepare every command's ``--help`` from its docstring: without a ``short_help``, the
+    first sentence on one line, for the command lists (which otherwise keep the docstring's
+    line breaks); without a ``help``, the docstring :func:`reflow`-ed."""
     import inspect
 
     for typer_app in apps:
         for info in typer_app.registered_commands:
             doc = inspect.getdoc(info.callback) if info.callback else None
-            if info.short_help is None and doc:
+            if not doc:
+                continue
+            if info.short_help is None:
                 paragraph = " ".join(doc.split("\n\n")[0].split())
                 # the first sentence: up to the first ". " that does not end an abbreviation
                 shielded = paragraph.replace("e.g. ", "e.g.\0").replace("i.e. ", "i.e.\0")
                 sentence = shielded.split(". ")[0].rstrip(".").replace("\0", " ")
                 info.short_help = sentence + "."
+            if info.help is None:
+                info.help = reflow(doc)
 
 
 def reflow(doc: str) -> str:
@@ -221,14 +225,3 @@ def reflow(doc: str) -> str:
     kept = [p if p.lstrip().startswith("Example") or any(line.startswith(" ") for line in p.splitlines())
             else " ".join(p.split()) for p in paragraphs]
     return "\n\n".join(kept)
-
-
-def reflow_commands(*apps: typer.Typer) -> None:
-    """Give every command without its own ``help`` its docstring, :func:`reflow`-ed."""
-    import inspect
-
-    for typer_app in apps:
-        for info in typer_app.registered_commands:
-            doc = inspect.getdoc(info.callback) if info.callback else None
-            if info.help is None and doc:
-                info.help = reflow(doc)

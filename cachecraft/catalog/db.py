@@ -491,14 +491,15 @@ class CatalogTx:
         return named
 
     def node_activity(self) -> dict[str, tuple[float | None, int]]:
-        """Per node id the catalog names: when it last answered a request (epoch seconds;
-        None: never) and how many chunk-caches its processes hold in memory, rows a process
-        that closes its store drops, so a node that holds some is running (or crashed)."""
+        """Per node that answered a request or holds chunk-caches in memory: when it last
+        answered one (epoch seconds; None: never) and how many chunk-caches its processes
+        hold in memory, rows a process that closes its store drops, so a node that holds
+        some is running (or crashed)."""
         last = dict(self.session.execute(select(Request.node, func.max(Request.created_at))
                                          .where(Request.node != "").group_by(Request.node)).all())
         held = dict(self.session.execute(select(Entry.node, func.count()).where(Entry.tier != "disk", Entry.node != "")
                                          .group_by(Entry.node)).all())
-        return {node: (last.get(node), int(held.get(node, 0))) for node in self.node_ids()}
+        return {node: (last.get(node), int(held.get(node, 0))) for node in set(last) | set(held)}
 
     def forget_node(self, node: str) -> dict[str, int]:
         """Drop what one node of a shared catalog holds: its placements (its disk tier's and
