@@ -9,10 +9,16 @@ so the chunk-caches made after the system prefix serve chats too.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Sequence
 
 _MARK = "\x00CTX\x00"
+
+# Retrieved chunks come back request after request, so their token ids are kept: about
+# 20 KB each at 600 tokens, 10 MB for the default number.
+CHUNK_IDS_KEPT = 512
 
 
 class PromptInputError(ValueError):
@@ -83,6 +89,9 @@ class PromptBuilder:
         self.system_prompt = system_prompt
         self.question_template = question_template
         self.head, self.tail = self._template_parts()
+        self._prefix_ids: tuple[int, ...] | None = None
+        self._chunk_ids: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._chunk_ids_lock = threading.Lock()  # the server builds on two threads
 
     def _template_parts(self) -> tuple[str, str]:
         tok = self.tokenizer
@@ -100,16 +109,40 @@ class PromptBuilder:
                 return head, tail
         return self.system_prompt + "\n\n", "\nAnswer:"
 
+    def with_question_template(self, question_template: str) -> PromptBuilder:
+        """A builder like this one but for ``question_template``; the two share the
+        remembered chunk ids, since chunks are written alike under any template."""
+        other = PromptBuilder(self.tokenizer, self.system_prompt, question_template)
+        other._chunk_ids, other._chunk_ids_lock = self._chunk_ids, self._chunk_ids_lock
+        return other
+
     def encode(self, text: str) -> tuple[int, ...]:
         """Token ids of ``text`` with no special tokens added."""
         return tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def prefix_ids(self) -> tuple[int, ...]:
         """The system prefix (with BOS where the tokenizer adds one and the template does not)."""
-        ids = self.encode(self.head)
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        if bos is not None and getattr(self.tokenizer, "add_bos_token", False) and (not ids or ids[0] != bos):
-            ids = (bos, *ids)
+        if self._prefix_ids is None:
+            ids = self.encode(self.head)
+            bos = getattr(self.tokenizer, "bos_token_id", None)
+            if bos is not None and getattr(self.tokenizer, "add_bos_token", False) and (not ids or ids[0] != bos):
+                ids = (bos, *ids)
+            self._prefix_ids = ids
+        return self._prefix_ids
+
+    def chunk_ids(self, text: str) -> tuple[int, ...]:
+        """Token ids of one formatted chunk; the last :data:`CHUNK_IDS_KEPT` are remembered,
+        since the same chunks are retrieved again and again."""
+        with self._chunk_ids_lock:
+            ids = self._chunk_ids.get(text)
+            if ids is not None:
+                self._chunk_ids.move_to_end(text)
+                return ids
+        ids = self.encode(text)
+        with self._chunk_ids_lock:
+            self._chunk_ids[text] = ids
+            while len(self._chunk_ids) > CHUNK_IDS_KEPT:
+                self._chunk_ids.popitem(last=False)
         return ids
 
     @staticmethod
@@ -168,7 +201,7 @@ class PromptBuilder:
             raise PromptInputError("the question is empty")
         if not chunks:
             raise PromptInputError("no chunks given: a RAG prompt needs at least one chunk")
-        pieces = PromptPieces(self.prefix_ids(), tuple(self.encode(c) for c in chunks),
+        pieces = PromptPieces(self.prefix_ids(), tuple(self.chunk_ids(c) for c in chunks),
                               self.encode(self.suffix(question, conversation)))
         if any(len(c) == 0 for c in pieces.chunks):
             raise PromptInputError("a chunk is empty")

@@ -77,3 +77,25 @@ def test_question_template_is_applied_and_validated():
     assert builder.tokenizer.decode(pieces.question).split()[:3] == ["w7", "w9", "w8"]
     with pytest.raises(ConfigError, match="placeholder"):
         Config.from_mapping({"question_template": "no placeholder"})
+
+
+def test_chunk_ids_are_remembered_bounded_and_shared_with_other_question_templates(monkeypatch):
+    import cachecraft.prompt as prompt
+    monkeypatch.setattr(prompt, "CHUNK_IDS_KEPT", 2)
+    builder = PromptBuilder(tiny_tokenizer(), "w1")
+    calls = []
+    encode = builder.encode
+    monkeypatch.setattr(builder, "encode", lambda text: calls.append(text) or encode(text))
+    first = builder.build(["w2 w3\n\n", "w4\n\n"], "w5")
+    again = builder.build(["w2 w3\n\n", "w4\n\n"], "w6")
+    assert again.chunks == first.chunks == (encode("w2 w3\n\n"), encode("w4\n\n"))
+    assert calls.count("w2 w3\n\n") == 1 and calls.count("w4\n\n") == 1
+    builder.build(["w7\n\n"], "w5")  # a third chunk pushes out the least recently used
+    builder.build(["w4\n\n"], "w5")
+    builder.build(["w2 w3\n\n"], "w5")
+    assert calls.count("w4\n\n") == 1 and calls.count("w2 w3\n\n") == 2
+    other = builder.with_question_template("w8 {question}")
+    monkeypatch.setattr(other, "encode", lambda text: calls.append(text) or encode(text))
+    built = other.build(["w4\n\n"], "w5")
+    assert built.chunks == (encode("w4\n\n"),) and built.question[0] == encode("w8")[0]
+    assert calls.count("w4\n\n") == 1  # the variant shares what was remembered

@@ -441,7 +441,7 @@ class Pipeline:
             return self.builder
         if "{question}" not in question_template:
             raise PromptInputError("question_template needs a {question} placeholder")
-        return PromptBuilder(self.lm.tokenizer, self.config.system_prompt, question_template)
+        return self.builder.with_question_template(question_template)
 
     def _request(self, chunk_texts: Sequence[str], question: str, sources: Sequence[str] | None,
                  question_template: str | None = None, chunk_order: str = "given",
