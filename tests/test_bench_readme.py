@@ -2,7 +2,7 @@
 
 import json
 
-from cachecraft.bench.readme import update
+from cachecraft.bench.readme import update, update_documents
 
 
 def render(tmp_path, name: str, data: dict) -> str:
@@ -33,6 +33,26 @@ def test_blocks_are_replaced_and_others_left(tmp_path):
     assert "| full | 2.00 | 1.0x | 1.000 | 0.0000 | 1.000 | 1.00 | 0.500 |" in text
     assert "STALE-TABLE" not in text and "keep" in text
     assert "(m, 2 items, 2026-11-21, commit feedbeeffe, cpu, 2 cores)" in text
+
+
+def test_both_documents_are_rendered_each_from_its_own_blocks(tmp_path):
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    data = {"benchmark": "quality", "command": "cachecraft bench quality", "model": "m", "limit": 1, "date": "2026-12-07",
+            "machine": {"cpu": "cpu", "cores": 2},
+            "methods": {"full": {"ttft_s_median": 3.0, "speedup_vs_full_median": 1.0, "recompute_fraction_mean": 1.0,
+                                 "kl_mean": 0.0, "agreement_f1_mean": 1.0, "exact_match_rate": 1.0,
+                                 "gold_f1_mean": 0.25}}}
+    for name in ("a", "b"):
+        (results / f"{name}.json").write_text(json.dumps(data))
+    (tmp_path / "README.md").write_text("<!-- results:a -->\nSTALE\n<!-- /results:a -->\n")
+    (tmp_path / "RESULTS.md").write_text("<!-- results:b -->\nSTALE\n<!-- /results:b -->\n")
+    assert update_documents(tmp_path) == {"README.md": ["a"], "RESULTS.md": ["b"]}
+    for doc in ("README.md", "RESULTS.md"):
+        text = (tmp_path / doc).read_text()
+        assert "STALE" not in text and "| full | 3.00 | 1.0x | 1.000 | 0.0000 | 1.000 | 1.00 | 0.250 |" in text
+    (tmp_path / "RESULTS.md").unlink()  # a document that is not there is skipped
+    assert update_documents(tmp_path) == {"README.md": ["a"]}
 
 
 def test_scaling_block_has_one_row_per_size_and_a_column_per_method(tmp_path):

@@ -1,4 +1,5 @@
-"""Regenerate the README's result tables from the JSON files in ``benchmarks/results/``.
+"""Regenerate the result tables of README.md and RESULTS.md from the JSON files in
+``benchmarks/results/``.
 
 ``python -m cachecraft.bench.readme`` replaces each block between
 ``<!-- results:NAME -->`` and ``<!-- /results:NAME -->`` with a table built from
@@ -356,6 +357,9 @@ def renderer_for(name: str, data: dict):
     return RENDERERS.get(name) or BY_BENCHMARK.get(str(data.get("benchmark")))
 
 
+DOCUMENTS = ("README.md", "RESULTS.md")  # the files whose marked blocks are rendered
+
+
 def update(readme: Path, results: Path) -> list[str]:
     """Rewrite the marked blocks of ``readme``; returns the names updated."""
     text = readme.read_text(encoding="utf-8")
@@ -376,6 +380,12 @@ def update(readme: Path, results: Path) -> list[str]:
     return updated
 
 
+def update_documents(root: Path) -> dict[str, list[str]]:
+    """Rewrite the marked blocks of each of :data:`DOCUMENTS` under ``root`` that exists
+    from ``root/benchmarks/results``; returns the names updated per document."""
+    return {doc: update(root / doc, root / "benchmarks" / "results") for doc in DOCUMENTS if (root / doc).is_file()}
+
+
 if __name__ == "__main__":
-    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")
-    print("updated:", ", ".join(update(root / "README.md", root / "benchmarks" / "results")) or "nothing")
+    for doc, names in update_documents(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(".")).items():
+        print(f"{doc} updated:", ", ".join(names) or "nothing")

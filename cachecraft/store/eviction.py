@@ -29,7 +29,7 @@ Orders (ties are broken by the older access first, ``tick``):
   value: with no clock, a variant just made would rank second to a sibling with history
   and go before a request could use it. It serves more lookups than every other order on
   long replays; it is not the default because on the judge's short variant trace its
-  answers agreed with full's less (the README says why: there the default misses more,
+  answers agreed with full's less (RESULTS.md says why: there the default misses more,
   and its misses leave exact caches).
 
 Every order but ``lru`` counts the uses an entry comes with (``EntryInfo.hits``): hits it
