@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cachecraft.bench.findings import paired_losses
-from cachecraft.bench.plots import family, quality_intervals, ratio
+from cachecraft.bench.findings import paired_losses, quality_losses
+from cachecraft.bench.plots import color, family, quality_intervals, ratio
 from cachecraft.bench.quality import aggregate, compare_methods
 from tests.test_bench_readme import render
 
@@ -59,6 +59,35 @@ def test_in_context_runs_are_their_own_series_in_the_plots():
     assert (family("cachecraft@0.08+nb1"), ratio("cachecraft@0.08+nb1")) == ("cachecraft+nb1", 0.08)
     assert (family("qguided+nb2"), ratio("qguided+nb2")) == ("qguided+nb2", None)
     assert (family("cacheblend@0.15"), family("cachecraft[lru]")) == ("cacheblend", "cachecraft")
+
+
+def test_a_chats_follow_up_is_a_series_of_its_own_in_its_methods_colour_made_paler():
+    assert family("full+chat") == "full+chat" and family("cachecraft@0.08+chat") == "cachecraft+chat"
+    assert family("cachecraft@0.08+nb1+chat") == "cachecraft+nb1+chat"
+    assert ratio("cacheblend@0.15+chat") == 0.15 and ratio("full+chat") is None
+    # cachecraft's green #2ca02c taken 45% of the way to white: 44 + 211 * 0.45 = 138.95 -> 0x8b,
+    # 160 + 95 * 0.45 = 202.75 -> 0xcb
+    assert color("cachecraft@0.08+chat") == "#8bcb8b" and color("cachecraft@0.08") == "#2ca02c"
+    assert color("full+chat") == "#858585"  # full's #222222: 34 + 221 * 0.45 = 133.45 -> 0x85
+
+
+def test_a_chats_follow_ups_are_weighed_only_against_each_other():
+    def row(ttft, agreement, kl):
+        return {"ttft_s_median": ttft, "agreement_f1_mean": agreement, "kl_mean": kl, "recompute_fraction_mean": 0.1}
+    data = {"methods": {"full": {**row(10.0, 1.0, 0.0), "recompute_fraction_mean": 1.0},
+                        "cachecraft@0.08": row(1.0, 0.90, 0.10), "cacheblend@0.15": row(3.0, 0.80, 0.20),
+                        "full+chat": {**row(10.0, 1.0, 0.0), "recompute_fraction_mean": 1.0},
+                        "cachecraft@0.08+chat": row(1.0, 0.50, 0.40), "cacheblend@0.15+chat": row(3.0, 0.60, 0.30)}}
+    lines = quality_losses(data)
+    # the follow-ups against each other: CacheBlend's agrees better (0.60 > 0.50 + 0.01) and its
+    # KL is lower (0.30 < 0.95 * 0.40 = 0.38)
+    assert any(line.startswith("Quality: `cacheblend@0.15+chat` agrees with full better than the best cachecraft "
+                               "setting (0.600 vs 0.500 for `cachecraft@0.08+chat`)") for line in lines)
+    assert any("`cacheblend@0.15+chat` has a lower first-token KL (0.3000) than any cachecraft setting (best 0.4000)"
+               in line for line in lines)
+    # nothing of the first turn is weighed against the follow-ups, nor full's follow-up against the first turn
+    assert not any("`full+chat`" in line or "`cacheblend@0.15`" in line for line in lines)
+    assert any("`cachecraft+chat` stays below 0.95 agreement with full at ratio 0.08 (0.500)" in line for line in lines)
 
 
 def test_repeats_and_answers_given_again_are_counted_and_shown(tmp_path):

@@ -7,30 +7,42 @@ from __future__ import annotations
 
 import statistics
 
-from cachecraft.bench.plots import EVICTION, family, longest_context_rows, ratio
+from cachecraft.bench.plots import CHAT, EVICTION, family, longest_context_rows, ratio
 
 AGREEMENT_BAR = 0.95  # the agreement with full we aim to keep
 TOLERANCE = 0.01  # agreement differences smaller than this are noise at these sample sizes
 KL_MARGIN = 0.95  # a KL counts as lower only when at least 5% lower
 
 
-def _craft(methods: dict) -> dict[str, dict]:
-    return {k: v for k, v in methods.items() if v and family(k) == "cachecraft" and not EVICTION.match(k)}
+def _craft(methods: dict, turn: str = "") -> dict[str, dict]:
+    """The cachecraft settings among ``methods``; with ``turn`` ``"+chat"``, those answering a chat's follow-up."""
+    return {k: v for k, v in methods.items() if v and family(k) == "cachecraft" + turn and not EVICTION.match(k)}
 
 
 def quality_losses(data: dict | None) -> list[str]:
-    """Baselines faster than every cachecraft setting, better agreement or KL, and ratios that degrade."""
+    """Baselines faster than every cachecraft setting, better agreement or KL, and ratios
+    that degrade; a chat's follow-ups (``+chat`` rows) only against each other."""
     methods = {k: v for k, v in ((data or {}).get("methods") or {}).items() if v}
-    crafts = _craft(methods)
     if not methods:
         return []
-    if not crafts:
+    follow_ups = {k: v for k, v in methods.items() if k.endswith(CHAT)}
+    first = {k: v for k, v in methods.items() if k not in follow_ups}
+    if not _craft(first):
         return ["Quality: the quality JSON has no `cachecraft` run to compare."]
+    lines = _turn_losses(first, "")
+    if _craft(follow_ups, CHAT):
+        lines += _turn_losses(follow_ups, CHAT)
+    return lines + paired_losses(data)
+
+
+def _turn_losses(methods: dict, turn: str) -> list[str]:
+    """:func:`quality_losses` for the rows of one turn (``turn``: ``""`` or ``+chat``)."""
+    crafts = _craft(methods, turn)
     lines = []
     fastest = min(crafts, key=lambda k: crafts[k]["ttft_s_median"])
     best = max(crafts, key=lambda k: (crafts[k]["agreement_f1_mean"], -crafts[k]["ttft_s_median"]))
     for label, m in methods.items():
-        if label in crafts or label == "full":
+        if label in crafts or label == "full" + turn:
             continue
         if m["ttft_s_median"] < crafts[fastest]["ttft_s_median"]:
             lines.append(f"Quality: `{label}` is faster than every cachecraft setting (median TTFT "
@@ -45,8 +57,7 @@ def quality_losses(data: dict | None) -> list[str]:
         if m["kl_mean"] < KL_MARGIN * lowest_kl and m["recompute_fraction_mean"] < 1.0:
             lines.append(f"Quality: `{label}` has a lower first-token KL ({m['kl_mean']:.4f}) than any cachecraft "
                          f"setting (best {lowest_kl:.4f}).")
-    lines += _ratio_losses(methods)
-    return lines + paired_losses(data)
+    return lines + _ratio_losses(methods)
 
 
 def paired_losses(data: dict | None) -> list[str]:
@@ -54,7 +65,7 @@ def paired_losses(data: dict | None) -> list[str]:
     paired interval excludes zero on the worse side)."""
     lines = []
     for label, against in ((data or {}).get("comparisons") or {}).items():
-        if family(label) != "cachecraft":
+        if family(label) not in ("cachecraft", "cachecraft" + CHAT):
             continue
         for base, figures in against.items():
             for key, f in figures.items():

@@ -29,23 +29,40 @@ EVICTION = re.compile(r"^(?P<method>[\w-]+)\[(?P<policy>[\w-]+)\]$")
 
 
 IN_CONTEXT = re.compile(r"\+nb\d+$")
+CHAT = "+chat"  # a follow-up in a chat (the quality benchmark's label suffix)
+OTHER_COLOR = "#17becf"
 
 
 def family(label: str) -> str:
     """``cacheblend@0.15`` -> ``cacheblend``; ``cachecraft[lru]`` -> ``cachecraft``; ``prefix revisit`` -> ``prefix``;
-    an in-context run keeps its suffix (``cachecraft@0.08+nb1`` -> ``cachecraft+nb1``), a series of its own."""
+    an in-context run keeps its suffix (``cachecraft@0.08+nb1`` -> ``cachecraft+nb1``), a series of its own, and so
+    does a chat's follow-up (``cachecraft@0.08+chat`` -> ``cachecraft+chat``, ``full+chat`` -> ``full+chat``)."""
+    chat = label.endswith(CHAT)
+    label = label[:-len(CHAT)] if chat else label
     base = re.split(r"[@\[ ]", label, maxsplit=1)[0]
     suffix = IN_CONTEXT.search(label)
-    return base + suffix.group(0) if suffix and not base.endswith(suffix.group(0)) else base
+    base = base + suffix.group(0) if suffix and not base.endswith(suffix.group(0)) else base
+    return base + CHAT if chat else base
+
+
+def family_color(name: str) -> str:
+    """A family's colour; a chat's follow-up takes its method's, paler, so the two turns
+    of one method read as a pair."""
+    if name.endswith(CHAT) and name not in COLORS:
+        from matplotlib.colors import to_hex, to_rgb
+        base = to_rgb(family_color(name[:-len(CHAT)]))
+        return to_hex(tuple(c + (1.0 - c) * 0.45 for c in base))
+    return COLORS.get(name, OTHER_COLOR)
 
 
 def color(label: str) -> str:
-    return COLORS.get(family(label), "#17becf")
+    """The colour of a method label: its family's."""
+    return family_color(family(label))
 
 
 def ratio(label: str) -> float | None:
     """The ``@ratio`` of a label, if any."""
-    _, sep, value = IN_CONTEXT.sub("", label).partition("@")
+    _, sep, value = IN_CONTEXT.sub("", label.removesuffix(CHAT)).partition("@")
     try:
         return float(value) if sep else None
     except ValueError:
@@ -70,7 +87,7 @@ def _save(fig, path: Path) -> Path:
 def _family_legend(ax, labels: Sequence[str], **kwargs) -> None:
     from matplotlib.patches import Patch
     families = list(dict.fromkeys(family(label) for label in labels))
-    ax.legend(handles=[Patch(color=COLORS.get(f, "#17becf"), label=f) for f in families], **kwargs)
+    ax.legend(handles=[Patch(color=family_color(f), label=f) for f in families], **kwargs)
 
 
 # -- quality ----------------------------------------------------------------------------------
@@ -84,11 +101,11 @@ def _ratio_families(ax, points: list[tuple[float, float, str]]) -> None:
     for name, mine in groups.items():
         mine.sort(key=lambda p: (ratio(p[2]) or 0.0, p[0]))
         ax.plot([p[0] for p in mine], [p[1] for p in mine], "o-" if len(mine) > 1 else "o",
-                color=COLORS.get(name, "#17becf"), markersize=8, linewidth=1.5, label=name)
+                color=family_color(name), markersize=8, linewidth=1.5, label=name)
         for x, y, label in mine:
             if ratio(label) is not None:
                 ax.annotate(f"{ratio(label):g}", (x, y), textcoords="offset points", xytext=(6, 5), fontsize=9,
-                            color=COLORS.get(name, "#17becf"))
+                            color=family_color(name))
 
 
 def quality_tradeoff(data: dict, path: Path) -> Path | None:
