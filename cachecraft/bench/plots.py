@@ -38,7 +38,7 @@ def family(label: str) -> str:
     an in-context run keeps its suffix (``cachecraft@0.08+nb1`` -> ``cachecraft+nb1``), a series of its own, and so
     does a chat's follow-up (``cachecraft@0.08+chat`` -> ``cachecraft+chat``, ``full+chat`` -> ``full+chat``)."""
     chat = label.endswith(CHAT)
-    label = label[:-len(CHAT)] if chat else label
+    label = label.removesuffix(CHAT)
     base = re.split(r"[@\[ ]", label, maxsplit=1)[0]
     suffix = IN_CONTEXT.search(label)
     base = base + suffix.group(0) if suffix and not base.endswith(suffix.group(0)) else base
@@ -50,7 +50,7 @@ def family_color(name: str) -> str:
     of one method read as a pair."""
     if name.endswith(CHAT) and name not in COLORS:
         from matplotlib.colors import to_hex, to_rgb
-        base = to_rgb(family_color(name[:-len(CHAT)]))
+        base = to_rgb(family_color(name.removesuffix(CHAT)))
         return to_hex(tuple(c + (1.0 - c) * 0.45 for c in base))
     return COLORS.get(name, OTHER_COLOR)
 
