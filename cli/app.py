@@ -588,6 +588,8 @@ def clear_cmd(
                                        "(the start of its id, from the node column of `cachecraft stats`); "
                                        "nothing of this directory is touched."),
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+    force: bool = typer.Option(False, "--force", help="With --yes: delete for --shared or --node even when "
+                               "other nodes look alive (without it, --yes refuses then)."),
 ) -> None:
     """Delete every chunk-cache and the catalog (requests, statistics) of the cache
     directory. Converted models, the config file and, unless --corpus, the ingested corpus
@@ -598,7 +600,8 @@ def clear_cmd(
     stay for the other nodes, as do the shared tier's entries. --shared empties those
     too. Before --shared or --node deletes, the other nodes that answered a request in
     the last 10 minutes or hold chunk-caches in memory are named: they may still be
-    running.
+    running, and deleting their rows under them loses their work. Asked, you decide;
+    with --yes the command refuses while any looks alive, unless --force.
 
     Examples: cachecraft clear --yes
     On a cluster, with every node stopped: cachecraft clear --shared --yes
@@ -608,7 +611,7 @@ def clear_cmd(
     from cachecraft.store import destroy
     config = load_config(ctx)
     if node is not None:
-        _forget_node(config, node, corpus=corpus, shared=shared, yes=yes)
+        _forget_node(config, node, corpus=corpus, shared=shared, yes=yes, force=force)
         return
     if shared and not (config.catalog_url or config.redis_url):
         raise UserError("--shared empties the catalog_url database and the redis_url tier that nodes share; "
@@ -622,7 +625,7 @@ def clear_cmd(
     elif config.catalog_url:
         what = "this node's chunk-caches and catalog rows" + (" and the corpus" if corpus else "")
     if shared and config.catalog_url:
-        _say_which_nodes_look_alive(config)
+        _check_other_nodes(config, yes=yes, force=force)
     if not yes:
         note = " (stop every other node first)" if shared else ""
         typer.confirm(f"Delete {what} in {where}{note}?", abort=True)
@@ -653,7 +656,7 @@ def clear_cmd(
                       highlight=False)
 
 
-def _forget_node(config, node: str, *, corpus: bool, shared: bool, yes: bool) -> None:
+def _forget_node(config, node: str, *, corpus: bool, shared: bool, yes: bool, force: bool) -> None:
     """``clear --node``: another node's rows of the shared catalog."""
     from cachecraft.config import hide_password
     from cachecraft.store.maintenance import MIN_PREFIX, forget_node
@@ -663,7 +666,7 @@ def _forget_node(config, node: str, *, corpus: bool, shared: bool, yes: bool) ->
         raise UserError("--node drops a node's rows from a catalog several nodes share; catalog_url is not set")
     where = hide_password(config.catalog_url)
     if len(node.strip()) >= MIN_PREFIX:  # a shorter one is refused below, with the reason
-        _say_which_nodes_look_alive(config, node.strip().lower())
+        _check_other_nodes(config, node.strip().lower(), yes=yes, force=force)
     if not yes:
         typer.confirm(f"Delete the rows of node {node.strip()}... from the catalog at {where}?", abort=True)
     name, rows = forget_node(config.cache_dir, config.catalog_url, node)
@@ -671,16 +674,22 @@ def _forget_node(config, node: str, *, corpus: bool, shared: bool, yes: bool) ->
                   f"{rows['requests']} request(s)); chunks, variants and their statistics stay", highlight=False)
 
 
-def _say_which_nodes_look_alive(config, prefix: str = "") -> None:
-    """Before ``clear --shared`` or ``--node`` deletes: the other nodes (those whose id
+def _check_other_nodes(config, prefix: str = "", *, yes: bool, force: bool) -> None:
+    """Before ``clear --shared`` or ``--node`` deletes: name the other nodes (those whose id
     starts with ``prefix``) that answered a request lately or hold chunk-caches in memory,
-    since this node cannot see whether their processes still run."""
+    since this node cannot see whether their processes still run. Asked, the user decides;
+    with ``--yes`` and no ``--force`` a node that looks alive refuses the deletion, so a
+    script never deletes a running node's rows under it."""
     from cachecraft.store.maintenance import ACTIVE_WITHIN_S, active_nodes
     alive = [n for n in active_nodes(config.cache_dir, config.catalog_url) if n.node.lower().startswith(prefix)]
-    if alive:
-        console.print(f"{len(alive)} other node(s) may still be running (a request in the last "
-                      f"{ACTIVE_WITHIN_S / 60:.0f} min, or chunk-caches held in memory): "
-                      + "; ".join(n.describe() for n in alive), highlight=False)
+    if not alive:
+        return
+    said = (f"{len(alive)} other node(s) may still be running (a request in the last "
+            f"{ACTIVE_WITHIN_S / 60:.0f} min, or chunk-caches held in memory): "
+            + "; ".join(n.describe() for n in alive))
+    if yes and not force:
+        raise UserError(f"{said}; nothing was deleted: stop them first, or add --force to delete anyway")
+    console.print(said, highlight=False)
 
 
 @app.command("verify")

@@ -250,7 +250,15 @@ def test_clear_shared_empties_the_catalog_and_the_shared_tier(tmp_path, redis_se
     refused = clear("--shared", input="n\n")
     assert refused.exit_code == 1 and "stop every other node first" in refused.output
     assert len(client.hkeys(f"{shared_mod.PREFIX}meta")) == 2
-    result = clear("--shared", "--yes")
+    # b answered a request just now: a script's --yes alone deletes nothing under it
+    scripted = clear("--shared", "--yes")
+    text = " ".join(scripted.output.split())
+    assert scripted.exit_code == 1 and "1 other node(s) may still be running" in text and f"node {b}" in text
+    assert "nothing was deleted" in text and "add --force to delete anyway" in text
+    assert len(client.hkeys(f"{shared_mod.PREFIX}meta")) == 2
+    with Catalog(tmp_path, url=pg_url) as catalog, catalog.read() as tx:
+        assert tx.counts()["requests"] == 2 and set(tx.nodes()) == {a, b}
+    result = clear("--shared", "--yes", "--force")
     assert result.exit_code == 0, result.output
     assert "2 placement(s), 2 request(s), 2 variant(s) of 2 chunk(s), 2 node(s)" in result.output
     assert "2 entries from the shared tier" in result.output
@@ -273,13 +281,13 @@ def test_clear_shared_with_the_shared_tier_down_says_what_was_done_and_keeps_the
     _two_nodes_with_a_request_each(tmp_path, redis_server.url, pg_url)
     redis_server.stop()
     clear = _clear_as(monkeypatch, tmp_path / "a", catalog_url=pg_url, redis_url=redis_server.url)
-    result = clear("--shared", "--yes")
+    result = clear("--shared", "--yes", "--force")
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "the shared catalog was emptied, but redis_url" in result.output
     assert "run clear --shared again" in result.output
     assert store_paths(tmp_path / "a")[0].is_dir()
     redis_server.start()
-    again = clear("--shared", "--yes")
+    again = clear("--shared", "--yes")  # the catalog is empty now: no node looks alive
     assert again.exit_code == 0, again.output
     assert not store_paths(tmp_path / "a")[0].exists()
 
@@ -317,7 +325,11 @@ def test_clear_node_drops_another_node_s_rows_only(tmp_path, redis_server, pg_ur
     assert short.exit_code == 1 and "at least 6 characters" in short.output
     mixed = clear("--node", b, "--shared")
     assert mixed.exit_code == 1 and "without --corpus and --shared" in mixed.output
-    result = clear("--node", b[:6].upper())
+    running = clear("--node", b[:6].upper())  # b answered a request just now
+    assert running.exit_code == 1 and "nothing was deleted" in " ".join(running.output.split())
+    with Catalog(tmp_path, url=pg_url) as catalog, catalog.read() as tx:
+        assert set(tx.nodes()) == {a, b}
+    result = clear("--node", b[:6].upper(), "--force")
     assert result.exit_code == 0, result.output
     assert f"deleted node {b} " in result.output and "1 placement(s), 1 request(s)" in result.output
     with Catalog(tmp_path, url=pg_url) as catalog, catalog.read() as tx:
