@@ -234,13 +234,18 @@ def print_report(answer, low_relevance: float | None = LOW_RELEVANCE, *, command
     # key would be (the variant names the cache; 80 columns hold no more)
     moved = bool(answer.order)
     columns = ("#", "score", "title", "file", "in prompt" if moved else "cache key", "tier", "variant", "recompute")
+    rows = [(str(i + 1), f"{source.score:.3f}", source.title, os.path.basename(source.source),
+             str(chunk.position + 1) if moved else chunk.chunk[:12], chunk.tier, (chunk.variant or "-")[:12],
+             f"{chunk.fraction:.0%}") for i, (source, chunk) in enumerate(answer.chunk_of_source())]
+    if table_width(columns, rows) > console.width:
+        # a title folded into a narrow column takes a line per word and hides the rest of
+        # the row; the file names the source as well, so the title goes first
+        columns, rows = columns[:2] + columns[3:], [row[:2] + row[3:] for row in rows]
     for column in columns:
         table.add_column(column, justify="right" if column in ("#", "score", "in prompt", "recompute") else "left",
                          overflow="fold", no_wrap=column not in ("title", "file"))
-    for i, (source, chunk) in enumerate(answer.chunk_of_source()):
-        table.add_row(str(i + 1), f"{source.score:.3f}", source.title, os.path.basename(source.source),
-                      str(chunk.position + 1) if moved else chunk.chunk[:12], chunk.tier, (chunk.variant or "-")[:12],
-                      f"{chunk.fraction:.0%}")
+    for row in rows:
+        table.add_row(*row)
     console.print(table)  # folds to the console (80 columns piped), keys kept whole
     console.print(f"TTFT {seconds(answer.ttft_s)} (retrieval {seconds(answer.retrieval_s)} apart); "
                   f"{answer.prompt_tokens} prompt tokens, {answer.new_tokens} new; recomputed "
@@ -263,6 +268,14 @@ def print_report(answer, low_relevance: float | None = LOW_RELEVANCE, *, command
         console.print(f"whole command {seconds(command_s)}; start-up {seconds(sum((startup_s or {}).values()))} "
                       f"of it ({startup(startup_s or {})})", highlight=False)
     warn_low_relevance(answer, low_relevance)
+
+
+def table_width(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> int:
+    """The width a rich table with these headers and cells takes unfolded: each column as
+    wide as its widest cell, one space of padding on each side and a rule between and
+    around the columns."""
+    widths = [max(len(cell) for cell in column) for column in zip(columns, *rows)]
+    return sum(widths) + 3 * len(widths) + 1
 
 
 def warn_low_relevance(answer, threshold: float | None = LOW_RELEVANCE) -> bool:

@@ -183,6 +183,46 @@ def test_tables_keep_keys_whole_when_piped():
     text = captured.get()
     assert all(f"3fa2c1d09b7{i}" in text and f"9b7e3fa2c1d{i}" in text for i in range(3)), text
     assert "-0.00" not in text and "in prompt" not in text
+    # 80 columns hold no 49-character title beside the rest: it goes, and each row takes
+    # the lines its file name needs (a 33-character name in what is left), not one per word
+    assert "title" not in text and "A rather" not in text
+    files = "".join(line.split("│")[3].strip() for line in text.splitlines() if line.startswith("│"))
+    assert files == "a-document-with-a-long-name.md" * 3
+    assert sum(line.startswith("│") for line in text.splitlines()) == 3 * 2  # 30 characters in 18
+
+
+def test_a_wide_console_shows_the_titles_on_one_line_each():
+    from rich.console import Console
+
+    from cli import product
+
+    wide = Console(width=200, force_terminal=False)
+    original, product.console = product.console, wide
+    try:
+        with wide.capture() as captured:
+            product.print_report(_report_answer(), low_relevance=None)
+    finally:
+        product.console = original
+    rows = [line for line in captured.get().splitlines() if line.startswith("│")]
+    assert len(rows) == 3 and all("A rather long title of one section of the manual" in row for row in rows)
+
+
+def test_table_width_counts_cells_padding_and_rules():
+    from rich.console import Console
+    from rich.table import Table
+
+    from cli.product import table_width
+
+    # widest cells 3 and 2, two spaces of padding each, three rules: 3 + 2 + 4 + 3 = 12
+    assert table_width(("a", "bb"), [("xyz", "c")]) == 12
+    table = Table()
+    table.add_column("a")
+    table.add_column("bb")
+    table.add_row("xyz", "c")
+    console = Console(width=80)
+    with console.capture() as captured:
+        console.print(table)
+    assert max(len(line) for line in captured.get().splitlines()) == 12
 
 
 def test_the_report_says_how_many_variants_gave_way_at_their_cap_and_where_to_read_which():
@@ -218,10 +258,10 @@ def test_the_report_pairs_each_source_with_its_chunk_where_the_prompt_held_it():
     lines = [line for line in text.splitlines() if "9b7e3fa2c1d" in line]
     assert "in prompt" in text and "cache key" not in text
     assert all(len(line) <= 80 for line in text.splitlines() if line[:1] in "┏┃┡│└")
-    assert all("A" in line.split("│")[3] for line in lines), lines  # the title keeps its column
+    assert all("a-document" in line.split("│")[3] for line in lines), lines  # the file keeps its column
     # source 1 (best) sat second in the prompt, so it shows the second chunk's variant and share
     assert [line.split("9b7e3fa2c1d")[1][0] for line in lines] == ["1", "2", "0"], lines
-    assert [line.split("│")[5].strip() for line in lines] == ["2", "3", "1"], lines
+    assert [line.split("│")[4].strip() for line in lines] == ["2", "3", "1"], lines
     assert ["25%" in lines[0], "50%" in lines[1], " 0%" in lines[2]] == [True, True, True], lines
 
 
