@@ -775,6 +775,10 @@ def explain_cmd(ctx: typer.Context,
                       f"({origin.get('policy_relevance', '?')}), early stop at "
                       f"{policy.get('early_stop_layers') or 'none'}{_exact_after_asks_words(policy)}",
                       highlight=False)
+        if policy.get("first_try_ttft_s") is not None:
+            console.print(f"the first answer (first token after {policy['first_try_ttft_s']:.2f} s) repeated itself "
+                          "and was answered again from a full prefill: the table shows the first answer's plan, "
+                          "the TTFT and recompute above are the kept answer's", highlight=False)
         if policy.get("kept_exact"):
             console.print(_kept_exact_words(policy), highlight=False)
         for displaced in policy.get("gave_way", ()):

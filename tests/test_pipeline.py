@@ -473,6 +473,15 @@ def test_a_looping_answer_is_answered_again_from_a_full_prefill(pipeline, monkey
     assert all(c.tier in ("cpu", "disk") for c in answer.chunks)  # what the first try read
     record = pipeline.catalog.get_request(answer.request_id)
     assert record.recompute_fraction == 1.0 and record.ttft_s == pytest.approx(answer.ttft_s)
+    assert record.policy["first_try_ttft_s"] == pytest.approx(answer.first_try_ttft_s)
+    assert "first_try_ttft_s" not in pipeline.catalog.get_request(full.request_id).policy
+    from typer.testing import CliRunner
+
+    from cli.app import app
+    said = " ".join(CliRunner().invoke(app, ["explain", str(answer.request_id)]).output.split())
+    assert (f"the first answer (first token after {answer.first_try_ttft_s:.2f} s) repeated itself and was "
+            "answered again from a full prefill") in said
+    assert "repeated itself" not in CliRunner().invoke(app, ["explain", str(full.request_id)]).output
     assert answer.to_dict()["abandoned_text"] == first_try.text
     # full itself, the fallback turned off, and a streamer that cannot start over: no second try
     assert not pipeline.answer(CHUNKS, QUESTION, method="full").escalated

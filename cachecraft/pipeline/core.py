@@ -895,6 +895,7 @@ class Pipeline:
             policy={**self.policy_report(), "kept_exact": answer.kept_exact,
                     **({"exact_wait": answer.exact_wait} if answer.kept_exact else {}),
                     **({"gave_way": answer.gave_way} if answer.gave_way else {}),
+                    **({"first_try_ttft_s": answer.first_try_ttft_s} if answer.escalated else {}),
                     "reused_exact": answer.reused_exact},
             node=self.store.node))
 
