@@ -185,6 +185,9 @@ class Config:
     server: str = ""  # http://host:port of a running server: `query` and `stats` ask it
     server_queue: int = 8  # requests that may wait for the model; one more is refused (429)
     server_timeout_s: float = 300.0  # a request not answered within this is refused (503)
+    # with no request waiting, the server stores each answered chunk order as a full
+    # prefill's KV, so the next ask in that order (a chat's next turn) reuses it exactly
+    exact_when_idle: bool = True
     chunk_separator: str = "<|chunk|>"  # marks chunk boundaries in a prompt sent to the server
     api_key: str = ""  # when set, the server requires it (Authorization: Bearer <key>)
 

@@ -571,6 +571,36 @@ def test_a_looping_answer_keeps_the_full_prefills_chunks_exactly_for_the_next_as
     assert (again.logits - full.logits).abs().max() < 1e-4 and again.text == full.text
 
 
+def test_make_exact_stores_an_order_as_a_full_prefill_s_kv_for_any_question(pipeline, monkeypatch):
+    import dataclasses
+
+    # the tiny model's answers repeat themselves: no second try, which would keep them exact
+    monkeypatch.setattr(pipeline, "config", dataclasses.replace(pipeline.config, repetition_fallback=False))
+    pipeline.warm(CHUNKS)
+    blended = pipeline.answer(CHUNKS, QUESTION)
+    assert not blended.reused_exact and blended.recompute_fraction < 1.0 and not blended.escalated
+    assert pipeline.make_exact(CHUNKS) == len(CHUNKS)
+    keys = [chunk_key(pipeline.lm.fingerprint, ids) for ids in pipeline.builder.build(CHUNKS, "q").chunks]
+    prefix = chunk_key(pipeline.lm.fingerprint, pipeline.builder.build(CHUNKS, "q").prefix)
+    chained = [variant_key(key, (prefix, *keys[:i])) for i, key in enumerate(keys)]
+    assert all(pipeline.store.info(name).stats == {"made_exactly": 1.0} for name in chained)
+    assert pipeline.make_exact(CHUNKS) == 0  # already exact: nothing computed
+    for question in (QUESTION, "w210 w211"):  # the chunks come before the question: any question
+        full = traced(pipeline, CHUNKS, question, method="full", record=False)
+        again = traced(pipeline, CHUNKS, question)
+        assert again.reused_exact and again.recompute_fraction == 0.0 and not again.kept_exact
+        assert [c.variant for c in again.chunks] == chained
+        assert (again.logits - full.logits).abs().max() < 1e-4 and again.text == full.text
+    assert pipeline.make_exact([]) == 0
+
+
+def test_make_exact_keeps_nothing_where_new_variants_are_not_kept(cache_dir):
+    config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32"}, environ={})
+    with TieredStore(config, tiers=("cpu",)) as store:
+        pipe = Pipeline(config, lm=tiny_model("llama"), store=store, keep_new_variants=False)
+        assert pipe.make_exact(CHUNKS) == 0 and store.usage()["cpu"].entries == 0
+
+
 def test_a_chunk_warmed_after_the_system_prefix_alone_is_exact_as_the_first_chunk(cache_dir, monkeypatch):
     import cachecraft.pipeline.core as core
 

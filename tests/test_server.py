@@ -17,6 +17,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from cachecraft.catalog import CatalogUnavailableError  # noqa: E402
 from cachecraft.config import Config  # noqa: E402
+from cachecraft.engine import GenerationOptions  # noqa: E402
 from cachecraft.pipeline import Pipeline  # noqa: E402
 from cachecraft.pipeline.documents import ForgetIncomplete  # noqa: E402
 from cachecraft.prompt import Conversation  # noqa: E402
@@ -115,6 +116,62 @@ def test_a_chat_s_instructions_and_earlier_turns_are_in_its_prompt_and_its_chunk
     again = chat(client, messages=messages, documents=CHUNKS).json()
     assert again["cachecraft"]["hits_by_tier"] == {"cpu": len(CHUNKS)}
     assert again["usage"]["prompt_tokens"] == want.prompt_tokens
+
+
+@pytest.mark.parametrize("when_idle", [True, False])
+def test_idle_time_stores_an_answered_order_exactly_for_the_next_turn(tmp_path, reference, when_idle):
+    svc = make_service(tmp_path / "server", exact_when_idle=when_idle)
+    try:
+        svc.pipeline.warm(CHUNKS)  # caches made after the warm context: reused inexactly
+        with TestClient(create_app(svc)) as client:
+            first = chat(client, messages=[{"role": "user", "content": QUESTION}], documents=CHUNKS).json()
+            assert not first["cachecraft"]["reused_exact"] and not first["cachecraft"]["kept_exact"]
+            svc.settle()  # the user reads the answer: the worker has time
+            turns = [{"role": "user", "content": QUESTION},
+                     {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "w60 w61"}]
+            second = chat(client, messages=turns, documents=CHUNKS).json()
+            metrics = client.get("/metrics").text
+        said = Conversation((), (("user", QUESTION), ("assistant", first["choices"][0]["message"]["content"])))
+        want = reference.answer(CHUNKS, "w60 w61", method="full", record=False, conversation=said)
+        assert second["choices"][0]["message"]["content"] == want.text
+        if when_idle:  # stored exactly while idle: every chunk reused as full's, nothing recomputed
+            assert second["cachecraft"]["reused_exact"] and second["cachecraft"]["recompute_fraction"] == 0.0
+            assert not second["cachecraft"]["kept_exact"] and svc.counters.made_exact == 1
+            assert "cachecraft_orders_made_exact_total 1.0" in metrics
+            assert svc.pipeline.make_exact(CHUNKS) == 0  # nothing left to store
+        else:  # the second ask of the order pays the keep's full prefill at its first token
+            assert second["cachecraft"]["kept_exact"] and second["cachecraft"]["recompute_fraction"] == 1.0
+            assert svc.counters.made_exact == 0 and "cachecraft_orders_made_exact_total 0.0" in metrics
+    finally:
+        svc.close()
+
+
+def test_idle_work_gives_way_to_a_waiting_request(tmp_path):
+    svc = make_service(tmp_path / "server")
+    try:
+        svc.pipeline.warm(CHUNKS)
+        made = []
+        svc.pipeline.make_exact = lambda texts, sources=None: made.append(texts) or len(texts)
+        job = svc.job(QUESTION, documents=CHUNKS, method=None, top_k=None, max_tokens=None,
+                      generation=GenerationOptions())
+        with svc._pending_lock:
+            svc._pending += 1  # a request waits: the idle work must not start
+        svc.answer(job)
+        svc.settle()
+        assert made == [] and len(svc._to_make_exact) == 1
+        with svc._pending_lock:
+            svc._pending -= 1
+        svc._worker.submit(svc._make_exact_while_idle).result()
+        given = tuple(c.strip() for c in CHUNKS)  # as the server takes documents
+        assert made == [given] and len(svc._to_make_exact) == 0
+        other = svc.job(QUESTION, documents=CHUNKS, method="reuse", top_k=None, max_tokens=None,
+                        generation=GenerationOptions())
+        svc.answer(other)  # a baseline's answer is left as it is: only the policy's orders
+        svc.settle()
+        assert made == [given] and len(svc._to_make_exact) == 0
+    finally:
+        svc.close()
 
 
 def test_a_follow_up_is_searched_for_with_the_user_s_turn_before_it():

@@ -284,6 +284,29 @@ class Pipeline:
         self._put(kv, made_exactly=len(segments) == 2, strict=True)  # after the system prefix alone: exact
         return kv
 
+    def make_exact(self, chunk_texts: Sequence[str], sources: Sequence[str] | None = None) -> int:
+        """Store these chunks, in this order, as a full prefill's KV: each after exactly the
+        chunks before it, so the next request that holds them in this order (a chat's next
+        turn, the same documents asked again, any question) reuses them all with nothing
+        recomputed and answers as full prefill does. For idle time, after an answer is out
+        (the server's ``exact_when_idle``): one full prefill of the system prompt and the
+        chunks, kept as the repetition fallback keeps its second try, so a chunk at its cap
+        of variants keeps one only where an inexact one (never ``warm``'s) gives way.
+        Returns how many chunks were stored exactly (0: they already were, or no room)."""
+        if not chunk_texts or not self.keep_new_variants:
+            return 0
+        request = self._request(chunk_texts, "?", sources)
+        if all(request.lookup.made_exactly(key, variant_key(key, (request.prefix_key, *request.keys[:index])))
+               for index, key in enumerate(request.keys)):
+            return 0
+        _, result = self._prefill(KeptFull(), request)
+        result.complete()  # the chunks' statistics, as any computed chunk keeps them
+        exact = [True] * len(request.keys)
+        before = {kv.variant for kv in result.saved.values() if self.store.contains(kv.variant)}
+        self._save(request, result.saved, exact, replace=True)
+        return sum(1 for kv in result.saved.values()
+                   if kv.prefix and kv.variant not in before and self.store.contains(kv.variant))
+
     def warm_after(self, pairs: Sequence[tuple[str, str]], sources: Sequence[str] | None = None) -> int:
         """In-context variants: for each ``(before, chunk)`` text pair, make ``chunk``'s cache
         right after the system prefix and ``before``, as a request that puts ``before`` just

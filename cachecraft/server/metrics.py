@@ -2,7 +2,8 @@
 
 Requests by endpoint and status, request and time-to-first-token histograms, chunk
 lookups by tier (``miss`` included: the hit rate of a tier is its share of the lookups),
-the recompute fraction, and, read when scraped, bytes and entries per tier and the queue.
+the recompute fraction, and, read when scraped, bytes and entries per tier, the queue and
+the chunk orders stored exactly in idle time.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
     from cachecraft.pipeline import Answer
@@ -21,7 +22,8 @@ TTFT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class _TierCollector:
-    """Bytes and entries per tier and the queue, read from the store when scraped."""
+    """Bytes and entries per tier, the queue and the orders made exact while idle, read when
+    scraped."""
 
     def __init__(self, service: Service) -> None:
         self.service = service
@@ -36,7 +38,10 @@ class _TierCollector:
             budget.add_metric([name], state.budget)
         queue = GaugeMetricFamily("cachecraft_queued_requests", "Requests waiting for the model or computing")
         queue.add_metric([], self.service.queued)
-        yield from (held, entries, budget, queue)
+        exact = CounterMetricFamily("cachecraft_orders_made_exact", "Chunk orders stored as a full prefill's KV "
+                                    "while no request waited (exact_when_idle)")
+        exact.add_metric([], self.service.counters.made_exact)
+        yield from (held, entries, budget, queue, exact)
 
 
 class Metrics:

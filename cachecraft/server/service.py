@@ -7,12 +7,21 @@ each other). Requests wait in a first-in, first-out queue of at most
 ``config.server_queue``; one more is refused at once (:class:`Busy`, HTTP 429). A request
 not finished within ``config.server_timeout_s`` is cancelled (:class:`TimedOut`, HTTP
 503): dropped from the queue if it had not started, stopped at its next token if it had.
+
+Idle time (``config.exact_when_idle``): once no request waits, the worker stores each chunk
+order the policy answered from inexact chunk-caches as a full prefill's KV
+(:meth:`Pipeline.make_exact`), newest first, so the next ask in that order (a chat's next
+turn) reuses it exactly instead of paying the keep's full prefill at its first token. A
+request that comes meanwhile waits for the order being stored (one full prefill of its
+chunks), no longer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,7 +30,14 @@ from typing import Any, Callable, Sequence
 from cachecraft.config import Config
 from cachecraft.engine import GenerationOptions
 from cachecraft.pipeline import Answer, Pipeline, Retrieved
+from cachecraft.methods.policy import CacheCraft
 from cachecraft.prompt import Conversation, PromptInputError
+
+log = logging.getLogger(__name__)
+
+IDLE_ORDERS_KEPT = 8
+"""Chunk orders remembered for idle time; older ones are dropped (their next ask keeps
+them exact as any order's second ask does)."""
 
 
 class Busy(Exception):
@@ -61,6 +77,7 @@ class Counters:
     refused_busy: int = 0
     timed_out: int = 0
     failed: int = 0
+    made_exact: int = 0  # chunk orders stored exactly while no request waited (exact_when_idle)
 
 
 def search_text(question: str, conversation: Conversation | None) -> str:
@@ -82,6 +99,10 @@ class Service:
         self._pending_lock = threading.Lock()
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="cachecraft-model")
         self.on_answer: Callable[[Answer], None] | None = None
+        # chunk orders answered inexactly, newest last, to store exactly while no request waits
+        self._to_make_exact: collections.deque[tuple[tuple[str, ...], tuple[str, ...] | None]] = \
+            collections.deque(maxlen=IDLE_ORDERS_KEPT)
+        self._closing = threading.Event()
 
     @property
     def model_name(self) -> str:
@@ -168,7 +189,58 @@ class Service:
             answer = pipe.answer(job.chunks, job.question, method=job.method, **options)
         if self.on_answer is not None:
             self.on_answer(answer)
+        self._note_inexact_order(job, answer)
         return answer
+
+    # ------------------------------------------------------------------ idle time
+
+    def _note_inexact_order(self, job: Job, answer: Answer) -> None:
+        """Remember the chunk order of an answer the policy made from reused, inexact
+        chunk-caches, and have the worker store it exactly once no request waits
+        (``exact_when_idle``)."""
+        pipe = self.pipeline
+        if (not self.config.exact_when_idle or not isinstance(pipe.method(job.method), CacheCraft)
+                or answer.reused_exact or answer.kept_exact or answer.escalated or not answer.chunks):
+            return
+        if job.chunks is not None:
+            texts, sources = tuple(job.chunks), None
+        elif job.retrieved is not None:
+            texts = tuple(job.retrieved.chunks)
+            sources = tuple(hit.chunk.source for hit in job.retrieved.hits)
+        else:  # pragma: no cover - the server retrieves as it takes the job
+            return
+        if answer.order is not None:  # stored in the order the prompt held them
+            texts = tuple(texts[i] for i in answer.order)
+            sources = None if sources is None else tuple(sources[i] for i in answer.order)
+        with self._pending_lock:
+            if (texts, sources) in self._to_make_exact:
+                self._to_make_exact.remove((texts, sources))
+            self._to_make_exact.append((texts, sources))
+        self._worker.submit(self._make_exact_while_idle)
+
+    def _make_exact_while_idle(self) -> None:
+        """On the worker: store the remembered chunk orders exactly, the newest first (the
+        conversation most likely to go on), one full prefill each, for as long as no
+        request waits; one that comes waits for the order being stored, no longer."""
+        while not self._closing.is_set():
+            with self._pending_lock:
+                if self._pending or not self._to_make_exact:
+                    return
+                texts, sources = self._to_make_exact.pop()
+            start = time.perf_counter()
+            try:
+                made = self.pipeline.make_exact(texts, sources)
+            except Exception as exc:  # idle work: a failure costs the next ask its exactness, nothing else
+                log.warning("could not store a chunk order exactly while idle: %s", exc)
+                continue
+            if made:
+                self.counters.made_exact += 1
+                log.info("stored %d chunk(s) exactly while idle (%.2f s)", made, time.perf_counter() - start)
+
+    def settle(self) -> None:
+        """Wait until the worker has done everything handed to it so far, requests and idle
+        work alike (for tests and benchmarks that ask the next turn once idle time passed)."""
+        self._worker.submit(lambda: None).result()
 
     # ------------------------------------------------------------------ the queue
 
@@ -206,6 +278,8 @@ class Service:
             self._pending -= 1
 
     def close(self) -> None:
-        """Finish the request being computed, drop the queued ones, release the pipeline."""
+        """Finish the request being computed, drop the queued ones and the idle work not
+        begun, release the pipeline."""
+        self._closing.set()
         self._worker.shutdown(wait=True, cancel_futures=True)
         self.pipeline.close()
