@@ -14,9 +14,12 @@ exact at this ask (``exact_after_asks``), and whether the answer is full's word 
 Writes a JSON result and a PNG.
 
     CACHECRAFT_CACHE_DIR=DIR python benchmarks/chat_turns.py QUESTIONS OUT.json
+    python benchmarks/chat_turns.py DATASET.json OUT.json --model qwen2.5-coder-0.5b --limit 6
 
-QUESTIONS: a text file of one question a line (``#`` lines skipped). Run it with nothing
-else on the machine; DIR itself is not changed.
+QUESTIONS: a text file of one question a line (``#`` lines skipped), over DIR's ingested
+and warmed corpus; or a MuSiQue-format file, each item a chat over its own passages (all of
+them, in the file's order), warmed here as `warm` makes caches. Run it with nothing else on
+the machine; DIR itself is not changed.
 """
 
 from __future__ import annotations
@@ -32,10 +35,11 @@ import time
 from pathlib import Path
 
 from cachecraft.config import Config
+from cachecraft.dataset import load_items
 from cachecraft.engine import GenerationOptions
 from cachecraft.model.loader import load_model
 from cachecraft.pipeline import Pipeline
-from cachecraft.prompt import Conversation
+from cachecraft.prompt import Conversation, PromptBuilder
 from cachecraft.server.service import Job, Service
 
 FOLLOW_UPS = ("Can you say that in fewer words?", "Why is that?")
@@ -92,11 +96,23 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--limit", type=int, default=None, help="the first N questions")
     parser.add_argument("--corpus", default="", help="a name for the corpus, for the plot's title")
+    parser.add_argument("--model", default=None, help="the model (default: the config's)")
+    parser.add_argument("--turns", type=int, default=1 + len(FOLLOW_UPS),
+                        help=f"turns per chat, the question and up to {len(FOLLOW_UPS)} follow-ups")
     args = parser.parse_args()
-    questions = [line.strip() for line in args.questions.read_text().splitlines()
-                 if line.strip() and not line.startswith("#")][:args.limit]
-    base = Config.load()
+    base = Config.load(overrides={"model": args.model} if args.model else None)
     lm = load_model(None, base)
+    if args.questions.suffix == ".json":  # each item a chat over its own passages, warmed here
+        items = load_items(args.questions, args.limit)
+        questions = [item.question for item in items]
+        pinned = [[PromptBuilder.chunk_text(text, title) for title, text in item.passages] for item in items]
+        with Pipeline(base, lm=lm) as warming:
+            for chunks in pinned:
+                warming.warm(chunks)
+    else:
+        questions = [line.strip() for line in args.questions.read_text().splitlines()
+                     if line.strip() and not line.startswith("#")][:args.limit]
+        pinned = None
     with tempfile.TemporaryDirectory() as scratch:
         services, full_pipe = {}, None
         try:
@@ -111,13 +127,14 @@ def main() -> None:
                     full_pipe = pipe
                 else:
                     services[name] = Service(config, pipe)
-            turns = 1 + len(FOLLOW_UPS)
+            turns = max(1, min(args.turns, 1 + len(FOLLOW_UPS)))
             full = [[] for _ in range(turns)]
             rows = {name: [[] for _ in range(turns)] for name in services}
             for i, question in enumerate(questions):
-                chunks = full_pipe.retrieve(question).chunks  # pinned for the whole chat
+                # pinned for the whole chat
+                chunks = pinned[i] if pinned is not None else full_pipe.retrieve(question).chunks
                 said: list[tuple[str, str]] = []
-                for turn, asked in enumerate((question, *FOLLOW_UPS)):
+                for turn, asked in enumerate((question, *FOLLOW_UPS)[:turns]):
                     conversation = Conversation((), tuple(said)) if said else None
                     for name, service in services.items():
                         # the chunks as retrieval gives them to the prompt (the server's
@@ -144,7 +161,9 @@ def main() -> None:
               "questions": questions, "follow_ups": list(FOLLOW_UPS), "commit": commit,
               "date": time.strftime("%Y-%m-%d"),
               "command": f"python benchmarks/chat_turns.py {args.questions} {args.out}"
+                         + (f" --model {args.model}" if args.model else "")
                          + (f" --limit {args.limit}" if args.limit else "")
+                         + (f" --turns {args.turns}" if args.turns != 1 + len(FOLLOW_UPS) else "")
                          + (f" --corpus '{args.corpus}'" if args.corpus else ""),
               "full": full,
               "settings": {name: {"summary": [summary(r, f) for r, f in zip(per_turn, full)], "rows": per_turn}

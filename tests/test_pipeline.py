@@ -594,6 +594,25 @@ def test_make_exact_stores_an_order_as_a_full_prefill_s_kv_for_any_question(pipe
     assert pipeline.make_exact([]) == 0
 
 
+def test_make_exact_stopped_midway_keeps_what_it_stored_and_goes_on_later(pipeline):
+    pipeline.warm(CHUNKS)
+    layers = pipeline.lm.adapter.num_layers
+    asked = []
+
+    def stop() -> bool:  # asked before every layer: true within the second chunk's prefill
+        asked.append(1)
+        return len(asked) > layers + 1
+
+    assert pipeline.make_exact(CHUNKS, should_stop=stop) == 1
+    assert len(asked) == layers + 2  # the first chunk's layers, then two asks into the second
+    assert pipeline.make_exact(CHUNKS) == len(CHUNKS) - 1  # goes on from the second chunk
+    full = traced(pipeline, CHUNKS, QUESTION, method="full", record=False)
+    again = traced(pipeline, CHUNKS, QUESTION)
+    assert again.reused_exact and again.recompute_fraction == 0.0
+    assert (again.logits - full.logits).abs().max() < 1e-4 and again.text == full.text
+    assert pipeline.make_exact(CHUNKS[:2], should_stop=lambda: True) == 0  # stored already: nothing asked
+
+
 def test_make_exact_keeps_nothing_where_new_variants_are_not_kept(cache_dir):
     config = Config.load(overrides={"cache_dir": cache_dir, "kv_dtype": "float32"}, environ={})
     with TieredStore(config, tiers=("cpu",)) as store:

@@ -21,6 +21,7 @@ from cachecraft.engine import GenerationOptions  # noqa: E402
 from cachecraft.pipeline import Pipeline  # noqa: E402
 from cachecraft.pipeline.documents import ForgetIncomplete  # noqa: E402
 from cachecraft.prompt import Conversation  # noqa: E402
+from cachecraft.retrieval.snapshot import CorpusError  # noqa: E402
 from cachecraft.server.app import create_app  # noqa: E402
 from cachecraft.server.service import Busy, Service, TimedOut, search_text  # noqa: E402
 from cachecraft.server.streaming import StopCutter  # noqa: E402
@@ -148,11 +149,11 @@ def test_idle_time_stores_an_answered_order_exactly_for_the_next_turn(tmp_path, 
 
 
 def test_idle_work_gives_way_to_a_waiting_request(tmp_path):
-    svc = make_service(tmp_path / "server")
+    svc = make_service(tmp_path / "server", exact_after_asks=0)  # the same order asked again: no keep
     try:
         svc.pipeline.warm(CHUNKS)
         made = []
-        svc.pipeline.make_exact = lambda texts, sources=None: made.append(texts) or len(texts)
+        svc.pipeline.make_exact = lambda texts, sources=None, should_stop=None: made.append(texts) or len(texts)
         job = svc.job(QUESTION, documents=CHUNKS, method=None, top_k=None, max_tokens=None,
                       generation=GenerationOptions())
         with svc._pending_lock:
@@ -170,6 +171,31 @@ def test_idle_work_gives_way_to_a_waiting_request(tmp_path):
         svc.answer(other)  # a baseline's answer is left as it is: only the policy's orders
         svc.settle()
         assert made == [given] and len(svc._to_make_exact) == 0
+        with svc._pending_lock:
+            svc._pending += 1
+        svc.answer(job)
+        svc.settle()
+        assert len(svc._to_make_exact) == 1
+        with pytest.raises(CorpusError):  # forgetting drops what was remembered, whatever it finds
+            svc.forget(["no-such-file.txt"])
+        assert len(svc._to_make_exact) == 0
+        with svc._pending_lock:
+            svc._pending -= 1
+        svc._worker.submit(svc._make_exact_while_idle).result()
+        assert made == [given] and svc.counters.made_exact == 1
+
+        def cut_short(texts, sources=None, should_stop=None):  # a request comes after one chunk
+            assert not should_stop()
+            with svc._pending_lock:
+                svc._pending += 1
+            assert should_stop()
+            made.append(texts)
+            return 1
+        svc.pipeline.make_exact = cut_short
+        svc.answer(job)
+        svc.settle()
+        assert made == [given, given] and svc.counters.made_exact == 1  # not done: not counted
+        assert list(svc._to_make_exact) == [(given, None)]  # goes on at the next idle time
     finally:
         svc.close()
 

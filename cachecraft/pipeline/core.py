@@ -29,8 +29,8 @@ from typing import Callable, Iterable, Sequence
 from cachecraft.catalog import MISS, CatalogError, CatalogWriteError, RequestChunk, RequestRecord, question_hash
 from cachecraft.catalog.pending import PendingRequests
 from cachecraft.config import CHUNK_ORDERS, Config
-from cachecraft.engine import (BlendResult, GenerationOptions, LayerSource, Segment, blended_prefill, generate_from,
-                               sampled_layers)
+from cachecraft.engine import (BlendResult, GenerationOptions, LayerHook, LayerSource, Segment, blended_prefill,
+                               generate_from, sampled_layers)
 from cachecraft.kv import ChunkKV, chunk_key, kv_bytes_per_token, variant_key
 from cachecraft.methods import Full, KeptFull, Method, PrefillHooks, RequestContext, parse_method, variant_info
 from cachecraft.metrics import RepetitionWatch, degenerate_repetition
@@ -83,6 +83,23 @@ class Retrieved:
     def chunks(self) -> list[str]:
         """The retrieved chunks' texts as the prompt holds them."""
         return [hit.chunk.prompt_text for hit in self.hits]
+
+
+class _Stopped(Exception):
+    """Raised inside a prefill :class:`_StopWhen` was asked to stop."""
+
+
+class _StopWhen(LayerHook):
+    """Stops a prefill before its next layer once ``stop()`` is true (idle work that a
+    request arriving must not wait for)."""
+
+    def __init__(self, stop: Callable[[], bool]):
+        self.stop = stop
+
+    def select(self, view) -> None:
+        if self.stop():
+            raise _Stopped
+        return None
 
 
 @dataclass(frozen=True)
@@ -284,28 +301,55 @@ class Pipeline:
         self._put(kv, made_exactly=len(segments) == 2, strict=True)  # after the system prefix alone: exact
         return kv
 
-    def make_exact(self, chunk_texts: Sequence[str], sources: Sequence[str] | None = None) -> int:
+    def make_exact(self, chunk_texts: Sequence[str], sources: Sequence[str] | None = None,
+                   should_stop: Callable[[], bool] | None = None) -> int:
         """Store these chunks, in this order, as a full prefill's KV: each after exactly the
         chunks before it, so the next request that holds them in this order (a chat's next
         turn, the same documents asked again, any question) reuses them all with nothing
         recomputed and answers as full prefill does. For idle time, after an answer is out
-        (the server's ``exact_when_idle``): one full prefill of the system prompt and the
-        chunks, kept as the repetition fallback keeps its second try, so a chunk at its cap
-        of variants keeps one only where an inexact one (never ``warm``'s) gives way.
-        Returns how many chunks were stored exactly (0: they already were, or no room)."""
+        (the server's ``exact_when_idle``): one chunk at a time, each computed after the
+        exact caches of those before it (those already stored are skipped), so work done
+        is kept. ``should_stop()`` is asked before every layer: once it is true the chunk
+        being computed is dropped and the call returns, so a request waits for one layer,
+        and the next call goes on from there. A chunk at its cap of variants takes one only
+        where an inexact one (never ``warm``'s) gives way; else the chunks after it cannot
+        be exact and the call ends. Returns how many chunks were stored exactly."""
         if not chunk_texts or not self.keep_new_variants:
             return 0
+        stop = should_stop or (lambda: False)
         request = self._request(chunk_texts, "?", sources)
-        if all(request.lookup.made_exactly(key, variant_key(key, (request.prefix_key, *request.keys[:index])))
-               for index, key in enumerate(request.keys)):
+        pieces, keys, prefix_key = request.pieces, request.keys, request.prefix_key
+        names = [variant_key(key, (prefix_key, *keys[:index])) for index, key in enumerate(keys)]
+        exact = [request.lookup.made_exactly(key, name) for key, name in zip(keys, names)]
+        if all(exact):
             return 0
-        _, result = self._prefill(KeptFull(), request)
-        result.complete()  # the chunks' statistics, as any computed chunk keeps them
-        exact = [True] * len(request.keys)
-        before = {kv.variant for kv in result.saved.values() if self.store.contains(kv.variant)}
-        self._save(request, result.saved, exact, replace=True)
-        return sum(1 for kv in result.saved.values()
-                   if kv.prefix and kv.variant not in before and self.store.contains(kv.variant))
+        last = max(index for index, done in enumerate(exact) if not done)  # the rest are stored exactly
+        segments = [Segment(pieces.prefix, "prefix", cached=self._prefix_kv(pieces, prefix_key), key=prefix_key)]
+        made = 0
+        for index, (ids, key, name) in enumerate(zip(pieces.chunks[:last + 1], keys, names)):
+            kv = self._load(name, count_hit=False)[0] if exact[index] else None
+            if kv is None:
+                try:
+                    kv = blended_prefill(self.lm.adapter,
+                                         [*segments, Segment(ids, "chunk", save=True, collect_stats=True, key=key)],
+                                         fingerprint=self.lm.fingerprint,
+                                         hooks=[_StopWhen(stop),
+                                                ChunkStatistics(self.stats_layers, self.config.miss_stats_stride)]
+                                         ).saved[len(segments)]
+                except _Stopped:
+                    break
+                if self.store.contains(name):  # an inexact variant of this very prefix: replaced
+                    self.planner_stats.forget(name)
+                elif not self._make_room(request, key)[0]:  # room made only for a chunk computed
+                    break
+                try:
+                    self._put(kv, made_exactly=True)
+                except (StoreError, CatalogWriteError) as exc:
+                    log.warning("a chunk order was not stored exactly: %s", exc)
+                    break
+                made += 1
+            segments.append(Segment(ids, "chunk", cached=kv, key=key))
+        return made
 
     def warm_after(self, pairs: Sequence[tuple[str, str]], sources: Sequence[str] | None = None) -> int:
         """In-context variants: for each ``(before, chunk)`` text pair, make ``chunk``'s cache

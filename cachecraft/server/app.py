@@ -136,8 +136,7 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/forget")
     async def forget(body: ForgetRequest) -> dict:
-        outcome = await _queued(service, lambda: service.pipeline.forget_documents(body.paths,
-                                                                                  keep_caches=body.keep_caches),
+        outcome = await _queued(service, lambda: service.forget(body.paths, keep_caches=body.keep_caches),
                                 timeout_s=upkeep_s)
         return outcome.to_dict()
 

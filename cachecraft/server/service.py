@@ -12,8 +12,8 @@ Idle time (``config.exact_when_idle``): once no request waits, the worker stores
 order the policy answered from inexact chunk-caches as a full prefill's KV
 (:meth:`Pipeline.make_exact`), newest first, so the next ask in that order (a chat's next
 turn) reuses it exactly instead of paying the keep's full prefill at its first token. A
-request that comes meanwhile waits for the order being stored (one full prefill of its
-chunks), no longer.
+request that comes meanwhile stops that work before its next layer (what was stored
+stays; the rest goes on at the next idle time), so it waits for one layer of one chunk.
 """
 
 from __future__ import annotations
@@ -220,8 +220,9 @@ class Service:
 
     def _make_exact_while_idle(self) -> None:
         """On the worker: store the remembered chunk orders exactly, the newest first (the
-        conversation most likely to go on), one full prefill each, for as long as no
-        request waits; one that comes waits for the order being stored, no longer."""
+        conversation most likely to go on), a chunk at a time, for as long as no request
+        waits; one that comes waits for one layer of one chunk, and the order cut short
+        goes on at the next idle time."""
         while not self._closing.is_set():
             with self._pending_lock:
                 if self._pending or not self._to_make_exact:
@@ -229,13 +230,31 @@ class Service:
                 texts, sources = self._to_make_exact.pop()
             start = time.perf_counter()
             try:
-                made = self.pipeline.make_exact(texts, sources)
+                made = self.pipeline.make_exact(texts, sources, should_stop=self._idle_is_over)
             except Exception as exc:  # idle work: a failure costs the next ask its exactness, nothing else
                 log.warning("could not store a chunk order exactly while idle: %s", exc)
                 continue
             if made:
-                self.counters.made_exact += 1
                 log.info("stored %d chunk(s) exactly while idle (%.2f s)", made, time.perf_counter() - start)
+            if self._idle_is_over():  # cut short: go on with it at the next idle time
+                with self._pending_lock:
+                    if (texts, sources) not in self._to_make_exact:
+                        self._to_make_exact.append((texts, sources))
+                return
+            if made:
+                self.counters.made_exact += 1
+
+    def _idle_is_over(self) -> bool:
+        """Whether idle work must give way: a request waits, or the server is closing."""
+        return self._pending > 0 or self._closing.is_set()
+
+    def forget(self, paths: Sequence[str], keep_caches: bool = False):
+        """Drop files from the corpus (:meth:`Pipeline.forget_documents`, on the worker), and
+        the chunk orders remembered for idle time with them: storing those afterwards would
+        bring back chunk-caches of text the corpus no longer holds."""
+        with self._pending_lock:
+            self._to_make_exact.clear()
+        return self.pipeline.forget_documents(paths, keep_caches=keep_caches)
 
     def settle(self) -> None:
         """Wait until the worker has done everything handed to it so far, requests and idle
