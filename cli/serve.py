@@ -31,7 +31,9 @@ def serve_cmd(ctx: typer.Context,
     chunks), POST /v1/ingest {"paths": [...]}, POST /v1/forget, POST /v1/warm, GET /v1/stats,
     /v1/models, /healthz and /metrics (Prometheus). One request computes at a time,
     server_queue more wait, the next gets 429; CACHECRAFT_API_KEY, when set, is required
-    as 'Authorization: Bearer <key>'.
+    as 'Authorization: Bearer <key>'. While no request waits, each chunk order answered
+    from inexact caches is stored as a full prefill's KV (exact_when_idle), so a chat's
+    next turn over the same passages reuses it exactly.
 
     Example: cachecraft serve --port 8000, then point an OpenAI client at
     http://127.0.0.1:8000/v1 (any api_key unless CACHECRAFT_API_KEY is set).
