@@ -37,9 +37,10 @@ from pathlib import Path
 from cachecraft.config import Config
 from cachecraft.dataset import load_items
 from cachecraft.engine import GenerationOptions
+from cachecraft.evaluation import item_chunks
 from cachecraft.model.loader import load_model
 from cachecraft.pipeline import Pipeline
-from cachecraft.prompt import Conversation, PromptBuilder
+from cachecraft.prompt import Conversation
 from cachecraft.server.service import Job, Service
 
 FOLLOW_UPS = ("Can you say that in fewer words?", "Why is that?")
@@ -105,7 +106,7 @@ def main() -> None:
     if args.questions.suffix == ".json":  # each item a chat over its own passages, warmed here
         items = load_items(args.questions, args.limit)
         questions = [item.question for item in items]
-        pinned = [[PromptBuilder.chunk_text(text, title) for title, text in item.passages] for item in items]
+        pinned = [item_chunks(item) for item in items]  # as bench quality writes them
         with Pipeline(base, lm=lm) as warming:
             for chunks in pinned:
                 warming.warm(chunks)
